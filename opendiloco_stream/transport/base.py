@@ -1,0 +1,106 @@
+"""The Transport protocol: how the algorithm talks to "the group" without knowing about networks.
+
+The algorithm (``opendiloco_stream.algorithm``) hands a transport one flat fp32 tensor per
+(fragment, round) and gets back a handle. The transport quantizes what goes on the wire with the
+configured codec, reduces in fp32 and returns the *dequantized bytes of the quantized average*, so
+every member of a group holds bit-identical results.
+
+Contract (DESIGN.md section 3):
+
+* ``all_reduce(key, tensor, weight)`` returns immediately with a :class:`SyncHandle`; the work runs
+  in the background (thread, averager process, ...).
+* Groups form only among peers calling with the same ``key`` (and, for networked transports, the
+  same run id). ``key = (fragment, round)``; data-parallel uses ``(fragment, inner_step)``.
+* ``handle.wait(timeout)`` returns a :class:`SyncResult` or raises :class:`SyncFailed`; it never
+  blocks longer than ``timeout`` (``None`` means the transport's own bound, never "forever").
+* A partial reduction (some part of the tensor not averaged) is a failure, never a success.
+* ``SyncResult.sent`` is ``deQ(Q(tensor))`` exactly as this peer put it on the wire: the eager
+  estimate and error feedback are computed against it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+
+class SyncFailed(RuntimeError):
+    """A round did not produce a complete, validated average (timeout, partial, lost peer...)."""
+
+    def __init__(self, message: str, *, key: Hashable = None, reason: str = "failed"):
+        super().__init__(message)
+        self.key = key
+        #: short machine-readable cause: "timeout", "partial", "matchmaking", "rejected", "closed"
+        self.reason = reason
+
+
+@dataclass
+class SyncResult:
+    """The outcome of one all-reduce, as seen by one peer."""
+
+    #: flat fp32 average, deQ of the bytes every member received (bit-identical across the group)
+    average: torch.Tensor
+    #: number of peers whose contribution entered the average (this peer included if it did)
+    group_size: int
+    #: this peer's share of the total weight (1 / group_size with equal weights)
+    weight_share: float
+    #: deQ(Q(tensor)) of what this peer sent, fp32, same shape as ``average``
+    sent: torch.Tensor
+    #: bytes this peer put on / took off the wire for this round
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    #: identifiers of the peers in the group (rank strings locally, peer ids over hivemind)
+    peers: list[str] = field(default_factory=list)
+    #: whether this peer's own contribution is part of ``average``
+    included_self: bool = True
+    #: contributions dropped by validation (non-finite, wrong size, norm out of bound)
+    rejected: int = 0
+
+
+class SyncHandle(abc.ABC):
+    """A pending all-reduce."""
+
+    key: Hashable
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once ``wait`` would return (or raise) without blocking."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: Optional[float] = None) -> SyncResult:
+        """Block until the result is there, at most ``timeout`` seconds; raise SyncFailed."""
+
+
+class Transport(abc.ABC):
+    """One peer's view of the group."""
+
+    #: a printable identifier of this peer
+    peer_id: str = "?"
+
+    @abc.abstractmethod
+    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> SyncHandle:
+        """Start averaging ``tensor`` (flat, fp32) with the peers that use the same ``key``.
+
+        ``weight`` is this peer's weight in the average (tokens processed in the round, or 1.0).
+        The caller must not modify ``tensor`` afterwards; the transport may keep a reference.
+        """
+
+    def prepare(self, numels: dict[int, int]) -> None:
+        """Declare up front the flat size of every fragment this peer will reduce.
+
+        Called once by StreamingDiLoCo before the first ``all_reduce``. Networked transports build
+        their fixed-size averagers here (hivemind averagers fork a process per tensor set).
+        """
+
+    def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
+        """Register a callable that returns the state a late joiner downloads from this peer."""
+
+    def load_state_from_peers(self, timeout: float) -> Optional[dict[str, Any]]:
+        """Download the run's state from peers already in it; ``None`` if there are none."""
+        return None
+
+    def close(self) -> None:
+        """Release background resources; pending handles fail with reason "closed"."""
