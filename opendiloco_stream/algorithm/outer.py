@@ -1,0 +1,63 @@
+"""The outer optimizer and the update rules of each mode (pure tensor math, no I/O).
+
+Notation (DESIGN.md section 1): ``theta_bar`` outer parameters (fp32), ``d`` outer gradient
+``theta_bar - theta_local`` (old minus new), ``avg`` the group's average of quantized outer
+gradients, ``q`` deQ(Q(d)) exactly as this peer sent it, ``share`` this peer's weight share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OuterOptimizer:
+    """SGD with (Nesterov) momentum on one fragment's fp32 outer parameters.
+
+    ``step(outer_grad)`` sets ``.grad`` of the outer parameters from a flat tensor and steps.
+    """
+
+    def __init__(self, outer_params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool = True):
+        self.params = outer_params
+        self.opt = torch.optim.SGD(outer_params, lr=lr, momentum=momentum,
+                                   nesterov=nesterov and momentum > 0)
+
+    def step(self, outer_grad: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = outer_grad[offset:offset + n].view_as(p).to(p.device, p.dtype)
+            offset += n
+        if offset != outer_grad.numel():
+            raise ValueError(f"outer gradient has {outer_grad.numel()} elements, fragment has {offset}")
+        self.opt.step()
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
+
+
+def eager_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Tensor, prev_share: float) -> torch.Tensor:
+    """``d_tilde = avg_{k-1} + (d_k - q_{k-1}) * share_{k-1}``.
+
+    The peer swaps its own stale contribution ``q_{k-1}`` (weighted by its share of round k-1) for
+    its fresh outer gradient ``d_k``; the others' contributions arrive one round late.
+    """
+    return prev_avg + (d - prev_sent) * prev_share
+
+
+def joiner_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_group_size: int) -> torch.Tensor:
+    """Eager estimate for a peer that was not in round k-1 (a late joiner holding a donor's avg).
+
+    Treats the peer as if it had contributed the average itself in a group one larger:
+    ``avg + (d - avg) / (M + 1)``.
+    """
+    return prev_avg + (d - prev_avg) / (prev_group_size + 1)
+
+
+def overlap_merge(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``theta_local <- alpha * theta_local + (1 - alpha) * theta_tilde`` (inner-step overlap)."""
+    return local * alpha + global_ * (1.0 - alpha)

@@ -1,0 +1,199 @@
+"""Block-scaled quantization kernels: int8, fp8-e4m3, fp4-e3m0, fp4-e2m1.
+
+Every format is symmetric: a block of ``block_size`` consecutive values (the flattened tensor cut
+into blocks; the last one may be short) is divided by ``step = scale / top`` and each quotient is
+rounded to one of the format's magnitudes ``levels`` (``levels[0] == 0``, ``levels[-1] == top``)
+with a sign. ``scale`` is the block's absmax, stored in the scale dtype, so the block's largest
+magnitude lands on ``top``.
+
+Code tables (magnitudes; a decoded value is ``sign * level * step``):
+
+- ``int8``: levels 0..127 (top 127); codes are two's-complement int8 in -127..127.
+- ``fp8-e4m3``: the 127 finite non-negative ``float8_e4m3fn`` values (top 448); the code byte is the
+  e4m3 bit pattern (sign in bit 7), so it decodes with a plain cast.
+- ``fp4-e3m0`` (sign + 3-bit exponent, no mantissa; the Streaming DiLoCo format): code 0 is zero and
+  codes 1..7 are 2^(c-7), i.e. magnitudes {0, 2^-6, 2^-5, 2^-4, 2^-3, 2^-2, 2^-1, 1}; top 1, so
+  ``step == scale`` and every decoded value is 0 or +-2^k * scale with -6 <= k <= 0.
+- ``fp4-e2m1`` (OCP MX FP4): magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; top 6, ``step = scale / 6``.
+
+4-bit codes are sign-magnitude nibbles (bit 3 = sign, bits 0-2 = magnitude index); element 2i goes
+in the low nibble of byte i and element 2i+1 in the high nibble. An odd numel leaves the last high
+nibble zero (the decoder checks it).
+
+Rounding: to nearest in the value domain. Ties go to the smaller magnitude for the 4-bit tables and
+to even for int8 (``torch.round``) and fp8 (the cast). With a generator, rounding is stochastic
+between the two neighbouring levels with probability proportional to proximity, which makes the
+decoded value unbiased.
+
+Scales: fp32 scales store the absmax exactly. fp16 scales round the absmax *up* to the next fp16
+value (so no value is clipped by scale rounding) and are clamped into the fp16 range: an absmax
+below 2^-24 is stored as 2^-24 (such blocks lose resolution, never correctness); an absmax above
+65504 is stored as 65504 and that block's larger values saturate to +-65504 (use fp32 scales for
+data that large). An all-zero block has scale 0 and decodes to zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from opendiloco_stream.compression.wire import NonFiniteError
+
+FP16_MAX = 65504.0
+INT8_TOP = 127.0
+
+_FP4_LEVELS = {
+    "fp4-e3m0": [0.0] + [2.0 ** (c - 7) for c in range(1, 8)],
+    "fp4-e2m1": [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+}
+
+
+def _levels_list(fmt: str) -> list[float]:
+    if fmt == "int8":
+        return [float(i) for i in range(128)]
+    if fmt == "fp8-e4m3":
+        # Codes 0x00..0x7E are the finite non-negative e4m3 values in increasing order (0x7F is NaN).
+        return torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    return list(_FP4_LEVELS[fmt])
+
+
+def levels(fmt: str) -> torch.Tensor:
+    """The format's non-negative magnitudes in increasing order (fp32, CPU)."""
+    return torch.tensor(_levels_list(fmt), dtype=torch.float32)
+
+
+def top(fmt: str) -> float:
+    """The largest magnitude of the format: where a block's absmax lands."""
+    return _levels_list(fmt)[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(fmt: str, device: torch.device) -> dict[str, torch.Tensor]:
+    lv = levels(fmt)
+    gaps = lv[1:] - lv[:-1]
+    tables = {"levels": lv, "gaps": gaps, "mids": lv[:-1] + gaps / 2}
+    if fmt in _FP4_LEVELS:
+        signed = torch.cat([lv, -lv])  # nibble c -> value; c = 8 decodes to -0.0
+        byte = torch.arange(256)
+        # byte -> (low-nibble value, high-nibble value): decoding unpacks and looks up in one gather.
+        tables["pairs"] = torch.stack([signed[byte & 15], signed[byte >> 4]], dim=1).contiguous()
+    return {k: v.to(device) for k, v in tables.items()}
+
+
+def store_scales(amax: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """Block absmax (fp32) -> stored scales, rounded up and clamped as the module docstring says."""
+    if scale_dtype == "fp32":
+        return amax
+    clamped = amax.clamp(max=FP16_MAX)
+    stored = clamped.to(torch.float16)
+    # Positive fp16 bit patterns are ordered like their values, so +1 is the next value up.
+    bump = (stored.float() < clamped).to(torch.int16)
+    return (stored.view(torch.int16) + bump).view(torch.float16)
+
+
+def quantize(
+    x: torch.Tensor, fmt: str, block_size: int, scale_dtype: str, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize flat ``x`` (any float dtype) -> (stored scales, code bytes uint8).
+
+    Raises ``NonFiniteError`` if ``x`` holds NaN or Inf: a NaN/Inf anywhere in a block makes that
+    block's absmax non-finite, which is cheaper to check than a separate pass over ``x``.
+    """
+    numel = x.numel()
+    n_blocks = -(-numel // block_size)
+    # One fp32 working buffer, padded to whole blocks, doubles as the quotient y = x / step.
+    y = torch.empty(n_blocks * block_size, dtype=torch.float32, device=x.device)
+    y[:numel].copy_(x)
+    y[numel:].zero_()
+    yb = y.view(n_blocks, block_size)
+    lo, hi = torch.aminmax(yb, dim=1)
+    amax = torch.maximum(hi, lo.neg())
+    if not bool(torch.isfinite(amax).all()):
+        raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({fmt}, numel={numel})")
+    scales = store_scales(amax, scale_dtype)
+    step = scales.float() / top(fmt)
+    yb.div_(torch.where(step > 0, step, torch.ones_like(step)).unsqueeze(1))
+    limit = top(fmt)
+    y.clamp_(-limit, limit)
+
+    if fmt == "int8":
+        if generator is None:
+            y.round_()
+        else:
+            y.add_(_uniform(y, generator)).floor_()
+        codes = y.to(torch.int8).view(torch.uint8)
+    elif fmt == "fp8-e4m3" and generator is None:
+        codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        sign_bit = 7 if fmt == "fp8-e4m3" else 3
+        codes = _round_table(y, fmt, sign_bit, generator)
+
+    if fmt in _FP4_LEVELS:
+        codes = _pack_nibbles(codes, numel)
+    else:
+        codes = codes[:numel]
+    return scales, codes
+
+
+def _uniform(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(like.shape, generator=generator, device=like.device, dtype=torch.float32)
+
+
+def _round_table(y: torch.Tensor, fmt: str, sign_bit: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Sign-magnitude codes (uint8) of y, |y| <= top, rounded onto the format's level table."""
+    t = _tables(fmt, y.device)
+    negative = y < 0
+    a = y.abs_()
+    if generator is None:
+        # bucketize(right=False) counts midpoints strictly below a: a tie goes to the smaller level.
+        mag = torch.bucketize(a, t["mids"], out_int32=True)
+    else:
+        n_levels = t["levels"].numel()
+        mag = torch.bucketize(a, t["levels"], right=True, out_int32=True).sub_(1).clamp_(0, n_levels - 2)
+        # a becomes the fraction of the way from the lower level to the next one: P(round up).
+        a.sub_(t["levels"][mag]).div_(t["gaps"][mag])
+        mag.add_(_uniform(a, generator) < a)
+    codes = mag.to(torch.uint8)
+    codes.bitwise_or_(negative.to(torch.uint8) << sign_bit)
+    return codes
+
+
+def _pack_nibbles(codes: torch.Tensor, numel: int) -> torch.Tensor:
+    n_pairs = (numel + 1) // 2
+    if codes.numel() < 2 * n_pairs:  # odd numel filling its last block exactly
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes[: 2 * n_pairs].view(n_pairs, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def dequantize(scales: torch.Tensor, codes: torch.Tensor, fmt: str, numel: int, block_size: int) -> torch.Tensor:
+    """Stored scales + code bytes (on one device) -> flat fp32 values of length numel.
+
+    Raises ``ValueError`` for scales or codes no encoder produces (negative scales, int8 -128,
+    fp8 NaN patterns, a non-zero padding nibble) and ``NonFiniteError`` for NaN/Inf scales.
+    """
+    scales = scales.float()
+    if not bool(torch.isfinite(scales).all()):
+        raise NonFiniteError(f"malformed {fmt} data: a block scale is NaN or Inf")
+    if bool((scales < 0).any()):
+        raise ValueError(f"malformed {fmt} data: a block scale is negative")
+    step = scales / top(fmt)
+    if fmt == "int8":
+        if bool((codes == 0x80).any()):
+            raise ValueError("malformed int8 data: code -128 is outside the symmetric range -127..127")
+        values = codes.view(torch.int8).float()
+    elif fmt == "fp8-e4m3":
+        if bool(((codes & 0x7F) == 0x7F).any()):
+            raise ValueError("malformed fp8-e4m3 data: NaN code")
+        values = codes.view(torch.float8_e4m3fn).float()
+    else:
+        if numel % 2 and int(codes[-1]) >> 4:
+            raise ValueError(f"malformed {fmt} data: the padding nibble after the last value is not zero")
+        values = _tables(fmt, codes.device)["pairs"][codes.int()].view(-1)
+    # Scale whole blocks through a 2-D view and the short last block apart: no padded copy.
+    n_full = numel // block_size
+    values[: n_full * block_size].view(n_full, block_size).mul_(step[:n_full].unsqueeze(1))
+    if n_full * block_size < numel:
+        values[n_full * block_size : numel].mul_(step[n_full])
+    return values[:numel]

@@ -1,0 +1,210 @@
+"""Wire codecs: tensor -> self-describing bytes -> flat fp32 tensor.
+
+Choosing a codec (``get_codec(name, block_size=64, scale_dtype="fp16", stochastic=False)``):
+
+- ``fp32`` is exact (32 bits/value); ``fp16`` / ``bf16`` halve the bytes with ~1e-3 / ~8e-3
+  relative error per value.
+- ``int8`` (8 + 16/block bits/value) and ``fp8-e4m3`` keep ~0.4% / ~6% per-value error against the
+  block absmax resp. the value itself.
+- ``fp4-e3m0`` (the Streaming DiLoCo paper's 4-bit format) and ``fp4-e2m1`` (OCP MX FP4) cost
+  4 + 16/block bits/value: 4.25 with the default block 64 and fp16 scales.
+- ``block_size`` (8..4096): smaller blocks track local magnitudes better at 16/block (fp16 scales)
+  or 32/block (fp32 scales) extra bits per value. The paper's range is 32..128.
+- ``stochastic=True`` makes rounding unbiased (useful without error feedback); it draws from a
+  ``torch.Generator`` per device seeded with ``seed``, so results depend on the seed and on the order
+  of ``encode`` calls. Round-to-nearest (the default) is deterministic: the same input always gives
+  the same bytes, which is what lets every peer decode a bit-identical average.
+
+Code tables, tie rules and fp16 scale clamping are documented in ``blockwise.py``; the byte layout
+in ``wire.py``. Bytes are little-endian.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from opendiloco_stream.compression import blockwise, casts
+from opendiloco_stream.compression.wire import (
+    BLOCK_CODECS,
+    CODEC_NAMES,
+    HEADER_SIZE,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+    SCALE_DTYPES,
+    NonFiniteError,
+    WireHeader,
+    read_header,
+)
+
+_SCALE_NUMPY = {"fp16": np.float16, "fp32": np.float32}
+
+
+class Codec:
+    """One wire format with fixed parameters; see the module docstring for how to choose.
+
+    ``encode`` accepts any shape and float dtype on any device (the math runs there in fp32) and
+    returns bytes; ``decode`` needs only those bytes and returns a flat fp32 tensor. Instances hold
+    no state except the stochastic-rounding generators, so one codec may serve many tensors.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        block_size: int = 64,
+        scale_dtype: str = "fp16",
+        stochastic: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        if name not in CODEC_NAMES:
+            raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise ValueError(f"block_size must be an integer, got {block_size!r}")
+        if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, got {block_size}")
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}")
+        if sys.byteorder != "little":
+            raise RuntimeError("the wire format is little-endian; big-endian hosts are not supported")
+        self.name = name
+        self.is_blockwise = name in BLOCK_CODECS
+        self.block_size = block_size
+        self.scale_dtype = scale_dtype
+        # Stochastic rounding is meaningless for the exact fp32 cast.
+        self.stochastic = bool(stochastic) and name != "fp32"
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __repr__(self) -> str:
+        parts = [repr(self.name)]
+        if self.is_blockwise:
+            parts += [f"block_size={self.block_size}", f"scale_dtype={self.scale_dtype!r}"]
+        if self.stochastic:
+            parts += ["stochastic=True", f"seed={self.seed}"]
+        return f"Codec({', '.join(parts)})"
+
+    # ---- sizes -----------------------------------------------------------------------------
+
+    def _header(self, numel: int) -> WireHeader:
+        if self.is_blockwise:
+            return WireHeader(self.name, numel, self.block_size, self.scale_dtype)
+        return WireHeader(self.name, numel, 0, None)
+
+    def encoded_size(self, numel: int) -> int:
+        """Exactly ``len(self.encode(t))`` for any ``t`` with ``t.numel() == numel``."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        return self._header(numel).total_nbytes
+
+    def bits_per_value(self, numel: int) -> float:
+        """Wire bits per element, header and scales included."""
+        if numel <= 0:
+            raise ValueError(f"numel must be positive, got {numel}")
+        return 8 * self.encoded_size(numel) / numel
+
+    # ---- encode ----------------------------------------------------------------------------
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if not self.stochastic:
+            return None
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        """Flatten ``tensor`` and encode it; raises ``NonFiniteError`` if it holds NaN or Inf."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"encode expects a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"encode expects a floating-point tensor, got {tensor.dtype}")
+        flat = tensor.detach().reshape(-1)
+        header = self._header(flat.numel()).pack()
+        generator = self._generator(flat.device)
+        if self.is_blockwise:
+            scales, codes = blockwise.quantize(flat, self.name, self.block_size, self.scale_dtype, generator)
+            parts = [scales.view(torch.uint8), codes]
+        else:
+            x32 = flat.to(torch.float32)
+            if not bool(torch.isfinite(x32).all()):
+                raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({self.name}, numel={flat.numel()})")
+            parts = [casts.encode_cast(x32, self.name, generator)]
+        return b"".join([header, *(part.cpu().numpy() for part in parts)])
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    def decode(
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        numel: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """Bytes from ``encode`` (of a codec with the same parameters) -> flat fp32 tensor.
+
+        ``numel`` (optional) is the size the receiver expects. Raises ``ValueError`` with one line
+        for truncated, malformed or mismatching bytes, ``NonFiniteError`` for NaN/Inf content.
+        """
+        header = read_header(data)
+        expected = self._header(header.numel)
+        if header != expected:
+            raise ValueError(f"bytes were encoded as {_describe(header)}, but this codec is {_describe(expected)}")
+        if numel is not None and header.numel != numel:
+            raise ValueError(f"encoded tensor has {header.numel} elements, expected {numel}")
+        return decode_with_header(data, header, device)
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(tensor))`` shaped like ``tensor``, fp32, on its device: what a peer sends."""
+        return self.decode(self.encode(tensor), device=tensor.device).view(tensor.shape)
+
+
+def _describe(header: WireHeader) -> str:
+    if header.scale_dtype is None:
+        return header.codec
+    return f"{header.codec} (block {header.block_size}, {header.scale_dtype} scales)"
+
+
+def _owned_slice(data: bytes | bytearray | memoryview, offset: int, count: int, dtype: type) -> torch.Tensor:
+    # numpy reads any bytes-like object at any alignment; the copy gives torch a writable, aligned
+    # tensor that does not alias the caller's buffer.
+    return torch.from_numpy(np.frombuffer(data, dtype=dtype, count=count, offset=offset).copy())
+
+
+def decode_with_header(
+    data: bytes | bytearray | memoryview, header: WireHeader, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Decode ``data`` whose header was already validated by ``read_header``."""
+    if header.numel == 0:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    codes_offset = HEADER_SIZE + header.scales_nbytes
+    codes = _owned_slice(data, codes_offset, header.codes_nbytes, np.uint8).to(device)
+    if header.scale_dtype is None:
+        values = casts.decode_cast(codes, header.codec)
+        if not bool(torch.isfinite(values).all()):
+            raise NonFiniteError(f"malformed {header.codec} data: it holds NaN or Inf")
+        return values
+    scales = _owned_slice(data, HEADER_SIZE, header.n_blocks, _SCALE_NUMPY[header.scale_dtype]).to(device)
+    return blockwise.dequantize(scales, codes, header.codec, header.numel, header.block_size)
+
+
+def decode(data: bytes | bytearray | memoryview, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Decode bytes from any codec, reading format and parameters from the header alone."""
+    return decode_with_header(data, read_header(data), device)
+
+
+def get_codec(
+    name: str,
+    block_size: int = 64,
+    scale_dtype: str = "fp16",
+    stochastic: bool = False,
+    seed: int | None = None,
+) -> Codec:
+    """Build the codec ``name`` (one of ``CODEC_NAMES``); raises ``ValueError`` for bad parameters."""
+    return Codec(name, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic, seed=seed)

@@ -1,0 +1,200 @@
+"""The training loop one worker runs: a vanilla AdamW loop plus one ``diloco.step()`` per step.
+
+Used by ``local`` (M workers as threads over a LocalSwarm) and ``peer`` (one worker over hivemind):
+the CLI trainer is one user of the public StreamingDiLoCo API, not a separate code path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
+from opendiloco_stream.config import RunConfig
+from opendiloco_stream.train.models import build_model, transformer_blocks
+from opendiloco_stream.transport.base import Transport
+
+
+class MetricsWriter:
+    """Thread-safe JSON-lines writer (``--metrics-file``); a no-op without a path."""
+
+    def __init__(self, path: Optional[str]):
+        self._lock = threading.Lock()
+        self._fh = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(path, "w", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is None:
+            return
+        line = json.dumps(record, default=float)
+        with self._lock:
+            self._fh.write(line + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def lr_factor(step: int, warmup: int, total: int, final: float = 0.1) -> float:
+    """Linear warm-up to 1, then cosine decay to ``final`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val: torch.Tensor, batch_size: int, max_batches: int, device: str) -> float:
+    """Mean next-token cross-entropy over the first ``max_batches`` validation batches."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for i in range(0, min(len(val), batch_size * max_batches), batch_size):
+        batch = val[i:i + batch_size].to(device)
+        logits = model(input_ids=batch[:, :-1]).logits
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)).item())
+    model.train(was_training)
+    return float(sum(losses) / max(1, len(losses)))
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did; the CLI aggregates these into the summary record."""
+
+    rank: int
+    steps: int = 0
+    tokens: int = 0
+    eval_loss_initial: float = float("nan")
+    eval_loss: float = float("nan")
+    train_loss: float = float("nan")
+    compute_s: float = 0.0
+    wall_s: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+    params: int = 0
+    outer_gradient_numel: int = 0
+
+
+def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transport, train_source, val: torch.Tensor,
+                 vocab_size: int, emit: Callable[[dict[str, Any]], None],
+                 on_step: Optional[Callable[[int, float], None]] = None,
+                 should_stop: Optional[Callable[[], bool]] = None, join_running: bool = False) -> WorkerReport:
+    """Train one worker for ``cfg.train.steps`` inner steps; return its report.
+
+    ``join_running``: download the run's state from peers first (late joiner) and start at the
+    swarm's step. ``should_stop`` is polled after every step (graceful shutdown).
+    """
+    tc, device = cfg.train, cfg.train.device
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
+                        dtype=dtype).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
+    diloco = StreamingDiLoCo(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model),
+                             on_event=lambda rec: emit({**rec, "rank": rank}))
+    report = WorkerReport(rank=rank, params=sum(p.numel() for p in model.parameters()),
+                          outer_gradient_numel=sum(f.numel for f in diloco.fragments))
+    start_step = 0
+    if join_running:
+        state = transport.load_state_from_peers(timeout=cfg.diloco.sync_timeout)
+        if state is not None:
+            diloco.load_state_dict(state, joiner=True)
+            start_step = diloco.step_count
+            for _ in range(start_step):
+                sched.step()
+            emit({"event": "joined", "rank": rank, "step": start_step})
+
+    report.eval_loss_initial = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+    emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial})
+    wall_start, eval_s = time.perf_counter(), 0.0  # utilization counts the training loop, not evals
+    batches = train_source.batches(rank, world_size, tc.batch_size, start_step=start_step)
+    recent: list[float] = []
+    for step in range(start_step, tc.steps):
+        t0 = time.perf_counter()
+        batch = next(batches).to(device)
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+        loss.backward()
+        if tc.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad_norm)
+        opt.step()  # data-parallel mode averages gradients inside this call (counted as communication)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        tokens = batch[:, 1:].numel()
+        diloco.step(tokens=tokens)
+        t2 = time.perf_counter()
+        loss_value = loss.item()
+        report.steps += 1
+        report.tokens += tokens
+        report.compute_s += (t1 - t0)
+        recent = (recent + [loss_value])[-20:]
+        emit({"event": "step", "rank": rank, "step": step + 1, "loss": round(loss_value, 5),
+              "lr": sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
+              "sync_s": round(t2 - t1, 5)})
+        if on_step is not None:
+            on_step(rank, loss_value)
+        if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
+            e0 = time.perf_counter()
+            ev = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+            eval_s += time.perf_counter() - e0
+            emit({"event": "eval", "rank": rank, "step": step + 1, "eval_loss": ev})
+        if should_stop is not None and should_stop():
+            emit({"event": "stopped", "rank": rank, "step": step + 1})
+            break
+    # the data-parallel wait happens inside opt.step(): move it from compute to communication
+    report.compute_s = max(0.0, report.compute_s - (diloco.stats["wait_s"] if cfg.diloco.mode == "data-parallel" else 0.0))
+    report.wall_s = time.perf_counter() - wall_start - eval_s
+    report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+    emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "eval_loss": report.eval_loss})
+    report.train_loss = float(sum(recent) / max(1, len(recent)))
+    report.stats = dict(diloco.stats)
+    diloco.close()
+    return report
+
+
+def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_bytes: Callable[[int], int]) -> dict[str, Any]:
+    """The ``{"event": "summary"}`` record (DESIGN.md section 4)."""
+    n = len(reports)
+    tokens = sum(r.tokens for r in reports)
+    bytes_sent = sum(r.stats.get("bytes_sent", 0) for r in reports)
+    compute = sum(r.compute_s for r in reports)
+    walls = sum(r.wall_s for r in reports)
+    numel = reports[0].outer_gradient_numel if reports else 0
+    d = cfg.diloco
+    return {
+        "event": "summary", "mode": d.mode, "workers": n, "steps": max((r.steps for r in reports), default=0),
+        "tokens": tokens, "codec": d.codec, "fragments": d.num_fragments, "inner_steps": d.inner_steps,
+        "overlap_steps": d.overlap_steps, "model": cfg.model.name, "params": reports[0].params if reports else 0,
+        "eval_loss_initial": _mean([r.eval_loss_initial for r in reports]),
+        "eval_loss": _mean([r.eval_loss for r in reports]),
+        "train_loss": _mean([r.train_loss for r in reports]),
+        "bytes_sent": bytes_sent,
+        "bytes_sent_per_worker": bytes_sent / max(1, n),
+        "bytes_received": sum(r.stats.get("bytes_received", 0) for r in reports),
+        "peak_bytes_per_sync": max((r.stats.get("peak_bytes_per_sync", 0) for r in reports), default=0),
+        "model_outer_gradient_bytes": codec_bytes(numel),
+        "syncs": sum(r.stats.get("syncs", 0) for r in reports),
+        "failed_syncs": sum(r.stats.get("failed_syncs", 0) for r in reports),
+        "local_only_steps": sum(r.stats.get("local_only_steps", 0) for r in reports),
+        "wait_s": sum(r.stats.get("wait_s", 0.0) for r in reports),
+        "compute_utilization": compute / walls if walls > 0 else 0.0,
+        "wall_time_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return float(sum(xs) / len(xs)) if xs else float("nan")
