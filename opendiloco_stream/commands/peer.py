@@ -1,0 +1,182 @@
+"""``opendiloco-stream peer``: join a run's DHT and train, syncing fragments over hivemind.
+
+    opendiloco-stream peer --initial-peers /ip4/.../tcp/.../p2p/Qm... --run-id my-run \\
+        --config peers/eager-fp4.toml [--port 31337 --public-ip 203.0.113.7]
+
+A peer that finds others already training downloads their state (outer parameters, outer
+optimizer, schedule position, eager state) and joins at the swarm's step. Ctrl+C / SIGTERM stop it
+at the next inner step; a second signal stops it at once. Metrics go to ``--metrics-file`` and, for
+``monitor``, to the DHT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+
+from opendiloco_stream.commands._common import add_training_flags, config_from_args
+
+NET_FLAGS: dict[str, tuple[str, str]] = {
+    "run_id": ("net", "run_id"),
+    "initial_peers": ("net", "initial_peers"),
+    "host_maddrs": ("net", "host_maddrs"),
+    "announce_maddrs": ("net", "announce_maddrs"),
+    "port": ("net", "port"),
+    "public_ip": ("net", "public_ip"),
+    "identity_path": ("net", "identity_path"),
+    "client_mode": ("net", "client_mode"),
+    "link_mbit": ("net", "link_mbit"),
+    "matchmaking_time": ("net", "matchmaking_time"),
+    "allreduce_timeout": ("net", "allreduce_timeout"),
+    "target_group_size": ("net", "target_group_size"),
+}
+
+SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
+
+
+def add_net_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network")
+    g.add_argument("--run-id", help="name of the run (peers of one run must use the same)")
+    g.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs printed by `bootstrap`")
+    g.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="where to listen (default: see docs/networking.md)")
+    g.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="what others dial (behind NAT)")
+    g.add_argument("--port", type=int, help="listen on 0.0.0.0:PORT (tcp and quic)")
+    g.add_argument("--public-ip", help="announce this IP (with --port) when behind NAT")
+    g.add_argument("--identity-path", help="private key file for a stable peer id")
+    g.add_argument("--client-mode", action="store_true", default=None, help="outgoing connections only (behind NAT)")
+    g.add_argument("--link-mbit", type=float, help="expected link rate; timeouts are derived from it")
+    g.add_argument("--matchmaking-time", type=float)
+    g.add_argument("--allreduce-timeout", type=float)
+    g.add_argument("--target-group-size", type=int)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("peer", help="join a run and train", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_net_flags(p)
+    p.add_argument("--shard", default="auto", metavar="R/W",
+                   help="data shard of this peer, e.g. 0/3; 'auto' picks one of 64 from the peer id")
+    p.add_argument("--no-join", action="store_true", help="do not download state from running peers")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
+    add_training_flags(p)
+    p.set_defaults(func=run)
+
+
+def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
+    from opendiloco_stream.cli import UsageError
+
+    if value == "auto":
+        h = int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
+        return h % SHARDS_AUTO, SHARDS_AUTO
+    try:
+        rank, world = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard {value!r}: use R/W with 0 <= R < W, e.g. --shard 0/3") from None
+    if not 0 <= rank < world:
+        raise UsageError(f"--shard {value!r}: use R/W with 0 <= R < W, e.g. --shard 0/3")
+    return rank, world
+
+
+def build_transport(cfg, dht):
+    from opendiloco_stream.transport.hivemind import HivemindTransport
+
+    d, n = cfg.diloco, cfg.net
+    return HivemindTransport(
+        dht, n.run_id, codec=d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype,
+        stochastic=d.stochastic_rounding, target_group_size=n.target_group_size,
+        matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
+        allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout,
+        link_mbit=n.link_mbit, client_mode=n.client_mode)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.commands.local import prepare_data, print_summary
+    from opendiloco_stream.compression import get_codec
+    from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
+    from opendiloco_stream.net.lifecycle import GracefulShutdown
+    from opendiloco_stream.net.metrics import MetricsPublisher
+    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
+
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(args, NET_FLAGS)
+    if not cfg.net.initial_peers:
+        raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train_source, val, vocab_size = prepare_data(cfg)
+
+    with GracefulShutdown() as stop:
+        dht = start_dht(cfg.net)
+        transport = None
+        try:
+            peer_id = str(dht.peer_id)
+            rank, world = parse_shard(args.shard, peer_id)
+            print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}); "
+                  f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
+            transport = build_transport(cfg, dht)
+            publisher = MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration)
+            writer = MetricsWriter(cfg.train.metrics_file)
+            writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",
+                          **cfg.model_dump(mode="json")})
+            live: dict[str, Any] = {"step": 0, "loss": float("nan"), "tokens": 0, "t0": time.perf_counter(),
+                                    "bytes_sent": 0, "bytes_received": 0, "rounds": {}, "last_pub": 0.0}
+
+            def emit(rec: dict[str, Any]) -> None:
+                writer.write(rec)
+                if rec.get("event") == "sync" and rec.get("ok"):
+                    live["bytes_sent"] += rec.get("bytes_sent", 0)
+                    live["bytes_received"] += rec.get("bytes_received", 0)
+                    live["rounds"][str(rec["fragment"])] = rec["round"]
+                elif rec.get("event") == "step":
+                    live["tokens"] += rec["tokens"]
+
+            bar = tqdm(total=cfg.train.steps, desc=f"peer {peer_id[-6:]}", unit="step", disable=args.no_progress,
+                       file=sys.stderr, dynamic_ncols=True)
+
+            def on_step(_rank: int, loss: float) -> None:
+                live["step"] += 1
+                live["loss"] = loss
+                bar.update(1)
+                now = time.perf_counter()
+                if now - live["last_pub"] >= 2.0:
+                    live["last_pub"] = now
+                    elapsed = max(1e-9, now - live["t0"])
+                    publisher.publish({"peer": peer_id[-8:], "step": bar.n, "loss": loss,
+                                       "tokens_per_s": live["tokens"] / elapsed, "bytes_sent": live["bytes_sent"],
+                                       "bytes_received": live["bytes_received"], "rounds": live["rounds"]})
+                    bar.set_postfix(loss=f"{loss:.3f}")
+
+            start = time.perf_counter()
+            report = train_worker(rank, world, cfg, transport, train_source, val, vocab_size, emit,
+                                  on_step=on_step, should_stop=lambda: stop.requested,
+                                  join_running=not args.no_join)
+            bar.close()
+            wall = time.perf_counter() - start
+            codec = get_codec(cfg.diloco.codec, block_size=cfg.diloco.codec_block_size,
+                              scale_dtype=cfg.diloco.codec_scale_dtype)
+            summary = summarize(cfg, [report], wall, codec.encoded_size)
+            summary.update(peer_id=peer_id, stopped_early=stop.requested)
+            publisher.publish({"peer": peer_id[-8:], "step": report.steps, "loss": report.train_loss,
+                               "tokens_per_s": summary["tokens_per_s"], "bytes_sent": summary["bytes_sent"],
+                               "bytes_received": summary["bytes_received"], "rounds": live["rounds"],
+                               "compute_utilization": summary["compute_utilization"], "done": True})
+            writer.write(summary)
+            writer.close()
+            print_summary(summary)
+        finally:
+            if transport is not None:
+                transport.close()
+            stop_dht(dht)
+    return 0  # a signal-requested stop at a safe point is a clean exit

@@ -1,0 +1,270 @@
+"""Starting a hivemind DHT node from a :class:`~opendiloco_stream.config.NetConfig`, with clear errors.
+
+Where a node listens and what it announces (the knobs that matter on a wide-area network):
+
+* nothing given: listen on ``127.0.0.1`` (a random port) when every initial peer is on this machine
+  (or there is none), otherwise on all interfaces (``0.0.0.0``). Enough for a local run; a
+  bootstrap node started this way is reachable from this machine only.
+* ``port=P``: listen on ``/ip4/0.0.0.0/tcp/P`` and ``/ip4/0.0.0.0/udp/P/quic-v1``. Open this port in
+  the firewall / forward it on the router.
+* ``public_ip=IP`` (needs a fixed port): announce ``/ip4/IP/tcp/P`` and ``/ip4/IP/udp/P/quic-v1``.
+  Needed behind NAT (cloud VMs, home routers), where the node cannot see its public address.
+* ``host_maddrs`` / ``announce_maddrs``: full control; they win over ``port`` / ``public_ip``.
+* ``identity_path``: a private key file giving a stable peer id (created on first use). A bootstrap
+  node needs one, or the address others were given changes at every restart.
+
+``opendiloco-stream doctor`` checks all of this from the outside (see docs/networking.md).
+Every DHT key of a run goes through :func:`run_key`, so runs sharing a DHT never see each other.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+from opendiloco_stream.config import ConfigError, NetConfig
+
+logger = logging.getLogger(__name__)
+
+EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv9iBR5Yqgh"
+EXAMPLE_LISTEN = "/ip4/0.0.0.0/tcp/31337"
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+class NetError(ConfigError):
+    """A networking problem the user can fix (bad address, unreachable peer, port in use): one line, exit 2."""
+
+
+# ---------------------------------------------------------------------------------------------- keys
+
+
+def check_run_id(run_id: str) -> str:
+    """Return ``run_id`` if usable in DHT keys and averager prefixes, else raise NetError."""
+    if not _RUN_ID_RE.fullmatch(run_id or ""):
+        # hivemind group keys are "<prefix>.0b<bits>": a '.' in the prefix breaks them
+        raise NetError(f"run id {run_id!r} is not usable: use 1-64 letters, digits, '-' or '_' (e.g. 'llama-150m_v2')")
+    return run_id
+
+
+def run_prefix(run_id: str) -> str:
+    """The namespace of one run on a shared DHT: ``ods[<run_id>]``."""
+    return f"ods[{check_run_id(run_id)}]"
+
+
+def run_key(run_id: str, *parts: str) -> str:
+    """The DHT key (or averager prefix) of ``parts`` within a run, e.g. ``run_key("r1", "metrics")``.
+
+    The brackets end the run id unambiguously, so run "a" never reads run "a_b"'s keys. No '.' is
+    produced: hivemind averagers use the prefix in keys of the form ``<prefix>.0b<bits>``.
+    """
+    for part in parts:
+        if not part or "." in part:
+            raise ValueError(f"DHT key part {part!r} must be non-empty and contain no '.'")
+    return "_".join((run_prefix(run_id), *parts))
+
+
+# ---------------------------------------------------------------------------------------- addresses
+
+
+def parse_maddr(value: str, *, what: str = "multiaddr", example: str = EXAMPLE_LISTEN, need_peer_id: bool = False):
+    """Parse one multiaddr; a bad one raises NetError naming it and showing a good one."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        maddr = Multiaddr(value.strip())
+    except Exception as e:  # the multiaddr package raises several unrelated types
+        reason = str(e).split(": ", 1)[-1] if ": " in str(e) else str(e)
+        raise NetError(f"{what} {value!r} is not a valid multiaddr ({reason}); expected e.g. {example}") from None
+    if need_peer_id and "p2p" not in maddr:
+        raise NetError(f"{what} {value!r} has no /p2p/<peer id> part; copy the full line the bootstrap "
+                       f"node printed, e.g. {example}")
+    return maddr
+
+
+def _tcp_or_udp_port(maddr) -> Optional[int]:
+    for proto in ("tcp", "udp"):
+        if proto in maddr:
+            return int(maddr[proto])
+    return None
+
+
+def _is_loopback(maddr) -> bool:
+    for proto in ("ip4", "ip6"):
+        if proto in maddr:
+            return ipaddress.ip_address(maddr[proto]).is_loopback
+    return False
+
+
+def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
+    """``(host_maddrs, announce_maddrs)`` for ``net``, shortcuts resolved and every address validated."""
+    initial = [parse_maddr(p, what="initial peer", example=EXAMPLE_PEER, need_peer_id=True) for p in net.initial_peers]
+
+    if net.host_maddrs:
+        host = [str(parse_maddr(m, what="host multiaddr")) for m in net.host_maddrs]
+    elif net.port is not None:
+        host = [f"/ip4/0.0.0.0/tcp/{net.port}", f"/ip4/0.0.0.0/udp/{net.port}/quic-v1"]
+    elif net.public_ip is None and all(_is_loopback(m) for m in initial):
+        host = ["/ip4/127.0.0.1/tcp/0"]  # a local run: never expose a port it does not need
+    else:
+        host = ["/ip4/0.0.0.0/tcp/0"]
+
+    if net.announce_maddrs:
+        announce = [str(parse_maddr(m, what="announce multiaddr", example="/ip4/203.0.113.7/tcp/31337"))
+                    for m in net.announce_maddrs]
+    elif net.public_ip is not None:
+        try:
+            ip = ipaddress.ip_address(net.public_ip.strip())
+        except ValueError:
+            raise NetError(f"--public-ip {net.public_ip!r} is not an IP address (e.g. --public-ip 203.0.113.7)") from None
+        port = net.port or next((p for p in map(_tcp_or_udp_port, map(parse_maddr, host)) if p), None)
+        if not port:
+            raise NetError("--public-ip needs a fixed port to announce: add --port 31337 (and open/forward that port)")
+        family = "ip4" if ip.version == 4 else "ip6"
+        announce = [f"/{family}/{ip}/tcp/{port}", f"/{family}/{ip}/udp/{port}/quic-v1"]
+    else:
+        announce = []
+    for m in announce:
+        if _tcp_or_udp_port(parse_maddr(m)) == 0:
+            raise NetError(f"announce multiaddr {m!r} has port 0: announce the fixed port you listen on (e.g. --port 31337)")
+    return host, announce
+
+
+def visible_maddrs(dht: Any, latest: bool = True) -> list[str]:
+    """The multiaddrs other peers should pass as ``--initial-peers``, best first.
+
+    Wildcard addresses are dropped; public addresses come before private ones, loopback last, TCP
+    before QUIC. Every address keeps its ``/p2p/<peer id>`` suffix.
+    """
+    def rank(m) -> tuple[int, int]:
+        scope = 0
+        for proto in ("ip4", "ip6"):
+            if proto in m:
+                ip = ipaddress.ip_address(m[proto])
+                scope = 3 if ip.is_unspecified else 2 if ip.is_loopback else 1 if not ip.is_global else 0
+        return scope, 0 if "tcp" in m else 1
+
+    maddrs = sorted(dht.get_visible_maddrs(latest=latest), key=rank)
+    return [str(m) for m in maddrs if rank(m)[0] < 3]
+
+
+# ---------------------------------------------------------------------------------------- identity
+
+
+def ensure_identity(path: str) -> str:
+    """Return the peer id stored in the key file ``path``, creating the file (and its folder) if missing."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
+        # written to a temporary file and renamed: two peers starting at once never read half a key
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.SerializeToString())
+        os.chmod(tmp, 0o400)
+        try:
+            os.link(tmp, p)  # fails if another process created it meanwhile: theirs wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        return PeerID.from_identity(p.read_bytes()).to_base58()
+    except Exception:
+        raise NetError(f"identity file {p} is not a libp2p private key: delete it to create a new one") from None
+
+
+# ---------------------------------------------------------------------------------------- start/stop
+
+
+def _rewrite_start_error(e: BaseException, net: NetConfig, host: Sequence[str]) -> str:
+    msg = str(e)
+    peers = " ".join(net.initial_peers)
+    if "failed to connect to bootstrap peers" in msg or "none of the initial_peers responded" in msg:
+        return (f"could not reach any initial peer ({peers}): check that the bootstrap node runs, that the "
+                f"address is the one it printed at this start (the /p2p/ id changes unless it uses "
+                f"--identity-path) and that its port is open; `opendiloco-stream doctor --initial-peers ...` "
+                f"checks each step")
+    if "address already in use" in msg:
+        return (f"cannot listen on {' '.join(host)}: the port is already in use; pick another --port "
+                f"or stop the process using it (`ss -ltnup | grep PORT` shows it)")
+    if "cannot assign requested address" in msg:
+        return (f"cannot listen on {' '.join(host)}: that IP is not on this machine; listen on "
+                f"{EXAMPLE_LISTEN} and put the public address in --public-ip / --announce-maddrs instead")
+    if "already taken by another peer" in msg:
+        return (f"another running peer already uses the identity in {net.identity_path}: stop it or pass a "
+                f"different --identity-path")
+    if "Daemon failed to start in" in msg:
+        return (f"the p2p daemon did not start within {net.daemon_startup_timeout:g} s: raise "
+                f"net.daemon_startup_timeout (ODS_NET__DAEMON_STARTUP_TIMEOUT) on a slow machine")
+    first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+    return f"could not start the DHT node: {first}"
+
+
+def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
+              record_validators: Iterable[Any] = (), **dht_kwargs: Any):
+    """Start a ``hivemind.DHT`` for ``net`` and wait until it serves; raise NetError with the fix.
+
+    ``start_timeout`` bounds the whole start (daemon, identity check, bootstrap); by default twice
+    ``net.daemon_startup_timeout`` plus 10 s. ``dht_kwargs`` go to ``hivemind.DHT`` unchanged.
+    On failure nothing is left running: the DHT process and its p2pd are killed.
+    """
+    import hivemind
+
+    from opendiloco_stream.net.lifecycle import kill_process_tree
+
+    check_run_id(net.run_id)
+    host, announce = listen_maddrs(net)
+    identity = None
+    if net.identity_path:
+        identity = str(Path(net.identity_path).expanduser())
+        ensure_identity(identity)
+    timeout = start_timeout if start_timeout is not None else 2 * net.daemon_startup_timeout + 10
+
+    dht = hivemind.DHT(
+        initial_peers=list(net.initial_peers) or None, start=False, host_maddrs=host,
+        announce_maddrs=announce or None, identity_path=identity, client_mode=net.client_mode,
+        startup_timeout=net.daemon_startup_timeout, record_validators=list(record_validators), **dht_kwargs,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=timeout)
+    except BaseException as e:
+        if dht.pid is not None:
+            kill_process_tree(dht.pid, timeout=2.0)
+            dht.join(1.0)
+        if isinstance(e, TimeoutError) or type(e).__name__ == "TimeoutError":
+            raise NetError(f"the DHT node did not start within {timeout:g} s (initial peers: "
+                           f"{' '.join(net.initial_peers) or 'none'}); check them with `opendiloco-stream doctor`") from None
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise NetError(_rewrite_start_error(e, net, host)) from None
+    logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(host))
+    return dht
+
+
+def stop_dht(dht: Any, timeout: float = 5.0) -> None:
+    """Shut ``dht`` down and make sure its process and p2pd are gone (SIGKILL after ``timeout``).
+
+    hivemind's own shutdown gives up after 3 s and can leave p2pd behind when the DHT process is
+    stuck, e.g. when Ctrl+C already killed p2pd (it is in the terminal's process group).
+    """
+    from opendiloco_stream.net.lifecycle import descendants, is_running, terminate_pids
+
+    pid = dht.pid
+    # collected first: once the DHT process exits, its p2pd can no longer be found through it
+    tree = [*descendants(pid), pid] if pid is not None and is_running(pid) else []
+    try:
+        dht.shutdown()
+    except Exception as e:  # a broken pipe to a dead DHT process: the kill below finishes the job
+        logger.debug("DHT shutdown: %r", e)
+    terminate_pids([p for p in tree if p != pid] + ([pid] if pid is not None else []), timeout)
+    if pid is not None:
+        dht.join(1.0)

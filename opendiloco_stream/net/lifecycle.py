@@ -1,0 +1,237 @@
+"""Running a peer cleanly: one process group, signals as a flag, no orphaned p2pd.
+
+hivemind starts helper processes behind your back: the DHT forks a process that spawns ``p2pd``,
+each averager forks another. If the training process dies on a signal, those keep running (DESIGN
+section 3.1). The pieces here keep them together and take them down:
+
+* :func:`new_session` puts a non-interactive peer in its own session, so a launcher can kill the
+  peer and every descendant with one ``os.killpg``.
+* :class:`GracefulShutdown` turns SIGINT/SIGTERM into a flag the training loop checks at safe
+  points (after an inner step, never mid-sync); a second signal kills the descendants and exits.
+* :func:`kill_process_tree` finds descendants through ``/proc`` (not through process groups, which
+  a child may leave) and sends SIGTERM, then SIGKILL to whatever is left after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Iterable, Optional
+
+
+def _ppid_map() -> dict[int, int]:
+    """pid -> parent pid for every process visible in /proc."""
+    out: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited while we were scanning
+        # "pid (comm) state ppid ...": comm may contain spaces and parentheses, so split after the last ')'
+        fields = stat[stat.rfind(b")") + 2:].split()
+        out[int(entry)] = int(fields[1])
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (children first, then their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _ppid_map().items():
+        children.setdefault(parent, []).append(child)
+    out, frontier = [], [pid]
+    while frontier:
+        nxt = []
+        for p in frontier:
+            for c in children.get(p, ()):
+                if c not in out:
+                    out.append(c)
+                    nxt.append(c)
+        frontier = nxt
+    return out
+
+
+def process_name(pid: int) -> Optional[str]:
+    """The executable name of ``pid`` (``comm``), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait until every pid has exited or ``timeout`` passed; return those still running.
+
+    Uses pidfds (readable when the process terminates), so this sleeps on the event itself.
+    """
+    deadline = time.monotonic() + timeout
+    fds: dict[int, int] = {}
+    polled: list[int] = []
+    for pid in pids:
+        if not is_running(pid):
+            continue
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+        except OSError:  # no pidfd support (old kernel, seccomp): fall back to polling this one
+            polled.append(pid)
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    try:
+        while True:
+            polled = [p for p in polled if is_running(p)]
+            remaining = deadline - time.monotonic()
+            if (not fds and not polled) or remaining <= 0:
+                break
+            wait_ms = remaining * 1000 if not polled else min(remaining * 1000, 50)
+            for fd, _ in poller.poll(wait_ms):
+                poller.unregister(fd)
+                os.close(fd)
+                del fds[fd]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [p for p in [*fds.values(), *polled] if is_running(p)]
+
+
+def terminate_pids(pids: Iterable[int], timeout: float = 5.0) -> list[int]:
+    """SIGTERM each pid, SIGKILL those still running after ``timeout``; return the ones killed."""
+    pids = [p for p in pids if is_running(p)]
+    _send(signal.SIGTERM, pids)
+    stubborn = wait_gone(pids, timeout)
+    _send(signal.SIGKILL, stubborn)
+    wait_gone(stubborn, 1.0)
+    return stubborn
+
+
+def _send(sig: int, pids: Iterable[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_process_tree(pid: int, timeout: float = 5.0, *, include_root: bool = True) -> list[int]:
+    """SIGTERM ``pid`` and all its descendants, SIGKILL what is left after ``timeout``.
+
+    The tree is collected before any signal is sent: once a parent dies its children are
+    re-parented and could no longer be found from ``pid``. Returns the pids that needed SIGKILL.
+    """
+    tree = descendants(pid) + ([pid] if include_root else [])
+    killed = terminate_pids(tree, timeout)
+    # children forked after our scan (e.g. a DHT process starting p2pd right now)
+    late = [p for p in descendants(pid) if p not in tree]
+    return killed + terminate_pids(late, min(timeout, 1.0))
+
+
+def new_session() -> bool:
+    """Make this process the leader of a new session and process group, where that is safe.
+
+    A peer launched by a script or a test then forms one process group with its DHT, averager and
+    p2pd children, and ``os.killpg(os.getpgid(pid), ...)`` reaches all of them. An interactive job
+    is left alone: the shell already gave it its own process group, and leaving the terminal's
+    session would make Ctrl+C stop reaching it. Returns True if a new session was created.
+    """
+    try:
+        tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        tty = None
+    if tty is not None:
+        try:
+            interactive = os.tcgetpgrp(tty) == os.getpgrp()
+        except OSError:
+            interactive = False
+        finally:
+            os.close(tty)
+        if interactive:
+            return False
+    try:
+        os.setsid()
+        return True
+    except PermissionError:  # already a process group leader: it has its own group already
+        return False
+
+
+class GracefulShutdown:
+    """Context manager: SIGINT/SIGTERM set a flag; a second signal kills our descendants and exits.
+
+    ::
+
+        with GracefulShutdown() as stop:
+            while not stop.requested:
+                train_one_step()          # the loop stops at a safe point
+            save_checkpoint()
+
+    Handlers are installed only in the main thread (Python delivers signals there). Processes
+    forked while it is active (the DHT, averagers) inherit the handler; in them it restores the
+    default action and re-raises, so SIGTERM still terminates a child.
+    """
+
+    def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM), *, kill_timeout: float = 0.0):
+        self.signals = tuple(signals)
+        self.signum: Optional[int] = None
+        self._event = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._owner_pid = os.getpid()
+        self._kill_timeout = kill_timeout
+
+    @property
+    def requested(self) -> bool:
+        """True once a shutdown signal arrived (or :meth:`request` was called)."""
+        return self._event.is_set()
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask for a shutdown as if ``signum`` had arrived (for code paths that decide to stop)."""
+        self.signum = self.signum or signum
+        self._event.set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until a shutdown is requested or ``timeout`` passed; return :attr:`requested`."""
+        return self._event.wait(timeout)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if os.getpid() != self._owner_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self._event.is_set():
+            self._exit_now(signum)
+        self.signum = signum
+        self._event.set()
+
+    def _exit_now(self, signum: int) -> None:
+        print(f"received {signal.Signals(signum).name} twice: stopping now", file=sys.stderr, flush=True)
+        kill_process_tree(os.getpid(), self._kill_timeout, include_root=False)
+        os._exit(128 + signum)
+
+    def __enter__(self) -> "GracefulShutdown":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

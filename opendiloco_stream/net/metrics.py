@@ -1,0 +1,200 @@
+"""Per-peer training metrics on the DHT: signed, schema-checked, expiring records.
+
+Each peer stores one record under ``run_key(run_id, "metrics")`` with its RSA public key as the
+subkey. hivemind's ``RSASignatureValidator`` signs it, so only the owner of a subkey can write it,
+and a ``SchemaValidator`` rejects anything that does not match :class:`PeerMetrics` exactly (no
+type conversions, no extra fields). Every node that stores or reads these records must install the
+same validators (:func:`install_validators`): a node without them would accept forged entries, and
+readers reject a whole dictionary that contains one bad entry.
+
+Records expire ``expiration`` seconds after they were stored; the publisher re-stores the last
+record before that, so a live peer never disappears from ``monitor`` while a dead one does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Dict, Optional
+
+import pydantic.v1 as pydantic  # hivemind's SchemaValidator is written against pydantic v1
+from hivemind.dht.schema import BytesWithPublicKey
+from pydantic.v1 import StrictFloat, confloat, conint, constr
+
+from opendiloco_stream.net.dht import run_key, run_prefix
+
+logger = logging.getLogger(__name__)
+
+
+class PeerMetrics(pydantic.BaseModel):
+    """One peer's latest numbers. Strict types: the schema validator forbids any conversion."""
+
+    name: constr(strict=True, max_length=64)
+    peer_id: constr(strict=True, max_length=128)
+    step: conint(strict=True, ge=0)
+    loss: Optional[StrictFloat]
+    tokens_per_s: confloat(strict=True, ge=0.0)
+    bytes_sent: conint(strict=True, ge=0)
+    bytes_received: conint(strict=True, ge=0)
+    compute_utilization: Optional[confloat(strict=True, ge=0.0, le=1.0)]
+    rounds: conint(strict=True, ge=0)  # fragment rounds completed
+    failed_rounds: conint(strict=True, ge=0)
+    mode: Optional[constr(strict=True, max_length=32)]
+    time: StrictFloat  # DHT time (seconds since the epoch) of this record
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+FIELDS = tuple(PeerMetrics.__fields__)
+_INT_FIELDS = ("step", "bytes_sent", "bytes_received", "rounds", "failed_rounds")
+_FLOAT_FIELDS = ("loss", "tokens_per_s", "compute_utilization")
+
+
+class MetricsSchema(pydantic.BaseModel):
+    """The DHT schema of a run's metrics: ``{<public key>: PeerMetrics}`` under the key ``metrics``.
+
+    Installed with ``prefix=run_prefix(run_id)``, the field ``metrics`` maps to the key
+    ``run_key(run_id, "metrics")``. A module-level class: validators are pickled into the DHT process.
+    """
+
+    metrics: Dict[BytesWithPublicKey, Optional[PeerMetrics]]
+
+    class Config:  # SchemaValidator sets Config.extra; without our own Config it would patch pydantic's base
+        extra = pydantic.Extra.forbid
+
+
+def install_validators(dht: Any, run_id: str, private_key: Any = None) -> bytes:
+    """Install the run's metrics validators on ``dht``; return the public key used as this node's subkey.
+
+    Writers and readers call it identically. ``private_key`` (an ``RSAPrivateKey``) defaults to
+    hivemind's process-wide key; a DHT keeps the first signature validator it was given, so every
+    user of a DHT must agree on the key (tests with several nodes in one process pass their own).
+    """
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.schema import SchemaValidator
+
+    signer = RSASignatureValidator(private_key)
+    dht.add_validators([SchemaValidator(MetricsSchema, prefix=run_prefix(run_id)), signer])
+    return signer.local_public_key
+
+
+def to_record(values: dict[str, Any], *, name: str, peer_id: str, time: float) -> dict[str, Any]:
+    """A schema-exact record from loosely typed ``values`` (numpy/torch numbers, NaN, extra keys)."""
+    out: dict[str, Any] = {key: None for key in FIELDS}
+    out.update(rounds=0, failed_rounds=0, step=0, bytes_sent=0, bytes_received=0, tokens_per_s=0.0)
+    for key in FIELDS:
+        if values.get(key) is not None:
+            out[key] = values[key]
+    for key in _INT_FIELDS:
+        out[key] = max(0, int(out[key]))
+    for key in _FLOAT_FIELDS:
+        if out[key] is not None:
+            value = float(out[key])
+            # NaN is not equal to itself: the schema validator would reject the record
+            out[key] = value if math.isfinite(value) else None
+    if out["compute_utilization"] is not None:
+        out["compute_utilization"] = min(1.0, max(0.0, out["compute_utilization"]))
+    out["tokens_per_s"] = max(0.0, out["tokens_per_s"] or 0.0)
+    out["mode"] = None if out["mode"] is None else str(out["mode"])[:32]
+    out.update(name=str(name)[:64], peer_id=str(peer_id)[:128], time=float(time))
+    return PeerMetrics(**out).dict()
+
+
+class MetricsPublisher:
+    """Publishes this peer's metrics to the DHT from a background thread; never raises into training.
+
+    ``publish(values)`` only hands the latest values to the thread (a newer call replaces an
+    unsent one), so a slow or broken DHT costs the training loop nothing. The thread re-stores the
+    last record every ``expiration / 3`` seconds to keep it alive.
+    """
+
+    def __init__(self, dht: Any, run_id: str, expiration: float = 60.0, *, name: Optional[str] = None,
+                 private_key: Any = None, store_timeout: Optional[float] = None):
+        self.dht, self.run_id, self.expiration = dht, run_id, float(expiration)
+        self.key = run_key(run_id, "metrics")
+        self.public_key = install_validators(dht, run_id, private_key)
+        self.peer_id = str(dht.peer_id)
+        self.name = name or self.peer_id[-8:]
+        self.store_timeout = store_timeout if store_timeout is not None else max(1.0, self.expiration / 3)
+        self.published = 0  #: records the DHT accepted
+        self.failures = 0  #: stores that failed or timed out
+        self._pending: Optional[dict[str, Any]] = None
+        self._last: Optional[dict[str, Any]] = None
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="metrics-publisher", daemon=True)
+        self._thread.start()
+
+    def publish(self, values: dict[str, Any]) -> None:
+        """Queue ``values`` (keys of :class:`PeerMetrics`; others are ignored) for publication."""
+        with self._cv:
+            self._pending = dict(values)
+            self._cv.notify()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued values were stored (or failed); True if nothing is pending."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending is None, timeout)
+
+    def close(self) -> None:
+        """Stop the thread (the last record stays on the DHT until it expires)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(self.store_timeout + 1.0)
+
+    def __enter__(self) -> "MetricsPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _loop(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._stopped, self.expiration / 3)
+                if self._stopped:
+                    return
+                values = self._pending if self._pending is not None else self._last
+            if values is None:
+                continue
+            ok = False
+            try:
+                now = get_dht_time()
+                record = to_record(values, name=self.name, peer_id=self.peer_id, time=now)
+                future = self.dht.store(self.key, record, expiration_time=now + self.expiration,
+                                        subkey=self.public_key, return_future=True)
+                ok = bool(future.result(timeout=self.store_timeout))
+            except Exception as e:  # a DHT hiccup must never reach the training loop
+                logger.debug("metrics store failed: %r", e)
+            with self._cv:
+                self.published += ok
+                self.failures += not ok
+                self._last = values
+                if self._pending is values:
+                    self._pending = None
+                self._cv.notify_all()
+
+
+def read_swarm_metrics(dht: Any, run_id: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The latest valid, unexpired record of every peer of the run, sorted by name.
+
+    Each dict holds the :class:`PeerMetrics` fields plus ``expiration`` (DHT time). The caller's
+    DHT must have the run's validators (:func:`install_validators`).
+    """
+    from hivemind.utils import get_dht_time
+
+    found = dht.get(run_key(run_id, "metrics"), latest=True, return_future=True).result(timeout=timeout)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now = get_dht_time()
+    records = []
+    for item in found.value.values():
+        if item.expiration_time < now or not isinstance(item.value, dict):
+            continue
+        records.append({**item.value, "expiration": item.expiration_time})
+    return sorted(records, key=lambda r: (r.get("name") or "", r.get("peer_id") or ""))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up .venv for opendiloco-stream on a fresh machine: a virtual environment, torch 2.13.0 if no
+# torch is installed yet (never the multi-GB CUDA default on a CPU box), the package in editable mode.
+# Idempotent: a second run only checks. Set ODS_VENV to use another venv path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${ODS_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+V="$VENV/bin/python"
+"$V" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! "$V" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch==2.13.0" >&2
+  "$V" -m pip install -q "torch==2.13.0"
+fi
+if ! "$V" -c "import opendiloco_stream, hivemind, transformers, datasets, pytest, pytest_timeout, matplotlib" >/dev/null 2>&1; then
+  echo "[setup] installing opendiloco-stream (editable) and its dependencies" >&2
+  "$V" -m pip install -q -e ".[test,bench]"
+fi
+echo "[setup] ready: $("$V" -c 'import torch, hivemind; print("torch", torch.__version__, "/ hivemind", hivemind.__version__)')" >&2
