@@ -239,7 +239,7 @@ def _round(model: Model, setup: Setup, method: str, gbit_s: float) -> _Round:
     for frag, offset in zip(plan.fragments, fragment_offsets(H, len(plan.fragments))):
         launches.setdefault(offset or H, []).extend(frag)
     for blocks in launches.values():
-        blocks.sort()
+        blocks.sort(reverse=True)  # backward order
     block_bits = model.params / L * plan.bits * setup.allreduce_factor
     return _Round(
         inner_steps=H, layers=L,

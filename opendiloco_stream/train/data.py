@@ -176,7 +176,7 @@ class TrainSource:
             raise DataError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size < 1 or start_step < 0:
             raise DataError(f"batch_size must be >= 1 and start_step >= 0, got {batch_size} and {start_step}")
-        shard = np.arange(0, self.num_windows, 1)
+        shard = np.arange(rank, self.num_windows, world_size)
         if len(shard) == 0:
             raise DataError(
                 f"the training data has {self.num_windows} windows of {self.seq_len + 1} tokens: "

@@ -1,0 +1,171 @@
+"""Can other peers open a connection to this one? A dial-back service and a dial probe.
+
+A peer that others cannot dial can still connect out, join the DHT and even look healthy, but the
+averagers of other peers fail to reach it and every round it takes part in times out. The only way
+to know is to be dialed from the outside:
+
+* :class:`DialbackService` runs next to a DHT node (``opendiloco-stream bootstrap`` starts one). A
+  peer sends it a list of its multiaddrs; for each, the service starts a fresh p2p daemon that
+  does not listen, has no relays and no prior connection, and tries to connect to exactly that
+  address. The answer says, per address, whether a direct connection from the service's machine
+  succeeded.
+* :func:`probe_dial` is that dial, usable on its own (``doctor`` falls back to it, from this
+  machine, when the bootstrap offers no dial-back service, and says so).
+
+Abuse bound: one request at a time per caller, at most ``max_addrs`` addresses, all of one peer id,
+and at most two dials in flight per service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+DIALBACK_HANDLER = "ods_dialback_v1"
+
+_PROBE_ARGS = dict(dht_mode="client", use_relay=False, auto_nat=False, nat_port_map=False, no_listen=True)
+
+
+def _short_error(e: BaseException) -> str:
+    msg = str(e).strip() or type(e).__name__
+    # p2pd errors look like "Daemon failed to start: 2026/01/01 12:00:00 failed to connect to bootstrap peers"
+    if "failed to connect to bootstrap peers" in msg:
+        return "connection failed"
+    if "failed to start in" in msg:
+        return "no answer (timed out)"
+    return msg.splitlines()[0][:200]
+
+
+async def probe_dial(maddr: str, timeout: float = 10.0) -> Optional[str]:
+    """Open a direct connection to ``maddr`` (with its ``/p2p/`` id) from a fresh p2p daemon.
+
+    Returns None on success, else a short reason. The daemon's own bootstrap step is the dial: it
+    connects to the given peer, verifying its peer id, before it reports ready.
+    """
+    from hivemind.p2p import P2P
+
+    try:
+        p2p = await P2P.create(initial_peers=[maddr], startup_timeout=timeout, **_PROBE_ARGS)
+    except Exception as e:
+        return _short_error(e)
+    await p2p.shutdown()
+    return None
+
+
+class DialbackService:
+    """Serve dial-back requests on ``dht``'s p2p daemon, from a background thread with its own loop.
+
+    ::
+
+        service = DialbackService(dht).start()
+        ...
+        service.shutdown()
+    """
+
+    def __init__(self, dht: Any, *, timeout: float = 10.0, max_addrs: int = 8, max_concurrent: int = 2):
+        self.dht, self.timeout, self.max_addrs, self.max_concurrent = dht, timeout, max_addrs, max_concurrent
+        self.served = 0
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stop: Optional[asyncio.Event] = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="dialback-service", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "DialbackService":
+        """Start serving; raise if the handler could not be registered within ``timeout``."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"dial-back service did not start within {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def shutdown(self) -> None:
+        """Stop serving (the DHT keeps running)."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(self.timeout + 5.0)
+
+    def _run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        from google.protobuf.wrappers_pb2 import BytesValue
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._dials = asyncio.Semaphore(self.max_concurrent)
+        self._busy_callers: set[str] = set()
+        try:
+            p2p = await self.dht.replicate_p2p()
+            await p2p.add_protobuf_handler(DIALBACK_HANDLER, self._handle, BytesValue)
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            try:
+                await p2p.remove_protobuf_handler(DIALBACK_HANDLER)
+            except Exception as e:  # the daemon may already be gone at shutdown
+                logger.debug("remove dial-back handler: %r", e)
+
+    async def _handle(self, request: Any, context: Any) -> Any:
+        from google.protobuf.wrappers_pb2 import BytesValue
+
+        caller = context.remote_id.to_base58()
+        if caller in self._busy_callers:
+            return BytesValue(value=json.dumps({"error": "a dial-back for this peer is already running"}).encode())
+        self._busy_callers.add(caller)
+        try:
+            reply = await self._dial_all(request.value)
+        finally:
+            self._busy_callers.discard(caller)
+        self.served += 1
+        return BytesValue(value=json.dumps(reply).encode())
+
+    async def _dial_all(self, payload: bytes) -> dict[str, Any]:
+        from hivemind.utils.multiaddr import Multiaddr
+
+        try:
+            maddrs = [str(m) for m in json.loads(payload)["maddrs"]][: self.max_addrs]
+            ids = {Multiaddr(m)["p2p"] for m in maddrs}
+        except Exception:
+            return {"error": "bad request: expected {\"maddrs\": [multiaddrs with /p2p/<id>]}"}
+        if len(ids) != 1:
+            return {"error": "all addresses of one request must carry the same /p2p/ id"}
+
+        async def dial(m: str) -> Optional[str]:
+            async with self._dials:
+                return await probe_dial(m, self.timeout)
+
+        results = await asyncio.gather(*(dial(m) for m in maddrs))
+        return {"results": dict(zip(maddrs, results))}
+
+
+async def request_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], timeout: float) -> dict[str, Optional[str]]:
+    """Ask the peer ``helper`` (a PeerID ``p2p`` is connected to) to dial each of ``maddrs``.
+
+    Returns ``{maddr: None (reached) or reason}``. Raises ``LookupError`` if the helper offers no
+    dial-back service, ``TimeoutError`` if it does not answer within ``timeout``.
+    """
+    from google.protobuf.wrappers_pb2 import BytesValue
+
+    request = BytesValue(value=json.dumps({"maddrs": list(maddrs)}).encode())
+    try:
+        reply = await asyncio.wait_for(
+            p2p.call_protobuf_handler(helper, DIALBACK_HANDLER, request, BytesValue), timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"no dial-back answer within {timeout:g} s") from None
+    except Exception as e:
+        raise LookupError(f"{helper} offers no dial-back service ({_short_error(e)})") from None
+    answer = json.loads(reply.value)
+    if "error" in answer:
+        raise LookupError(f"dial-back refused: {answer['error']}")
+    return {m: answer["results"].get(m, "not dialed") for m in maddrs}

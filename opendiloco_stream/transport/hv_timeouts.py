@@ -1,0 +1,124 @@
+"""Timeouts of the hivemind transport, derived from the link rate and the schedule window.
+
+Every wait of a round has a bound, and the bounds nest (each must fit in the next)::
+
+    request_timeout  <  matchmaking_time  <  allreduce_timeout
+    next_chunk_timeout  <  allreduce_timeout
+    round_bound = matchmaking_time + request_timeout + allreduce_timeout + BACKSTOP_S + GRACE_S  <=  window_s
+
+- ``request_timeout``: one matchmaking request to a potential leader (hivemind).
+- ``matchmaking_time``: how long a peer waits for others to join its group before the round
+  starts with whoever is there (at once when ``target_group_size`` peers are there).
+- ``next_chunk_timeout``: the longest silence tolerated inside a stream (between two chunks, and
+  before the first contribution); a sender or reducer silent for longer is dropped.
+- ``allreduce_timeout``: the whole exchange once the group is formed.
+- ``window_s``: how long the caller can wait for a round (H inner steps under eager, tau under
+  overlap); ``handle.wait`` never blocks past ``round_bound``.
+
+Defaults (when a value is not given)::
+
+    transfer_s         = 2 * encoded_bytes * 8 / (link_mbit * 1e6)   # a peer sends and receives ~2x its contribution
+    cpu_s              = numel * CPU_S_PER_ELEMENT                   # encode, decode, reduce
+    next_chunk_timeout = NEXT_CHUNK_FLOOR_S + SAFETY * (chunk_bytes * 8 * STREAMS / (link_mbit * 1e6))
+    allreduce_timeout  = max(2 * next_chunk_timeout, ALLREDUCE_FLOOR_S + SAFETY * (transfer_s + cpu_s))
+
+and, with ``window_s``, ``allreduce_timeout`` is clipped so that ``round_bound <= window_s`` (a
+window too short for the hierarchy is a configuration error).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+SAFETY = 3.0
+NEXT_CHUNK_FLOOR_S = 5.0
+ALLREDUCE_FLOOR_S = 10.0
+# encode + decode + reduce per element on one CPU core: fp4 costs ~0.35 us on a 2-core VM.
+CPU_S_PER_ELEMENT = 5e-7
+# A chunk may share the link with this many concurrent streams (one per groupmate).
+STREAMS = 8
+# hivemind's own allreduce_timeout sits this much above ours, as a backstop.
+BACKSTOP_S = 2.0
+# Pipes between the host and the averager process, thread wake-ups.
+GRACE_S = 1.0
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundTimeouts:
+    """The bounds of one fragment's rounds (seconds)."""
+
+    request: float
+    matchmaking: float
+    next_chunk: float
+    allreduce: float
+
+    @property
+    def group_deadline(self) -> float:
+        """From the start of a round: a group must be formed by then (hivemind's step timeout)."""
+        return self.matchmaking + self.request
+
+    @property
+    def round_bound(self) -> float:
+        """From ``all_reduce``: the longest a handle can stay pending."""
+        return self.matchmaking + self.request + self.allreduce + BACKSTOP_S + GRACE_S
+
+
+def derive_timeouts(
+    *,
+    encoded_bytes: int,
+    numel: int,
+    chunk_bytes: int,
+    link_mbit: float,
+    request_timeout: float,
+    matchmaking_time: float,
+    allreduce_timeout: Optional[float] = None,
+    next_chunk_timeout: Optional[float] = None,
+    window_s: Optional[float] = None,
+) -> RoundTimeouts:
+    """Fill in the unset timeouts of one fragment and check the hierarchy; ValueError (one line) if broken."""
+    if link_mbit <= 0:
+        raise ValueError(f"link_mbit must be positive, got {link_mbit}")
+    for name, value in (("request_timeout", request_timeout), ("matchmaking_time", matchmaking_time),
+                        ("allreduce_timeout", allreduce_timeout), ("next_chunk_timeout", next_chunk_timeout),
+                        ("window_s", window_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if request_timeout >= matchmaking_time:
+        raise ValueError(
+            f"request_timeout ({request_timeout}s) must be < matchmaking_time ({matchmaking_time}s), "
+            "or matchmaking can deadlock")
+    link_bps = link_mbit * 1e6
+    if next_chunk_timeout is None:
+        next_chunk_timeout = NEXT_CHUNK_FLOOR_S + SAFETY * chunk_bytes * 8 * STREAMS / link_bps
+    estimate = 2 * encoded_bytes * 8 / link_bps + numel * CPU_S_PER_ELEMENT
+    explicit = allreduce_timeout is not None
+    if allreduce_timeout is None:
+        allreduce_timeout = max(2 * next_chunk_timeout, ALLREDUCE_FLOOR_S + SAFETY * estimate)
+    if window_s is not None:
+        budget = window_s - matchmaking_time - request_timeout - BACKSTOP_S - GRACE_S
+        if explicit and allreduce_timeout > budget:
+            raise ValueError(
+                f"allreduce_timeout ({allreduce_timeout:.1f}s) does not fit the window ({window_s:.1f}s): "
+                f"at most {budget:.1f}s after matchmaking; lower it or lengthen the window (H or tau)")
+        if budget <= matchmaking_time:
+            raise ValueError(
+                f"window_s ({window_s:.1f}s) is too short for a networked round: it must exceed "
+                f"{2 * matchmaking_time + request_timeout + BACKSTOP_S + GRACE_S:.1f}s "
+                f"(lower matchmaking_time or lengthen the window: H or tau)")
+        if allreduce_timeout > budget:
+            if budget < estimate:
+                logger.warning("the window (%.1fs) leaves %.1fs for an all-reduce that needs ~%.1fs at %.0f Mbit/s: "
+                               "rounds will likely time out", window_s, budget, estimate, link_mbit)
+            allreduce_timeout = budget
+        next_chunk_timeout = min(next_chunk_timeout, 0.5 * allreduce_timeout)
+    if allreduce_timeout <= matchmaking_time:
+        raise ValueError(f"allreduce_timeout ({allreduce_timeout:.1f}s) must be > matchmaking_time ({matchmaking_time}s)")
+    if next_chunk_timeout >= allreduce_timeout:
+        raise ValueError(
+            f"next_chunk_timeout ({next_chunk_timeout:.1f}s) must be < allreduce_timeout ({allreduce_timeout:.1f}s)")
+    return RoundTimeouts(request=request_timeout, matchmaking=matchmaking_time,
+                         next_chunk=next_chunk_timeout, allreduce=allreduce_timeout)

@@ -1,0 +1,53 @@
+"""One config tree: TOML < environment < flags; unknown keys are errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from opendiloco_stream.commands._common import add_training_flags, config_from_args
+from opendiloco_stream.config import ConfigError, load_config
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_training_flags(p)
+    return p.parse_args(argv)
+
+
+def test_precedence_file_then_env_then_flags(tmp_path, monkeypatch):
+    f = tmp_path / "peer.toml"
+    f.write_text('[diloco]\ninner_steps = 40\nnum_fragments = 4\ncodec = "int8"\n[train]\nsteps = 7\n')
+    monkeypatch.setenv("ODS_DILOCO__NUM_FRAGMENTS", "2")
+    monkeypatch.setenv("ODS_TRAIN__STEPS", "9")
+    cfg = config_from_args(parse(["--config", str(f), "--steps", "11"]))
+    assert cfg.diloco.inner_steps == 40      # file
+    assert cfg.diloco.codec == "int8"        # file
+    assert cfg.diloco.num_fragments == 2     # env beats file
+    assert cfg.train.steps == 11             # flag beats env
+
+
+def test_unknown_keys_are_errors_everywhere(tmp_path, monkeypatch):
+    f = tmp_path / "bad.toml"
+    f.write_text("[diloco]\ninner_stepz = 3\n")
+    with pytest.raises(ConfigError, match="diloco.inner_stepz: unknown key"):
+        load_config(str(f))
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_config(None, environ={"ODS_NOPE__X": "1"})
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(None, environ={"ODS_TRAIN__STEPZ": "1"})
+
+
+def test_cross_field_errors_name_the_fields():
+    with pytest.raises(ConfigError, match="overlap_steps"):
+        load_config(None, {"diloco": {"mode": "overlap", "overlap_steps": 0}})
+
+
+def test_shipped_peer_configs_are_valid():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parent.parent / "peers").glob("*.toml"))
+    assert files, "peers/ ships example configs"
+    for f in files:
+        load_config(str(f))
