@@ -4,10 +4,27 @@ Public API::
 
     from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo
     from opendiloco_stream.transport.local import LocalSwarm
+
+Imports are lazy so that torch-free parts (the simulator, the CLI's help) start fast.
 """
 
-from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
-from opendiloco_stream.config import DiLoCoConfig, RunConfig, load_config
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["DiLoCoConfig", "StreamingDiLoCo", "RunConfig", "load_config"]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
+    from opendiloco_stream.config import DiLoCoConfig, RunConfig, load_config
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StreamingDiLoCo":
+        from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
+
+        return StreamingDiLoCo
+    if name in ("DiLoCoConfig", "RunConfig", "load_config"):
+        from opendiloco_stream import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'opendiloco_stream' has no attribute {name!r}")

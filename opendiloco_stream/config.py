@@ -8,8 +8,7 @@ Configuration guide for the knobs that matter (see docs/configuration.md for mor
 
 * ``inner_steps`` (H): inner optimizer steps per outer round. Larger H means less communication
   (one full model exchange every H steps) and slightly worse quality; DiLoCo uses 500, the
-  streaming paper 100. Must be a multiple of ``num_fragments`` is *not* required; offsets are
-  ``floor((p+1)*H/P) mod H``.
+  streaming paper 100. H need not be a multiple of P: offsets are ``floor((p+1)*H/P) mod H``.
 * ``num_fragments`` (P): the model is split into P fragments that sync at staggered steps; peak
   bandwidth per sync drops by about P. P = 1 is vanilla DiLoCo.
 * ``mode``: ``eager`` hides a whole outer round of communication behind compute (the default),
@@ -109,8 +108,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     device: str = "cpu"
     metrics_file: Optional[str] = None
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = Field(0, ge=0)
+    checkpoint_dir: Optional[str] = Field(None, description="where worker-<rank>.pt checkpoints go")
+    checkpoint_every: int = Field(0, ge=0, description="save every N inner steps (0: only at the end)")
+    resume: bool = Field(False, description="continue from checkpoint_dir if a checkpoint is there")
 
 
 class NetConfig(_Strict):

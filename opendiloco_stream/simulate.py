@@ -1,8 +1,8 @@
 """Compute-utilization simulator in the method of Streaming DiLoCo (arXiv 2501.18512, Table 4).
 
-Pure Python (no torch): a discrete-event model of one worker's accelerators and its wide-area link,
-used to answer "how much bandwidth does each synchronization method need to keep the accelerators
-busy X% of the time?". The assumptions are written out in docs/simulator.md; in short:
+Python and numpy, no torch: a discrete-event model of one worker's accelerators and its
+wide-area link, answering "how much bandwidth does each synchronization method need to keep the
+accelerators busy X% of the time?". The assumptions are written out in docs/simulator.md; in short:
 
 * An inner step takes ``step_time_s``: a forward pass (1/3) then a backward pass (2/3), both split
   evenly over the ``layers`` transformer blocks; the parameters are spread evenly over the blocks.
@@ -13,20 +13,16 @@ busy X% of the time?". The assumptions are written out in docs/simulator.md; in 
   latency that delays the result without occupying the link.
 * A block's averaged values are needed by the forward pass of that block at the step where the
   method applies them; the accelerators idle until then. Compute utilization is compute time over
-  wall time, measured over whole outer rounds once the schedule has reached its steady state.
+  wall time in the steady state, solved exactly in max-plus algebra (see ``utilization``).
 
-Methods (the names of the CLI and its JSON):
+Methods (the names of the CLI and its JSON); a sync launched at step t is needed by step ...
 
-==========================  ==========  =============  ==========================  ===========
-method                      syncs every  what           result needed at            payload
-==========================  ==========  =============  ==========================  ===========
-data-parallel               1 step      all blocks     the next step               ``bits``
-diloco                      H steps     all blocks     the next step               ``bits``
-streaming                   H steps     one fragment   the next step               ``bits``
-streaming-overlap           H steps     one fragment   tau steps later             ``bits``
-streaming-overlap-fp4       H steps     one fragment   tau steps later             ``quant_bits``
-eager-fp4                   H steps     one fragment   its next sync (H later)     ``quant_bits``
-==========================  ==========  =============  ==========================  ===========
+* ``data-parallel``: every step, all blocks (gradients), ``bits``; ... t + 1.
+* ``diloco``: every H steps, all blocks, ``bits``; ... t + 1 (blocking).
+* ``streaming``: every H steps per fragment, one fragment, ``bits``; ... t + 1 (blocking).
+* ``streaming-overlap``: as streaming; ... t + tau + 1.
+* ``streaming-overlap-fp4``: as streaming-overlap with ``quant_bits``.
+* ``eager-fp4``: as streaming with ``quant_bits``; ... t + H + 1, the fragment's next sync.
 
 Fragments are staggered as in the trainer: fragment p syncs at steps t with
 ``(t - o_p) mod H == 0``, ``o_p = floor((p+1)*H/P) mod H``.

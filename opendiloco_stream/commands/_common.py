@@ -42,6 +42,9 @@ TRAINING_FLAGS: dict[str, tuple[str, str]] = {
     "seed": ("train", "seed"),
     "device": ("train", "device"),
     "metrics_file": ("train", "metrics_file"),
+    "checkpoint_dir": ("train", "checkpoint_dir"),
+    "checkpoint_every": ("train", "checkpoint_every"),
+    "resume": ("train", "resume"),
 }
 
 
@@ -81,6 +84,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--metrics-file", metavar="F", help="JSON-lines metrics output")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save atomic checkpoints here")
+    g.add_argument("--checkpoint-every", type=int, metavar="N", help="every N inner steps (0: at the end only)")
+    g.add_argument("--resume", action="store_true", default=None, help="continue from --checkpoint-dir")
 
 
 def overrides_from_args(args: argparse.Namespace, extra: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:

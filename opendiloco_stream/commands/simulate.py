@@ -67,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="link bytes per payload byte: 2 = ring all-reduce among many peers, "
                            "2(M-1)/M for M peers, 1 = the paper's Table 4 (default 2)")
     link.add_argument("--latency-ms", metavar="MS", default="0",
-                      help="one-way latency added to every all-reduce result (default 0)")
+                      help="delay before each all-reduce result arrives; does not occupy "
+                           "the link (default 0)")
     out = p.add_argument_group("output")
     out.add_argument("--targets", metavar="LIST", default="50,80,90,95,99",
                      help="target utilizations in percent (default 50,80,90,95,99)")

@@ -49,6 +49,7 @@ _FP4_LEVELS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _levels_list(fmt: str) -> list[float]:
     if fmt == "int8":
         return [float(i) for i in range(128)]
@@ -72,12 +73,15 @@ def top(fmt: str) -> float:
 def _tables(fmt: str, device: torch.device) -> dict[str, torch.Tensor]:
     lv = levels(fmt)
     gaps = lv[1:] - lv[:-1]
-    tables = {"levels": lv, "gaps": gaps, "mids": lv[:-1] + gaps / 2}
+    tables = {"levels": lv, "gaps": gaps}
     if fmt in _FP4_LEVELS:
         signed = torch.cat([lv, -lv])  # nibble c -> value; c = 8 decodes to -0.0
         byte = torch.arange(256)
         # byte -> (low-nibble value, high-nibble value): decoding unpacks and looks up in one gather.
-        tables["pairs"] = torch.stack([signed[byte & 15], signed[byte >> 4]], dim=1).contiguous()
+        tables["decode"] = torch.stack([signed[byte & 15], signed[byte >> 4]], dim=1).contiguous()
+    elif fmt == "fp8-e4m3":
+        # A 256-entry lookup is ~5x faster than the fp8 -> fp32 cast on CPU, and equal by construction.
+        tables["decode"] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     return {k: v.to(device) for k, v in tables.items()}
 
 
@@ -107,8 +111,8 @@ def quantize(
     y[:numel].copy_(x)
     y[numel:].zero_()
     yb = y.view(n_blocks, block_size)
-    lo, hi = torch.aminmax(yb, dim=1)
-    amax = torch.maximum(hi, lo.neg())
+    # Two plain reductions: faster than aminmax on CPU and no |y| temporary.
+    amax = torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg())
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({fmt}, numel={numel})")
     scales = store_scales(amax, scale_dtype)
@@ -143,20 +147,53 @@ def _uniform(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def _round_table(y: torch.Tensor, fmt: str, sign_bit: int, generator: torch.Generator | None) -> torch.Tensor:
     """Sign-magnitude codes (uint8) of y, |y| <= top, rounded onto the format's level table."""
     t = _tables(fmt, y.device)
+    lv = _levels_list(fmt)
     negative = y < 0
     a = y.abs_()
     if generator is None:
-        # bucketize(right=False) counts midpoints strictly below a: a tie goes to the smaller level.
-        mag = torch.bucketize(a, t["mids"], out_int32=True)
+        # Count the midpoints strictly below a: a tie goes to the smaller level.
+        mids = [(lo + hi) / 2 for lo, hi in zip(lv[:-1], lv[1:])]
+        mag = _count_below(a, mids, strict=True, dtype=torch.uint8)
     else:
-        n_levels = t["levels"].numel()
-        mag = torch.bucketize(a, t["levels"], right=True, out_int32=True).sub_(1).clamp_(0, n_levels - 2)
+        # Index of the largest level <= a, at most the second-highest so that mag + 1 exists.
+        if fmt == "fp8-e4m3":
+            # e4m3 codes are ordered like their values: the nearest code, minus one if above a.
+            mag = a.to(torch.float8_e4m3fn).view(torch.uint8).int()
+            mag.sub_((torch.index_select(t["levels"], 0, mag) > a).int())
+        else:
+            mag = _count_below(a, lv[1:], strict=False, dtype=torch.int32)
+        mag.clamp_(0, len(lv) - 2)
         # a becomes the fraction of the way from the lower level to the next one: P(round up).
-        a.sub_(t["levels"][mag]).div_(t["gaps"][mag])
+        a.sub_(torch.index_select(t["levels"], 0, mag)).div_(torch.index_select(t["gaps"], 0, mag))
         mag.add_(_uniform(a, generator) < a)
     codes = mag.to(torch.uint8)
     codes.bitwise_or_(negative.to(torch.uint8) << sign_bit)
     return codes
+
+
+def _count_below(a: torch.Tensor, bounds: list[float], strict: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Per element of ``a`` (0 <= a < 2 * bounds[-1]), how many ascending bounds are < a (strict) or <= a."""
+    # All bounds of the 4-bit tables are integer multiples of a power of two `unit`, so with
+    # k = ceil(a / unit) (strict) or floor(a / unit) the count is a lookup: a few cheap passes
+    # instead of a binary search (bucketize is ~3x slower on CPU).
+    unit, table = _grid(tuple(bounds), strict, dtype, a.device)
+    k = a * (1.0 / unit)  # exact: unit is a power of two
+    k = k.ceil_() if strict else k.floor_()
+    return torch.index_select(table, 0, k.int().clamp_(0, table.numel() - 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _grid(
+    bounds: tuple[float, ...], strict: bool, dtype: torch.dtype, device: torch.device
+) -> tuple[float, torch.Tensor]:
+    unit = 1.0
+    while any(b / unit != int(b / unit) for b in bounds):
+        unit /= 2
+    size = int(2 * bounds[-1] / unit) + 2  # a is clamped to the format's top, below 2 * bounds[-1]
+    steps = [int(b / unit) for b in bounds]
+    k = torch.arange(size)
+    table = sum(((k > s) if strict else (k >= s)).to(torch.int32) for s in steps)
+    return unit, table.to(dtype=dtype, device=device)
 
 
 def _pack_nibbles(codes: torch.Tensor, numel: int) -> torch.Tensor:
@@ -186,11 +223,11 @@ def dequantize(scales: torch.Tensor, codes: torch.Tensor, fmt: str, numel: int, 
     elif fmt == "fp8-e4m3":
         if bool(((codes & 0x7F) == 0x7F).any()):
             raise ValueError("malformed fp8-e4m3 data: NaN code")
-        values = codes.view(torch.float8_e4m3fn).float()
+        values = torch.index_select(_tables(fmt, codes.device)["decode"], 0, codes.int())
     else:
         if numel % 2 and int(codes[-1]) >> 4:
             raise ValueError(f"malformed {fmt} data: the padding nibble after the last value is not zero")
-        values = _tables(fmt, codes.device)["pairs"][codes.int()].view(-1)
+        values = torch.index_select(_tables(fmt, codes.device)["decode"], 0, codes.int()).view(-1)
     # Scale whole blocks through a 2-D view and the short last block apart: no padded copy.
     n_full = numel // block_size
     values[: n_full * block_size].view(n_full, block_size).mul_(step[:n_full].unsqueeze(1))

@@ -185,7 +185,7 @@ def ensure_identity(path: str) -> str:
 # ---------------------------------------------------------------------------------------- start/stop
 
 
-def _rewrite_start_error(e: BaseException, net: NetConfig, host: Sequence[str]) -> str:
+def explain_start_error(e: BaseException, net: NetConfig, host: Sequence[str]) -> str:
     msg = str(e)
     peers = " ".join(net.initial_peers)
     if "failed to connect to bootstrap peers" in msg or "none of the initial_peers responded" in msg:
@@ -245,7 +245,7 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
                            f"{' '.join(net.initial_peers) or 'none'}); check them with `opendiloco-stream doctor`") from None
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise NetError(_rewrite_start_error(e, net, host)) from None
+        raise NetError(explain_start_error(e, net, host)) from None
     logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(host))
     return dht
 

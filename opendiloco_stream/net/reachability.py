@@ -31,7 +31,7 @@ DIALBACK_HANDLER = "ods_dialback_v1"
 _PROBE_ARGS = dict(dht_mode="client", use_relay=False, auto_nat=False, nat_port_map=False, no_listen=True)
 
 
-def _short_error(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     msg = str(e).strip() or type(e).__name__
     # p2pd errors look like "Daemon failed to start: 2026/01/01 12:00:00 failed to connect to bootstrap peers"
     if "failed to connect to bootstrap peers" in msg:
@@ -52,7 +52,7 @@ async def probe_dial(maddr: str, timeout: float = 10.0) -> Optional[str]:
     try:
         p2p = await P2P.create(initial_peers=[maddr], startup_timeout=timeout, **_PROBE_ARGS)
     except Exception as e:
-        return _short_error(e)
+        return short_error(e)
     await p2p.shutdown()
     return None
 
@@ -164,7 +164,7 @@ async def request_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], timeout
     except asyncio.TimeoutError:
         raise TimeoutError(f"no dial-back answer within {timeout:g} s") from None
     except Exception as e:
-        raise LookupError(f"{helper} offers no dial-back service ({_short_error(e)})") from None
+        raise LookupError(f"{helper} offers no dial-back service ({short_error(e)})") from None
     answer = json.loads(reply.value)
     if "error" in answer:
         raise LookupError(f"dial-back refused: {answer['error']}")

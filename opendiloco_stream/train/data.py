@@ -231,10 +231,7 @@ def build_datasets(
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     dtype = _token_dtype(tokenizer.vocab_size)
     if dataset == "builtin":
-        if not isinstance(tokenizer, ByteTokenizer):
-            train_docs, val_docs = _builtin_docs_tokenized(tokenizer, val_fraction)
-        else:
-            train_docs, val_docs = _builtin_docs_bytes(val_fraction)
+        train_docs, val_docs = _builtin_docs(tokenizer, val_fraction)
     else:
         train_docs, val_docs = _dataset_docs(dataset, dataset_config, text_field, tokenizer, val_fraction, max_tokens)
     train = _pack(train_docs, tokenizer.eos_id, dtype)
@@ -266,15 +263,17 @@ def _builtin_split(val_fraction: float) -> tuple[list[Path], list[Path]]:
     return [f for f, v in zip(files, is_val) if not v], [f for f, v in zip(files, is_val) if v]
 
 
-def _builtin_docs_bytes(val_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    train, val = _builtin_split(val_fraction)
-    read = lambda files: [a for a in (np.frombuffer(f.read_bytes(), dtype=np.uint8) for f in files) if len(a)]
-    return read(train), read(val)
+def _builtin_docs(tokenizer: Tokenizer, val_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train, validation) documents of the built-in corpus; empty files are skipped."""
 
+    def read(files: list[Path]) -> list[np.ndarray]:
+        if isinstance(tokenizer, ByteTokenizer):  # raw bytes are the tokens: no decode / encode
+            docs = [np.frombuffer(f.read_bytes(), dtype=np.uint8) for f in files]
+        else:
+            docs = tokenizer.encode_batch([f.read_text("utf-8", errors="replace") for f in files])
+        return [d for d in docs if len(d)]
 
-def _builtin_docs_tokenized(tokenizer: Tokenizer, val_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
     train, val = _builtin_split(val_fraction)
-    read = lambda files: tokenizer.encode_batch([f.read_text("utf-8", errors="replace") for f in files])
     return read(train), read(val)
 
 

@@ -19,8 +19,13 @@ import torch.nn.functional as F
 
 from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
 from opendiloco_stream.config import RunConfig
+from opendiloco_stream.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from opendiloco_stream.train.models import build_model, transformer_blocks
 from opendiloco_stream.transport.base import Transport
+
+
+# Model init seeds torch's process-global RNG: workers running as threads must not interleave it.
+_BUILD_LOCK = threading.Lock()
 
 
 class MetricsWriter:
@@ -96,8 +101,9 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     """
     tc, device = cfg.train, cfg.train.device
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
-                        dtype=dtype).to(device)
+    with _BUILD_LOCK:
+        model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
+                            dtype=dtype).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
@@ -106,6 +112,13 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     report = WorkerReport(rank=rank, params=sum(p.numel() for p in model.parameters()),
                           outer_gradient_numel=sum(f.numel for f in diloco.fragments))
     start_step = 0
+    ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir else None
+    if ckpt is not None and tc.resume:
+        resumed = load_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco)
+        if resumed is not None:
+            start_step = resumed
+            join_running = False
+            emit({"event": "resumed", "rank": rank, "step": start_step, "path": str(ckpt)})
     if join_running:
         state = transport.load_state_from_peers(timeout=cfg.diloco.sync_timeout)
         if state is not None:
@@ -150,12 +163,17 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             ev = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
             eval_s += time.perf_counter() - e0
             emit({"event": "eval", "rank": rank, "step": step + 1, "eval_loss": ev})
+        if ckpt is not None and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
+            save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco, step=step + 1)
         if should_stop is not None and should_stop():
             emit({"event": "stopped", "rank": rank, "step": step + 1})
             break
     # the data-parallel wait happens inside opt.step(): move it from compute to communication
     report.compute_s = max(0.0, report.compute_s - (diloco.stats["wait_s"] if cfg.diloco.mode == "data-parallel" else 0.0))
     report.wall_s = time.perf_counter() - wall_start - eval_s
+    if ckpt is not None:
+        save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco,
+                        step=start_step + report.steps)
     report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "eval_loss": report.eval_loss})
     report.train_loss = float(sum(recent) / max(1, len(recent)))

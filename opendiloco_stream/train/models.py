@@ -5,6 +5,9 @@ number of layers and number of heads from the architecture table of Streaming Di
 (arXiv 2501.18512, Table 2, "35M" .. "4B", vocabulary 32k). The paper does not give an MLP width
 for a SwiGLU Llama block, so we use Llama's rule: ``intermediate = 8/3 * hidden`` rounded up to a
 multiple of 256, which keeps each block at ~12 * hidden^2 parameters like a 4x GELU MLP.
+Caveat: the shapes were transcribed from the paper without an offline copy to re-check; with
+this MLP rule the non-embedding counts are 42M, 116M, 244M, 425M, 925M, 1.23B, 4.08B, and the
+"500M" row in particular is larger than its label: verify against the paper before citing.
 ``"tiny"`` (hidden 128, 4 layers, 4 heads, ~0.9 M parameters with the byte vocabulary) is ours,
 for CPU runs and tests.
 

@@ -1,0 +1,87 @@
+"""``opendiloco-stream bootstrap``: run a DHT-only node that peers join with ``--initial-peers``.
+
+Prints one ``--initial-peers MADDR`` line per address on stdout, the one to use first (status and
+hints go to stderr), optionally writes the addresses to ``--addr-file`` (atomically, one per
+line) for scripts, then serves until Ctrl+C / SIGTERM and shuts down cleanly (exit 0).
+
+For peers on other machines: ``--port 31337`` (open it in the firewall), ``--public-ip IP`` behind
+NAT, and ``--identity-path bootstrap.key`` so the address stays the same across restarts. The node
+also answers ``doctor``'s dial-back requests and validates the run's metrics records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bootstrap", help="run a DHT-only node; print the address peers pass as --initial-peers",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_network_flags(p)
+    p.add_argument("--addr-file", metavar="F", help="write this node's multiaddrs to F, one per line (atomically)")
+    p.add_argument("--no-dialback", action="store_true", help="do not answer doctor's dial-back requests")
+    p.set_defaults(func=run)
+
+
+def write_addr_file(path: str, maddrs: list[str]) -> None:
+    """Write ``maddrs`` one per line so that a reader never sees a partial file."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{m}\n" for m in maddrs))
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _is_local_only(maddrs: list[str]) -> bool:
+    return all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in maddrs)
+
+
+def run(args: argparse.Namespace) -> int:
+    from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
+    from opendiloco_stream.net.lifecycle import GracefulShutdown
+    from opendiloco_stream.net.metrics import install_validators
+    from opendiloco_stream.net.reachability import DialbackService
+
+    net = net_config_from_args(args)
+    quiet_hivemind(args.verbose)
+    with GracefulShutdown() as stop:
+        dht = start_dht(net)
+        service = None
+        try:
+            # this node stores the run's metrics records: without the validators it would accept forged ones
+            install_validators(dht, net.run_id)
+            if not args.no_dialback:
+                service = DialbackService(dht).start()
+            maddrs = visible_maddrs(dht)
+            if args.addr_file:
+                write_addr_file(args.addr_file, maddrs)
+            print(f"bootstrap node {dht.peer_id} is up (run '{net.run_id}'); peers join with:", file=sys.stderr)
+            for m in maddrs:
+                print(f"--initial-peers {m}", flush=True)
+            if _is_local_only(maddrs):
+                print("note: reachable from this machine only; for other machines add --port 31337 (open it) "
+                      "and, behind NAT, --public-ip <your public IP>", file=sys.stderr)
+            if not net.identity_path:
+                print("note: the /p2p/ id changes at every start; --identity-path bootstrap.key keeps it",
+                      file=sys.stderr)
+            print("serving; Ctrl+C (or SIGTERM) stops it", file=sys.stderr, flush=True)
+            stop.wait()
+        finally:
+            if not args.verbose:  # p2pd complains about the sockets we close on the way out
+                quiet_hivemind(level=60)
+            if service is not None:
+                service.shutdown()
+            stop_dht(dht)
+    print("bootstrap node stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,332 @@
+"""The networked Transport: hivemind DHT + one background averager per fragment.
+
+    dht = hivemind.DHT(initial_peers=[...], start=True)
+    transport = HivemindTransport(dht, "my-run", codec="fp4-e3m0", window_s=H * step_time)
+    transport.prepare({0: numel_0, 1: numel_1})       # forks one averager per fragment
+    handle = transport.all_reduce((fragment, round), outer_gradient, weight=tokens)  # returns in ~ms
+    result = handle.wait()                             # bounded: never past the round's bound
+
+Design (docs/architecture.md, "hivemind transport"):
+
+- One ``FragmentAverager`` process per fragment, prefix ``{run_id}_f{fragment}``: independent
+  matchmaking per fragment, so the P rounds that eager mode keeps in flight never queue behind
+  each other, and a stuck fragment does not stall the others. hivemind fixes an averager's tensor
+  set at construction, which is one fragment's flat outer gradient.
+- Rounds are gated by group-key bits derived from the round, set before every step: peers at
+  different rounds cannot meet. ``target_group_size`` peers start at once; otherwise the group
+  forms with whoever is there after ``matchmaking_time`` (more peers than the target make several
+  disjoint groups: set it to the swarm size).
+- Our all-reduce (``hv_runner``) replaces hivemind's: quantized contributions, fp32 reduction,
+  validation of every contribution, one quantization of each part's average sent as the same bytes
+  to everyone (bit-identical results), verdicts exchanged so all parts average the same
+  contributions, and any missing or inconsistent part fails the round (``reason="partial"``).
+- One worker thread per fragment runs the rounds of that fragment in order, so ``all_reduce``
+  never blocks and the shared buffers are only touched between steps.
+- Timeouts (``hv_timeouts``): derived from ``link_mbit`` and ``window_s`` unless given.
+- Late joiners (``hv_state``): state served and downloaded by the host, not the averagers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import re
+import threading
+import time
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+from hivemind.averaging.control import StepControl
+from hivemind.dht import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+from opendiloco_stream.compression import get_codec
+from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
+from opendiloco_stream.transport.hv_averager import FragmentAverager
+from opendiloco_stream.transport.hv_protocol import PROTOCOL_VERSION, codec_spec, round_group_bits
+from opendiloco_stream.transport.hv_runner import RoundError
+from opendiloco_stream.transport.hv_state import StateSharing
+from opendiloco_stream.transport.hv_timeouts import RoundTimeouts, derive_timeouts
+
+logger = logging.getLogger(__name__)
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class HivemindSyncHandle(SyncHandle):
+    """A pending round; ``wait`` never blocks past ``deadline`` (monotonic seconds)."""
+
+    def __init__(self, key: Hashable, deadline: float):
+        self.key, self.deadline = key, deadline
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._result: Optional[SyncResult] = None
+        self._failure: Optional[tuple[str, str]] = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def wait(self, timeout: Optional[float] = None) -> SyncResult:
+        bound = self.remaining() if timeout is None else min(max(0.0, timeout), self.remaining())
+        if not self._event.wait(bound):
+            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key, reason="timeout")
+        if self._failure is not None:
+            reason, message = self._failure
+            raise SyncFailed(message, key=self.key, reason=reason)
+        return self._result
+
+    def _settle(self, result: Optional[SyncResult], failure: Optional[tuple[str, str]]) -> bool:
+        with self._lock:  # the first outcome wins (close() may race the worker)
+            if self._event.is_set():
+                return False
+            self._result, self._failure = result, failure
+            self._event.set()
+            return True
+
+    def succeed(self, result: SyncResult) -> None:
+        self._settle(result, None)
+
+    def fail(self, reason: str, message: str) -> None:
+        if self._settle(None, (reason, message)):
+            logger.info("round %s failed (%s): %s", self.key, reason, message)
+
+
+def _classify(error: BaseException, step: StepControl) -> tuple[str, str]:
+    if isinstance(error, RoundError):
+        return error.reason, error.message
+    if isinstance(error, TimeoutError):
+        return "timeout", f"all-reduce did not finish in time: {error!r}"
+    if not step.began_allreduce:
+        return "matchmaking", f"no group formed: {error}"
+    return "failed", repr(error)
+
+
+class _Lane:
+    """One fragment: its averager process and the worker thread that runs its rounds in order."""
+
+    def __init__(self, fragment: int, averager: FragmentAverager, timeouts: RoundTimeouts):
+        self.fragment, self.averager, self.timeouts = fragment, averager, timeouts
+        self.numel = averager.input_buffer.numel()
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._current: Optional[HivemindSyncHandle] = None
+        self._step: Optional[StepControl] = None  # the last step; never touch the buffers before it is done
+        self._pipe_lock = threading.Lock()  # hivemind's control pipe is not safe for concurrent senders
+        self._thread = threading.Thread(target=self._loop, name=f"hv-fragment-{fragment}", daemon=True)
+        self._thread.start()
+
+    def submit(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
+        self._queue.put((handle, tensor, weight))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle = item[0]
+            if handle.done():
+                continue
+            self._current = handle
+            try:
+                self._run(*item)
+            except BaseException as e:  # a bug must fail the round, not kill the lane
+                logger.exception("round %s crashed", handle.key)
+                handle.fail("failed", repr(e))
+            finally:
+                self._current = None
+
+    def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
+        fragment, round_index = handle.key
+        if self._step is not None and not self._step.done():
+            try:
+                self._step.result(timeout=handle.remaining())
+            except TimeoutError:
+                if not self._step.done():
+                    handle.fail("timeout", f"the previous round of fragment {fragment} is still running")
+                    return
+            except BaseException:
+                pass  # it failed; it is over, which is all we need
+        flat = tensor.detach().reshape(-1)
+        if not bool(torch.isfinite(flat).all()):
+            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
+            return
+        if not self.averager.is_alive():
+            handle.fail("closed", f"the averager of fragment {fragment} is gone")
+            return
+        self.averager.input_buffer.copy_(flat)
+        gather = dict(v=PROTOCOL_VERSION, w=float(weight), spec=codec_spec(self.averager.codec), numel=self.numel,
+                      key=[int(fragment), int(round_index)])
+        with self._pipe_lock:
+            self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False).result(
+                timeout=self.timeouts.request)
+            self._step = step = self.averager.step(
+                gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
+                timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
+        try:
+            summary = step.result(timeout=handle.remaining())
+        except TimeoutError:
+            if not step.done():
+                handle.fail("timeout", f"round not finished within {self.timeouts.round_bound:.1f}s")
+                return
+            reason, message = _classify(step.exception(), step)
+            handle.fail(reason, message)
+            return
+        except BaseException as e:
+            reason, message = _classify(e, step)
+            handle.fail(reason, message)
+            return
+        handle.succeed(SyncResult(
+            average=self.averager.output_buffer.clone(), sent=self.averager.sent_buffer.clone(),
+            group_size=summary["group_size"], weight_share=summary["weight_share"],
+            bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
+            included_self=summary["included_self"], rejected=summary["rejected"]))
+
+    def close(self) -> None:
+        while True:  # fail what is queued, then stop the worker
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].fail("closed", "transport closed")
+        current = self._current
+        if current is not None:
+            current.fail("closed", "transport closed")
+        self._queue.put(None)
+        got_pipe = self._pipe_lock.acquire(timeout=self.timeouts.request)
+        try:
+            self.averager.close()
+        finally:
+            if got_pipe:
+                self._pipe_lock.release()
+        self._thread.join(timeout=self.timeouts.request)
+
+
+class HivemindTransport(Transport):
+    """One peer of a run over hivemind (see the module docstring for the design).
+
+    Args:
+        dht: a running ``hivemind.DHT`` (the caller owns it; ``close`` leaves it running).
+        run_id: the run's name ([A-Za-z0-9_-]); peers group only within a run.
+        codec, block_size, scale_dtype, stochastic: the wire codec (``compression.get_codec``).
+        target_group_size: start a round as soon as this many peers are there; ``None`` waits
+            ``matchmaking_time`` every round. Set it to the number of peers.
+        matchmaking_time, request_timeout, allreduce_timeout, next_chunk_timeout, window_s,
+            link_mbit: the timeout hierarchy, see ``hv_timeouts``.
+        client_mode: for peers that cannot accept connections: they send and receive but reduce
+            no part and serve no state.
+        chunk_bytes: encoded bytes per streamed chunk.
+        norm_bound: reject contributions whose norm exceeds this multiple of the group median
+            (with 3+ contributions); ``None`` disables the check.
+        state_timeout: the longest silence tolerated inside a state download.
+    """
+
+    averager_cls = FragmentAverager
+
+    def __init__(self, dht: DHT, run_id: str, *, codec: str = "fp32", block_size: int = 64,
+                 scale_dtype: str = "fp16", stochastic: bool = False, target_group_size: Optional[int] = None,
+                 matchmaking_time: float = 5.0, request_timeout: float = 3.0, allreduce_timeout: Optional[float] = None,
+                 next_chunk_timeout: Optional[float] = None, link_mbit: float = 100.0, client_mode: bool = False,
+                 window_s: Optional[float] = None, chunk_bytes: int = 1 << 20, norm_bound: Optional[float] = 10.0,
+                 state_timeout: float = 30.0, startup_timeout: float = 60.0):
+        if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+            raise ValueError(f"run_id {run_id!r}: use letters, digits, '_' and '-' only")
+        if target_group_size is not None and target_group_size < 2:
+            raise ValueError(f"target_group_size must be >= 2 (or None), got {target_group_size}")
+        if norm_bound is not None and not norm_bound > 1:
+            raise ValueError(f"norm_bound must be > 1 (or None), got {norm_bound}")
+        self.codec = get_codec(codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic)
+        self.dht, self.run_id, self.client_mode = dht, run_id, client_mode
+        self.target_group_size, self.chunk_bytes, self.norm_bound = target_group_size, int(chunk_bytes), norm_bound
+        self.link_mbit, self.window_s, self.startup_timeout = link_mbit, window_s, startup_timeout
+        self.timeout_args = dict(matchmaking_time=matchmaking_time, request_timeout=request_timeout,
+                                 allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout)
+        derive_timeouts(encoded_bytes=0, numel=0, chunk_bytes=self.chunk_bytes, link_mbit=link_mbit,
+                        window_s=window_s, **self.timeout_args)  # fail on a broken hierarchy now, not in prepare
+        self.state_timeout = state_timeout
+        self.peer_id = str(dht.peer_id)
+        self._lanes: dict[int, _Lane] = {}
+        self._numels: dict[int, int] = {}
+        self._state: Optional[StateSharing] = None
+        self._closed = False
+
+    def timeouts(self, numel: int) -> RoundTimeouts:
+        """The timeouts a fragment of ``numel`` elements gets."""
+        return derive_timeouts(encoded_bytes=self.codec.encoded_size(numel), numel=numel, chunk_bytes=self.chunk_bytes,
+                               link_mbit=self.link_mbit, window_s=self.window_s, **self.timeout_args)
+
+    def prepare(self, numels: dict[int, int]) -> None:
+        numels = {int(p): int(n) for p, n in numels.items()}
+        if self._lanes:
+            if numels != self._numels:
+                raise ValueError(f"prepare() was already called with other fragments: {self._numels}")
+            return
+        if any(n < 1 for n in numels.values()) or any(p < 0 for p in numels):
+            raise ValueError(f"fragments must have indices >= 0 and at least one element: {numels}")
+        if mp.get_start_method() != "fork":
+            raise RuntimeError("hivemind averagers need the 'fork' multiprocessing start method "
+                               f"(this process uses {mp.get_start_method()!r})")
+        try:
+            for p, n in sorted(numels.items()):
+                timeouts = self.timeouts(n)
+                averager = self.averager_cls(
+                    n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
+                    chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
+                    client_mode=self.client_mode, startup_timeout=self.startup_timeout)
+                self._lanes[p] = _Lane(p, averager, timeouts)
+        except BaseException:
+            self.close()
+            raise
+        self._numels = numels
+
+    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> HivemindSyncHandle:
+        fragment, _round = key
+        lane = self._lanes.get(fragment)
+        if lane is None and not self._closed:
+            raise ValueError(f"fragment {fragment} was not declared in prepare() (declared: {sorted(self._lanes)})")
+        if not (isinstance(weight, (int, float)) and weight >= 0 and weight == weight and weight != float("inf")):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        if self._closed:
+            handle = HivemindSyncHandle(key, time.monotonic())
+            handle.fail("closed", "transport closed")
+            return handle
+        if tensor.numel() != lane.numel:
+            raise ValueError(f"fragment {fragment} has {lane.numel} elements, got a tensor of {tensor.numel()}")
+        handle = HivemindSyncHandle(key, time.monotonic() + lane.timeouts.round_bound)
+        lane.submit(handle, tensor, float(weight))
+        return handle
+
+    # ------------------------------------------------------------------ late joiners
+    def _sharing(self) -> StateSharing:
+        if self._state is None:
+            self._state = StateSharing(self.dht, self.run_id, can_serve=not self.client_mode,
+                                       chunk_timeout=self.state_timeout)
+        return self._state
+
+    def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
+        """``provider()`` runs in this process, in a background thread, when a joiner asks: it must
+        return copies (the transport serializes them right away) and must not block on a round."""
+        if self._closed:
+            raise RuntimeError("transport closed")
+        self._sharing().set_provider(provider)
+
+    def load_state_from_peers(self, timeout: float) -> Optional[dict[str, Any]]:
+        if self._closed:
+            raise RuntimeError("transport closed")
+        return self._sharing().load(timeout)
+
+    def close(self) -> None:
+        """Fail pending rounds ("closed"), stop every averager process, stop serving state."""
+        self._closed = True
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            try:
+                lane.close()
+            except Exception as e:
+                logger.warning("fragment %d did not close cleanly: %r", lane.fragment, e)
+        if self._state is not None:
+            self._state.close()
+            self._state = None

@@ -1,0 +1,152 @@
+"""``FragmentAverager``: a hivemind ``DecentralizedAverager`` that runs our all-reduce for one fragment.
+
+What we keep from hivemind 1.1.12: the background process, matchmaking (group keys, leaders,
+``target_group_size``), the step control (``step(wait=False)``), P2P handlers under the averager's
+prefix. What we replace: the all-reduce itself (``_aggregate_with_group`` runs ``HvAllReduceRunner``
+and ``rpc_aggregate_part`` routes streams to it), the shutdown (hivemind's calls ``finalize`` on
+futures) and the signal handling (hivemind ignores SIGINT in the *host* when it forks).
+
+Buffers (shared memory, fixed size): ``input_buffer`` (the host writes the tensor to send before a
+step), ``output_buffer`` and ``sent_buffer`` (the averager writes the average and ``deQ(Q(input))``
+when a step succeeds). The host touches them only between steps, never mid-round.
+
+These overrides touch hivemind internals, hence the exact pin ``hivemind==1.1.12`` and
+``tests/test_hivemind_transport.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.dht import DHT
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, anext, as_aiter
+
+from opendiloco_stream.compression import Codec
+from opendiloco_stream.transport.hv_runner import HvAllReduceRunner, RoundError
+from opendiloco_stream.transport.hv_timeouts import BACKSTOP_S, RoundTimeouts
+
+logger = logging.getLogger(__name__)
+
+# hivemind logs every failed step with a traceback; the host reports it as SyncFailed instead.
+_NOISY_LOGGERS = ("hivemind.averaging.averager", "hivemind.averaging.matchmaking", "hivemind.averaging.allreduce",
+                  "hivemind.averaging.key_manager",
+                  "hivemind.averaging.partition", "hivemind.p2p.p2p_daemon")
+
+
+class FragmentAverager(DecentralizedAverager):
+    """The averager of one fragment (prefix ``{run_id}_f{fragment}``); see the module docstring."""
+
+    runner_cls = HvAllReduceRunner
+
+    def __init__(self, numel: int, dht: DHT, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
+                 chunk_bytes: int, norm_bound: Optional[float], target_group_size: Optional[int],
+                 client_mode: bool, startup_timeout: float = 60.0):
+        self.input_buffer = torch.zeros(numel, dtype=torch.float32)
+        super().__init__(
+            [self.input_buffer], dht, start=False, prefix=prefix, target_group_size=target_group_size,
+            min_group_size=2, min_matchmaking_time=timeouts.matchmaking, request_timeout=timeouts.request,
+            allreduce_timeout=timeouts.allreduce + BACKSTOP_S, next_chunk_timeout=timeouts.next_chunk,
+            client_mode=client_mode, allow_state_sharing=False, daemon=True, shutdown_timeout=5.0,
+        )
+        self.output_buffer = torch.zeros(numel, dtype=torch.float32).share_memory_()
+        self.sent_buffer = torch.zeros(numel, dtype=torch.float32).share_memory_()
+        self.codec, self.timeouts = codec, timeouts
+        self.chunk_bytes, self.norm_bound = chunk_bytes, norm_bound
+        self.start()  # fork: the buffers above are shared, the host's threads are not copied
+        self.wait_until_ready(timeout=startup_timeout)
+
+    # ------------------------------------------------------------------ process lifecycle
+    def run(self) -> None:
+        # The host handles Ctrl-C and shuts us down; if the host dies without doing so, so do we.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for name in _NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        threading.Thread(target=self._exit_with_parent, daemon=True).start()
+        super().run()
+
+    def _exit_with_parent(self) -> None:
+        parent = self._parent_pid
+        while True:
+            threading.Event().wait(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in list(self._running_groups.values()):
+            if not future.done():
+                future.cancel()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the averager process; SIGKILL it if it does not stop within ``timeout``."""
+        if self.is_alive():
+            try:
+                self._outer_pipe.send(("_shutdown", [timeout], {}))
+                self._inner_pipe.send(("_SHUTDOWN", None))  # ends hivemind's state-fetcher thread in the host
+            except (OSError, ValueError):
+                pass
+            self.join(timeout)
+        if self.is_alive():
+            logger.warning("averager %s (pid %s) did not stop within %.0fs: killing it", self.prefix, self.pid, timeout)
+            self.kill()
+            self.join(timeout)
+
+    def shutdown(self) -> None:
+        self.close(self.shutdown_timeout)
+
+    # ------------------------------------------------------------------ the all-reduce
+    async def _aggregate_with_group(self, group_info: GroupInfo, **_allreduce_kwargs) -> dict:
+        registered = self._running_groups[group_info.group_id]
+        try:
+            runner = self.runner_cls(
+                p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_info=group_info,
+                tensor=self.input_buffer, codec=self.codec, timeouts=self.timeouts, chunk_bytes=self.chunk_bytes,
+                norm_bound=self.norm_bound)
+        except RoundError as e:
+            registered.set_exception(e)
+            registered.exception()  # retrieved: a late sender's handler may never look at it
+            raise
+        registered.set_result(runner)
+        summary = await runner.run()
+        self.output_buffer.copy_(runner.result)  # synchronous: a cancellation cannot cut it in half
+        self.sent_buffer.copy_(runner.sent)
+        return summary
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Route a groupmate's stream to the runner of its group."""
+        try:
+            request = await asyncio.wait_for(anext(stream), self.timeouts.next_chunk)
+        except (Exception, StopAsyncIteration):
+            return
+        if request.group_id not in self._running_groups:
+            # the leader may have started before our own BEGIN_ALLREDUCE arrived (as in hivemind)
+            try:
+                await asyncio.wait_for(self._pending_groups_registered.wait(), self.timeouts.request)
+            except asyncio.TimeoutError:
+                pass
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        if future.cancelled():  # we are shutting down
+            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+            return
+        try:
+            runner = await asyncio.wait_for(asyncio.shield(future), self.timeouts.request)
+        except Exception:  # the runner could not start (e.g. mismatching peers): the sender fails too
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            return
+        async for message in runner.serve(achain(as_aiter(request), stream), context.remote_id):
+            yield message

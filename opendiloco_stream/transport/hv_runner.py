@@ -1,0 +1,376 @@
+"""One all-reduce round of one fragment, run inside the hivemind averager process.
+
+Replaces hivemind's ``AllReduceRunner`` (which returns ``avg - decoded(part)`` deltas, so peers end
+with different results under lossy codecs, and silently keeps local values for parts whose reducer
+failed). The protocol is described in ``hv_protocol``; this module moves its frames over hivemind's
+P2P streams: each sender opens one ``rpc_aggregate_part`` stream per remote reducer, sends its
+contribution chunks and (if it reduces a part itself) its verdict on it, then reads the averaged
+chunks back on the same stream.
+
+Every wait is bounded: ``next_chunk`` between two messages of a stream (and for a sender to show
+up), the round deadline (``allreduce``) for the verdicts and the first result. Any part that does
+not arrive complete and consistent fails the whole round with ``RoundError(reason="partial")``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import AsyncIterator, Optional, Sequence
+
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from opendiloco_stream.compression import Codec
+from opendiloco_stream.transport.hv_protocol import (
+    CONTRIB, MISSING, OK, ABSTAINED, PROTOCOL_VERSION, REJECTED, RESULT, VERDICT, GroupLayout, ProtocolError,
+    check_chunk, chunk_numel_for, codec_alignment, codec_spec, combine_verdicts, norm_verdict, pack_frame,
+    unpack_frame, weighted_mean,
+)
+from opendiloco_stream.transport.hv_timeouts import RoundTimeouts
+
+logger = logging.getLogger(__name__)
+
+
+class RoundError(AllreduceException):
+    """A round without a complete, consistent average; ``reason`` as in ``SyncFailed``."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(reason, message)  # args must rebuild the exception: it is pickled to the host
+        self.reason, self.message = reason, message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _message(frame: bytes, group_id: bytes = b"", code: int = averaging_pb2.PART_FOR_AVERAGING) -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=frame))
+
+
+def _error(code: int = averaging_pb2.INTERNAL_ERROR) -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(code=code)
+
+
+class HvAllReduceRunner:
+    """Reduce-scatter, verdict exchange and all-gather of one group (see ``hv_protocol``).
+
+    ``run()`` returns the round's metadata (group size, weight share, bytes...) and leaves the
+    average in ``self.result`` and what this peer sent, ``deQ(Q(tensor))``, in ``self.sent``.
+    Subclasses may override ``encode_contribution`` (tests use it to fake bad senders).
+    """
+
+    def __init__(self, *, p2p: P2P, servicer_type: type, prefix: str, group_info: GroupInfo, tensor: torch.Tensor,
+                 codec: Codec, timeouts: RoundTimeouts, chunk_bytes: int, norm_bound: Optional[float]):
+        self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
+        self.group_id, self.peer_ids = group_info.group_id, tuple(group_info.peer_ids)
+        self.me = self.peer_ids.index(p2p.peer_id)
+        self.tensor, self.codec, self.t, self.norm_bound = tensor, codec, timeouts, norm_bound
+        n = len(self.peer_ids)
+        self.modes, users = [], []
+        for blob in group_info.gathered:
+            _bandwidth, mode, user = MSGPackSerializer.loads(blob)
+            self.modes.append(AveragingMode(mode))
+            users.append(MSGPackSerializer.loads(user))
+        mine = users[self.me]
+        self.key = mine["key"]
+        self.weights, status = [], []
+        for i, user in enumerate(users):
+            if not isinstance(user, dict) or user.get("v") != PROTOCOL_VERSION:
+                raise RoundError("rejected", f"peer {self.peer_ids[i]} speaks another protocol version: {user!r:.80}")
+            for field in ("spec", "numel", "key"):
+                if user.get(field) != mine[field]:
+                    raise RoundError("rejected", f"peer {self.peer_ids[i]} has {field}={user.get(field)!r}, "
+                                     f"this peer {mine[field]!r}: peers of a run must share codec and fragments")
+            w = user.get("w")
+            valid = isinstance(w, (int, float)) and math.isfinite(w) and w >= 0
+            self.weights.append(float(w) if valid else 0.0)
+            aux = self.modes[i] == AveragingMode.AUX
+            status.append(REJECTED if not valid else ABSTAINED if (aux or w == 0) else OK)
+        self.is_reducer = [m == AveragingMode.NODE for m in self.modes]
+        self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
+        align = codec_alignment(codec)
+        self.layout = GroupLayout.build(tensor.numel(), self.is_reducer, align, chunk_numel_for(codec, chunk_bytes, align))
+        self.my_chunks = self.layout.chunks[self.me]
+        self.result = torch.empty(tensor.numel(), dtype=torch.float32)
+        self.sent = torch.empty(tensor.numel(), dtype=torch.float32)
+        self.bytes_sent = self.bytes_received = 0
+        # reducer state: decoded contributions to my part, their squared norms, per-sender status
+        self.status = status
+        self.decoded: list[list[Optional[torch.Tensor]]] = [[None] * len(self.my_chunks) for _ in range(n)]
+        self.sumsq = [0.0] * n
+        self.sender_done = {s: asyncio.Event() for s in self.senders}
+        self.connected: set[int] = set()
+        self.verdicts = {r: asyncio.get_event_loop().create_future() for r in range(n) if self.is_reducer[r] and r != self.me}
+        self.my_verdict = asyncio.get_event_loop().create_future()
+        self.final = asyncio.get_event_loop().create_future()  # (combined status, total weight)
+        self.result_chunks = [asyncio.get_event_loop().create_future() for _ in self.my_chunks]
+        self.part_status: dict[int, tuple[bytes, float]] = {}
+        self.serving: dict[int, asyncio.Event] = {}
+        self.finished = False
+        self._deadline = asyncio.get_event_loop().time() + timeouts.allreduce
+
+    # ------------------------------------------------------------------ helpers
+    def _remaining(self) -> float:
+        return max(0.0, self._deadline - asyncio.get_event_loop().time())
+
+    def _name(self, i: int) -> str:
+        return str(self.peer_ids[i])
+
+    async def _in_executor(self, fn, *args):
+        return await asyncio.get_event_loop().run_in_executor(None, fn, *args)
+
+    def encode_contribution(self, chunk: torch.Tensor) -> bytes:
+        """What goes on the wire for one chunk of this peer's tensor."""
+        return self.codec.encode(chunk)
+
+    def _encode_chunk(self, lo: int, hi: int) -> tuple[bytes, torch.Tensor]:
+        payload = self.encode_contribution(self.tensor[lo:hi])
+        try:
+            values = self.codec.decode(payload, numel=hi - lo)
+            self.sent[lo:hi] = values
+        except ValueError:  # only a faked sender gets here; what it sent is not a tensor
+            values = torch.full((hi - lo,), float("nan"))
+            self.sent[lo:hi] = values
+        return payload, values
+
+    def _accept(self, s: int, j: int, values: Optional[torch.Tensor], why: str) -> None:
+        if self.status[s] != OK:
+            return
+        if values is None:
+            logger.info("fragment round %s: rejecting %s: %s", self.key, self._name(s), why)
+            self.status[s] = REJECTED
+            self.decoded[s] = [None] * len(self.my_chunks)
+            return
+        self.decoded[s][j] = values
+        self.sumsq[s] += float(values.double().square().sum())
+
+    def _record_part(self, q: int, status: bytes, total_weight: float) -> None:
+        seen = self.part_status.setdefault(q, (status, total_weight))
+        if seen != (status, total_weight):
+            raise RoundError("partial", f"reducer {self._name(q)} changed its verdict between chunks")
+
+    # ------------------------------------------------------------------ reducer: incoming streams
+    async def serve(self, stream: AsyncIterator[averaging_pb2.AveragingData], remote: PeerID
+                    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Handle one sender's stream: take its contribution chunks and verdict, return the averages."""
+        s = self.peer_ids.index(remote) if remote in self.peer_ids else -1
+        if s < 0 or s not in self.sender_done or not self.is_reducer[self.me] or s in self.connected:
+            yield _error(averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if self.finished or self.sender_done[s].is_set():  # too late: already counted as missing
+            yield _error(averaging_pb2.CANCELLED)
+            return
+        self.connected.add(s)
+        self.serving[s] = done_serving = asyncio.Event()
+        try:
+            async for message in self._serve(stream, s):
+                yield message
+        finally:
+            done_serving.set()
+
+    async def _serve(self, stream: AsyncIterator[averaging_pb2.AveragingData], s: int
+                     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        it = stream.__aiter__()
+        try:
+            for j, (lo, hi) in enumerate(self.my_chunks):
+                msg = await asyncio.wait_for(it.__anext__(), min(self.t.next_chunk, self._remaining()))
+                self.bytes_received += msg.ByteSize()
+                frame = unpack_frame(msg.tensor_part.buffer)
+                if msg.code != averaging_pb2.PART_FOR_AVERAGING or frame.kind != CONTRIB or frame.chunk != j:
+                    raise ProtocolError(f"expected contribution chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
+                if self.status[s] == OK:
+                    values, why = await self._in_executor(check_chunk, self.codec, frame.payload, hi - lo)
+                    self._accept(s, j, values, why)
+            self.sender_done[s].set()
+            if s in self.verdicts:
+                msg = await asyncio.wait_for(it.__anext__(), self._remaining())
+                self.bytes_received += msg.ByteSize()
+                frame = unpack_frame(msg.tensor_part.buffer)
+                if frame.kind != VERDICT or len(frame.status) != len(self.peer_ids):
+                    raise ProtocolError(f"expected a verdict, got frame kind {frame.kind}")
+                self.verdicts[s].set_result(frame.status)
+        except (Exception, asyncio.CancelledError) as e:
+            why = "stalled" if isinstance(e, asyncio.TimeoutError) else "left" if isinstance(e, StopAsyncIteration) else repr(e)
+            self._sender_lost(s, why)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            yield _error()
+            return
+        try:
+            final, total_weight = await asyncio.wait_for(asyncio.shield(self.final), self._remaining())
+            for j in range(len(self.my_chunks)):
+                payload = await asyncio.wait_for(asyncio.shield(self.result_chunks[j]), self._remaining())
+                msg = _message(pack_frame(RESULT, j, payload, final, total_weight), code=averaging_pb2.AVERAGED_PART)
+                self.bytes_sent += msg.ByteSize()
+                yield msg
+        except Exception as e:  # our reduction failed: tell the sender instead of going silent
+            logger.debug("round %s: no result for %s: %r", self.key, self._name(s), e)
+            yield _error()
+
+    def _sender_lost(self, s: int, why: str) -> None:
+        if not self.sender_done[s].is_set():
+            logger.info("round %s: sender %s %s before its contribution was complete", self.key, self._name(s), why)
+            if self.status[s] in (OK, ABSTAINED):
+                self.status[s] = MISSING
+            self.decoded[s] = [None] * len(self.my_chunks)
+            self.sender_done[s].set()
+        verdict = self.verdicts.get(s)
+        if verdict is not None and not verdict.done():
+            verdict.set_exception(RoundError("partial", f"reducer {self._name(s)} {why} before sending its verdict"))
+
+    async def _watch_for_absent_senders(self) -> None:
+        """A sender that never opens its stream within next_chunk is missing (it may be dead)."""
+        await asyncio.sleep(min(self.t.next_chunk, self._remaining()))
+        for s in self.senders:
+            if s != self.me and s not in self.connected:
+                self._sender_lost(s, "never connected")
+
+    # ------------------------------------------------------------------ reducer: own part
+    async def _contribute_locally(self) -> None:
+        for j, (lo, hi) in enumerate(self.my_chunks):
+            payload, _ = await self._in_executor(self._encode_chunk, lo, hi)
+            if self.status[self.me] == OK:  # same checks as a remote contribution: our part is no exception
+                values, why = await self._in_executor(check_chunk, self.codec, payload, hi - lo)
+                self._accept(self.me, j, values, why)
+        self.sender_done[self.me].set()
+
+    async def _reduce(self) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.sender_done.values())), self._remaining())
+            verdict = bytes(norm_verdict(self.status, self.sumsq, self.norm_bound))
+            self.my_verdict.set_result(verdict)
+            others = [await asyncio.wait_for(asyncio.shield(self.verdicts[r]), self._remaining())
+                      for r in sorted(self.verdicts)]
+            final = combine_verdicts([verdict, *others])
+            accepted = [s for s in range(len(final)) if final[s] == OK]
+            total_weight = sum(self.weights[s] for s in accepted)
+            if not accepted or total_weight <= 0:
+                raise RoundError("rejected", f"round {self.key}: no valid contribution left")
+            self.final.set_result((final, total_weight))
+            for j, (lo, hi) in enumerate(self.my_chunks):
+                values = [self.decoded[s][j] for s in accepted]
+                payload = await self._in_executor(self._reduce_chunk, values, [self.weights[s] for s in accepted], lo, hi)
+                for s in accepted:
+                    self.decoded[s][j] = None
+                self.result_chunks[j].set_result(payload)
+            if self.my_chunks:
+                self._record_part(self.me, final, total_weight)
+        except BaseException as e:
+            failure = e if isinstance(e, RoundError) else RoundError(
+                "timeout" if isinstance(e, asyncio.TimeoutError) else "partial", f"round {self.key}: reduction failed: {e!r}")
+            for fut in (self.my_verdict, self.final, *self.result_chunks):
+                if not fut.done():
+                    fut.set_exception(failure)
+                    fut.exception()  # mark retrieved: handlers may never look
+            raise failure
+
+    def _reduce_chunk(self, values: Sequence[torch.Tensor], weights: Sequence[float], lo: int, hi: int) -> bytes:
+        payload = self.codec.encode(weighted_mean(values, weights))  # quantized ONCE, same bytes for everyone
+        self.result[lo:hi] = self.codec.decode(payload, numel=hi - lo)
+        return payload
+
+    # ------------------------------------------------------------------ sender side
+    async def _contributions_for(self, q: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        for j, (lo, hi) in enumerate(self.layout.chunks[q]):
+            payload, _ = await self._in_executor(self._encode_chunk, lo, hi)
+            msg = _message(pack_frame(CONTRIB, j, payload), self.group_id)
+            self.bytes_sent += msg.ByteSize()
+            yield msg
+        if self.is_reducer[self.me]:
+            try:
+                verdict = await asyncio.shield(self.my_verdict)
+            except Exception:
+                return  # our reduction failed; ending the stream tells the reducer
+            msg = _message(pack_frame(VERDICT, 0, status=verdict), self.group_id)
+            self.bytes_sent += msg.ByteSize()
+            yield msg
+
+    async def _exchange_with(self, q: int) -> None:
+        stream = None
+        try:
+            stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
+            stream = await stub.rpc_aggregate_part(self._contributions_for(q))
+            it = stream.__aiter__()
+            for j, (lo, hi) in enumerate(self.layout.chunks[q]):
+                timeout = self._remaining() if j == 0 else min(self.t.next_chunk, self._remaining())
+                msg = await asyncio.wait_for(it.__anext__(), timeout)
+                self.bytes_received += msg.ByteSize()
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
+                frame = unpack_frame(msg.tensor_part.buffer)
+                if frame.kind != RESULT or frame.chunk != j or len(frame.status) != len(self.peer_ids):
+                    raise ProtocolError(f"expected result chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
+                self._record_part(q, frame.status, frame.total_weight)
+                await self._in_executor(self._take_result, frame.payload, lo, hi)
+            # The reducer closes the stream after its last result. Waiting for that (rather than
+            # closing first) lets our verdict through even when its part is empty.
+            timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
+            try:
+                msg = await asyncio.wait_for(it.__anext__(), timeout)
+            except StopAsyncIteration:
+                return
+            raise ProtocolError(f"reducer {self._name(q)} sent more than its part ({msg.code})")
+        except RoundError:
+            raise
+        except StopAsyncIteration:
+            raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} ended its results early") from None
+        except asyncio.TimeoutError:
+            raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} stalled") from None
+        except Exception as e:
+            raise RoundError("partial", f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+    def _take_result(self, payload: bytes, lo: int, hi: int) -> None:
+        values = self.codec.decode(payload, numel=hi - lo)  # ValueError -> partial
+        self.result[lo:hi] = values
+
+    # ------------------------------------------------------------------ the round
+    async def run(self) -> dict:
+        tasks = [asyncio.ensure_future(self._exchange_with(q)) for q in range(len(self.peer_ids))
+                 if self.is_reducer[q] and q != self.me]
+        helpers = []
+        if self.is_reducer[self.me]:
+            tasks += [asyncio.ensure_future(self._contribute_locally()), asyncio.ensure_future(self._reduce())]
+            helpers.append(asyncio.ensure_future(self._watch_for_absent_senders()))
+        try:
+            try:
+                outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())
+            except asyncio.TimeoutError:
+                raise RoundError("timeout", f"round {self.key}: not finished within {self.t.allreduce:.1f}s") from None
+            # others may still be reading our results: let them finish (bounded) before reporting
+            pending = [e.wait() for e in self.serving.values()]
+            if pending:
+                await asyncio.wait([asyncio.ensure_future(p) for p in pending], timeout=self._remaining())
+            errors = [o for o in outcomes if isinstance(o, BaseException)]
+            if errors:
+                first = next((e for e in errors if isinstance(e, RoundError) and e.reason != "partial"), errors[0])
+                raise first if isinstance(first, RoundError) else RoundError("partial", repr(first))
+            return self._summary()
+        finally:
+            self.finished = True
+            for task in tasks + helpers:
+                task.cancel()
+
+    def _summary(self) -> dict:
+        verdicts = set(self.part_status.values())
+        if len(verdicts) != 1:
+            raise RoundError("partial", f"round {self.key}: parts were averaged over different groups")
+        final, total_weight = verdicts.pop()
+        accepted = [s for s in range(len(final)) if final[s] == OK]
+        included = final[self.me] == OK
+        if not bool(torch.isfinite(self.result).all()):
+            raise RoundError("partial", f"round {self.key}: the average holds non-finite values")
+        return dict(
+            group_size=len(accepted), weight_share=self.weights[self.me] / total_weight if included else 0.0,
+            included_self=included, peers=[self._name(s) for s in accepted],
+            rejected=sum(1 for s in final if s == REJECTED), missing=sum(1 for s in final if s == MISSING),
+            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+        )
