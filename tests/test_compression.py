@@ -34,7 +34,8 @@ def _randn(numel: int, seed: int = 0) -> torch.Tensor:
 def _stored_scales(codec: Codec, data: bytes) -> torch.Tensor:
     header = read_header(data)
     dtype = np.float16 if codec.scale_dtype == "fp16" else np.float32
-    return torch.from_numpy(np.frombuffer(data, dtype=dtype, count=header.n_blocks, offset=HEADER_SIZE).astype(np.float32))
+    scales = np.frombuffer(data, dtype=dtype, count=header.n_blocks, offset=HEADER_SIZE)
+    return torch.from_numpy(scales.astype(np.float32))
 
 
 def _per_block(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -141,9 +142,9 @@ def test_int8_codes_are_symmetric_and_error_at_most_half_a_step():
 # ---- code tables ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale_dtype", ["fp16", "fp32"])
-def test_fp4_e2m1_decodes_only_to_mx_values_times_scale(scale_dtype):
-    codec = get_codec("fp4-e2m1", block_size=32, scale_dtype=scale_dtype)
+@pytest.mark.parametrize("scale_dtype, stochastic", [("fp16", False), ("fp32", False), ("fp16", True)])
+def test_fp4_e2m1_decodes_only_to_mx_values_times_scale(scale_dtype, stochastic):
+    codec = get_codec("fp4-e2m1", block_size=32, scale_dtype=scale_dtype, stochastic=stochastic, seed=0)
     x = _randn(3001, seed=5)
     data = codec.encode(x)
     out = _per_block(codec.decode(data), 32)
@@ -155,9 +156,9 @@ def test_fp4_e2m1_decodes_only_to_mx_values_times_scale(scale_dtype):
     assert len(used) == len(MX_VALUES)  # randn data reaches every level
 
 
-@pytest.mark.parametrize("scale_dtype", ["fp16", "fp32"])
-def test_fp4_e3m0_decodes_only_to_signed_powers_of_two_times_scale(scale_dtype):
-    codec = get_codec("fp4-e3m0", block_size=64, scale_dtype=scale_dtype)
+@pytest.mark.parametrize("scale_dtype, stochastic", [("fp16", False), ("fp32", False), ("fp16", True)])
+def test_fp4_e3m0_decodes_only_to_signed_powers_of_two_times_scale(scale_dtype, stochastic):
+    codec = get_codec("fp4-e3m0", block_size=64, scale_dtype=scale_dtype, stochastic=stochastic, seed=0)
     x = _randn(4000, seed=6)
     data = codec.encode(x)
     out = _per_block(codec.decode(data), 64)
@@ -199,7 +200,8 @@ def test_bits_per_value_match_the_format_costs():
         assert 4.0 < bits < 4.6
         assert bits == pytest.approx(4.25, abs=1e-3)
     assert get_codec("int8").bits_per_value(numel) == pytest.approx(8.25, abs=1e-3)
-    assert get_codec("fp4-e2m1", block_size=32, scale_dtype="fp32").bits_per_value(numel) == pytest.approx(5.0, abs=1e-3)
+    fp32_scales = get_codec("fp4-e2m1", block_size=32, scale_dtype="fp32")
+    assert fp32_scales.bits_per_value(numel) == pytest.approx(5.0, abs=1e-3)
     assert get_codec("fp32").bits_per_value(numel) == pytest.approx(32.0, abs=1e-3)
     assert get_codec("fp32").encoded_size(10) == HEADER_SIZE + 40
     with pytest.raises(ValueError):

@@ -41,7 +41,6 @@ import torch
 from opendiloco_stream.compression.wire import NonFiniteError
 
 FP16_MAX = 65504.0
-INT8_TOP = 127.0
 
 _FP4_LEVELS = {
     "fp4-e3m0": [0.0] + [2.0 ** (c - 7) for c in range(1, 8)],
@@ -96,6 +95,16 @@ def store_scales(amax: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     return (stored.view(torch.int16) + bump).view(torch.float16)
 
 
+def block_steps(scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Stored scales -> fp32 step per block (``scale / top``), identical on every device.
+
+    The divisor is a full tensor on purpose: CUDA turns division by a CPU scalar into a multiply by
+    its reciprocal, which can differ from true division in the last bit.
+    """
+    scales = scales.float()
+    return scales / torch.full_like(scales, top(fmt))
+
+
 def quantize(
     x: torch.Tensor, fmt: str, block_size: int, scale_dtype: str, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +125,7 @@ def quantize(
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({fmt}, numel={numel})")
     scales = store_scales(amax, scale_dtype)
-    step = scales.float() / top(fmt)
+    step = block_steps(scales, fmt)
     yb.div_(torch.where(step > 0, step, torch.ones_like(step)).unsqueeze(1))
     limit = top(fmt)
     y.clamp_(-limit, limit)
@@ -153,7 +162,7 @@ def _round_table(y: torch.Tensor, fmt: str, sign_bit: int, generator: torch.Gene
     if generator is None:
         # Count the midpoints strictly below a: a tie goes to the smaller level.
         mids = [(lo + hi) / 2 for lo, hi in zip(lv[:-1], lv[1:])]
-        mag = _count_below(a, mids, strict=True, dtype=torch.uint8)
+        mag = _count_below(a, mids, strict=True, dtype=torch.uint8, in_place=True)
     else:
         # Index of the largest level <= a, at most the second-highest so that mag + 1 exists.
         if fmt == "fp8-e4m3":
@@ -171,13 +180,18 @@ def _round_table(y: torch.Tensor, fmt: str, sign_bit: int, generator: torch.Gene
     return codes
 
 
-def _count_below(a: torch.Tensor, bounds: list[float], strict: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Per element of ``a`` (0 <= a < 2 * bounds[-1]), how many ascending bounds are < a (strict) or <= a."""
+def _count_below(
+    a: torch.Tensor, bounds: list[float], strict: bool, dtype: torch.dtype, in_place: bool = False
+) -> torch.Tensor:
+    """Per element of ``a`` (0 <= a < 2 * bounds[-1]), how many ascending bounds are < a (strict) or <= a.
+
+    ``in_place`` lets it overwrite ``a`` to save a full-size temporary.
+    """
     # All bounds of the 4-bit tables are integer multiples of a power of two `unit`, so with
     # k = ceil(a / unit) (strict) or floor(a / unit) the count is a lookup: a few cheap passes
     # instead of a binary search (bucketize is ~3x slower on CPU).
     unit, table = _grid(tuple(bounds), strict, dtype, a.device)
-    k = a * (1.0 / unit)  # exact: unit is a power of two
+    k = a.mul_(1.0 / unit) if in_place else a * (1.0 / unit)  # exact: unit is a power of two
     k = k.ceil_() if strict else k.floor_()
     return torch.index_select(table, 0, k.int().clamp_(0, table.numel() - 1))
 
@@ -215,7 +229,7 @@ def dequantize(scales: torch.Tensor, codes: torch.Tensor, fmt: str, numel: int, 
         raise NonFiniteError(f"malformed {fmt} data: a block scale is NaN or Inf")
     if bool((scales < 0).any()):
         raise ValueError(f"malformed {fmt} data: a block scale is negative")
-    step = scales / top(fmt)
+    step = block_steps(scales, fmt)
     if fmt == "int8":
         if bool((codes == 0x80).any()):
             raise ValueError("malformed int8 data: code -128 is outside the symmetric range -127..127")

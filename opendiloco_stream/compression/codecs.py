@@ -2,10 +2,10 @@
 
 Choosing a codec (``get_codec(name, block_size=64, scale_dtype="fp16", stochastic=False)``):
 
-- ``fp32`` is exact (32 bits/value); ``fp16`` / ``bf16`` halve the bytes with ~1e-3 / ~8e-3
-  relative error per value.
-- ``int8`` (8 + 16/block bits/value) and ``fp8-e4m3`` keep ~0.4% / ~6% per-value error against the
-  block absmax resp. the value itself.
+- ``fp32`` is exact (32 bits/value); ``fp16`` / ``bf16`` halve the bytes with at most 2^-11 / 2^-8
+  (~5e-4 / ~4e-3) relative error per value in their normal range.
+- ``int8`` (8 + 16/block bits/value): error at most 1/254 of the block absmax. ``fp8-e4m3`` (same
+  size): at most 2^-4 of the value itself for values above 2^-6 / 448 of the block absmax.
 - ``fp4-e3m0`` (the Streaming DiLoCo paper's 4-bit format) and ``fp4-e2m1`` (OCP MX FP4) cost
   4 + 16/block bits/value: 4.25 with the default block 64 and fp16 scales.
 - ``block_size`` (8..4096): smaller blocks track local magnitudes better at 16/block (fp16 scales)
@@ -21,6 +21,7 @@ in ``wire.py``. Bytes are little-endian.
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import numpy as np
@@ -60,8 +61,10 @@ class Codec:
     ) -> None:
         if name not in CODEC_NAMES:
             raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise ValueError(f"block_size must be an integer, got {block_size!r}")
+        try:
+            block_size = operator.index(block_size)  # accepts numpy integers, rejects 64.0
+        except TypeError:
+            raise ValueError(f"block_size must be an integer, got {block_size!r}") from None
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, got {block_size}")
         if scale_dtype not in SCALE_DTYPES:

@@ -194,8 +194,10 @@ def explain_start_error(e: BaseException, net: NetConfig, host: Sequence[str]) -
                 f"--identity-path) and that its port is open; `opendiloco-stream doctor --initial-peers ...` "
                 f"checks each step")
     if "address already in use" in msg:
-        return (f"cannot listen on {' '.join(host)}: the port is already in use; pick another --port "
-                f"or stop the process using it (`ss -ltnup | grep PORT` shows it)")
+        ports = sorted({str(_tcp_or_udp_port(parse_maddr(m))) for m in host} - {"0", "None"})
+        port = "/".join(ports) or "the port"
+        return (f"cannot listen on {' '.join(host)}: port {port} is already in use; pick another --port "
+                f"or stop the process using it (`ss -ltnup | grep :{ports[0] if ports else 'PORT'}` shows it)")
     if "cannot assign requested address" in msg:
         return (f"cannot listen on {' '.join(host)}: that IP is not on this machine; listen on "
                 f"{EXAMPLE_LISTEN} and put the public address in --public-ip / --announce-maddrs instead")

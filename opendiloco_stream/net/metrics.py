@@ -68,14 +68,19 @@ class MetricsSchema(pydantic.BaseModel):
 def install_validators(dht: Any, run_id: str, private_key: Any = None) -> bytes:
     """Install the run's metrics validators on ``dht``; return the public key used as this node's subkey.
 
-    Writers and readers call it identically. ``private_key`` (an ``RSAPrivateKey``) defaults to
-    hivemind's process-wide key; a DHT keeps the first signature validator it was given, so every
-    user of a DHT must agree on the key (tests with several nodes in one process pass their own).
+    Writers and readers call it identically. A DHT signs with the first RSA key it was given (hivemind
+    ignores later ones), so ``private_key`` only counts on the first call for a DHT; it defaults to
+    hivemind's process-wide key. Tests running several nodes in one process pass distinct keys.
     """
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.dht.schema import SchemaValidator
+    from hivemind.utils.crypto import RSAPrivateKey
 
-    signer = RSASignatureValidator(private_key)
+    key = getattr(dht, "_ods_signing_key", None)
+    if key is None:
+        key = private_key if private_key is not None else RSAPrivateKey.process_wide()
+        dht._ods_signing_key = key  # host-side record of the key the DHT process signs with
+    signer = RSASignatureValidator(key)
     dht.add_validators([SchemaValidator(MetricsSchema, prefix=run_prefix(run_id)), signer])
     return signer.local_public_key
 

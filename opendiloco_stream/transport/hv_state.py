@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional
 
+import msgpack
 import numpy as np
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -41,6 +42,15 @@ logger = logging.getLogger(__name__)
 PART_BYTES = 1 << 20
 _REF = "__ods_tensor__"
 _SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def _dumps(obj: Any) -> bytes:
+    return MSGPackSerializer.dumps(obj)  # tuples survive (hivemind's ext type)
+
+
+def _loads(data: bytes) -> Any:
+    # hivemind's loads refuses non-string map keys; optimizer state dicts are keyed by ints
+    return msgpack.loads(data, ext_hook=MSGPackSerializer._decode_ext_types, raw=False, strict_map_key=False)
 
 
 class StateError(ValueError):
@@ -109,7 +119,7 @@ class _StateServicer(ServicerBase):
         except Exception as e:
             logger.warning("state provider failed, not serving %s: %r", context.remote_id, e)
             return
-        yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(manifest))
+        yield averaging_pb2.DownloadData(metadata=_dumps(manifest))
         for tensor in tensors:
             serialized = await loop.run_in_executor(None, serialize_torch_tensor, tensor)
             for part in split_for_streaming(serialized, PART_BYTES):
@@ -225,7 +235,7 @@ class StateSharing:
                 first = await it.__anext__()  # the provider may take a while: bounded by the donor's budget
             except StopAsyncIteration:
                 raise StateError("the donor has no state to share") from None
-            manifest = MSGPackSerializer.loads(first.metadata)
+            manifest = _loads(first.metadata)
             groups: list[list] = []
             while True:
                 try:

@@ -1,0 +1,244 @@
+"""N real hivemind peers on 127.0.0.1, each in its own process: for tests and benchmarks.
+
+    with LoopbackSwarm(3, transport_kwargs=dict(codec="fp4-e3m0", target_group_size=3)) as swarm:
+        swarm.call_all("prepare", {0: 1000})
+        results = swarm.call_all("all_reduce", (0, 0), seed=1, weight=1.0)
+
+Each peer is a spawned process that starts its own session (so killing its process group takes
+its DHT, averagers and p2pd with it, as a machine failure would), creates a ``hivemind.DHT``
+bootstrapped from peer 0 and a transport, then serves commands over a pipe (see ``_Peer``).
+``LoopbackSwarm.close`` stops every peer and SIGKILLs the process group of any that lingers.
+A shared ``signal`` event lets code running inside a peer (fault injection in tests) tell the
+parent that something happened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+_SIGNAL = None  # the swarm's shared event, inside a peer process
+
+
+def peer_signal():
+    """Inside a peer: the swarm's shared ``multiprocessing.Event`` (fault-injection hooks set it)."""
+    return _SIGNAL
+
+
+def resolve(path: str) -> Any:
+    """``"package.module:attr"`` -> the object."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_tensor(seed: int, numel: int, offset: float = 0.0) -> torch.Tensor:
+    """The deterministic test tensor ``N(0, 1) + offset`` (peers and the parent build the same)."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) + offset
+
+
+class _Peer:
+    """The command loop inside a peer process."""
+
+    def __init__(self, dht, transport):
+        self.dht, self.transport = dht, transport
+
+    def prepare(self, numels: dict) -> None:
+        self.transport.prepare(numels)
+
+    def all_reduce(self, key: tuple, tensor: Optional[torch.Tensor] = None, *, seed: int = 0, numel: int = 0,
+                   offset: float = 0.0, weight: float = 1.0, wait_timeout: Optional[float] = None,
+                   return_tensors: bool = True) -> dict:
+        from opendiloco_stream.transport.base import SyncFailed
+
+        if tensor is None:
+            tensor = make_tensor(seed, numel, offset)
+        t0 = time.perf_counter()
+        handle = self.transport.all_reduce(tuple(key), tensor, weight=weight)
+        launch_s = time.perf_counter() - t0
+        try:
+            result = handle.wait(wait_timeout)
+        except SyncFailed as e:
+            return dict(ok=False, reason=e.reason, message=str(e), launch_s=launch_s, elapsed_s=time.perf_counter() - t0)
+        out = dict(ok=True, launch_s=launch_s, elapsed_s=time.perf_counter() - t0, group_size=result.group_size,
+                   weight_share=result.weight_share, bytes_sent=result.bytes_sent,
+                   bytes_received=result.bytes_received, peers=result.peers, included_self=result.included_self,
+                   rejected=result.rejected, sha256=hashlib.sha256(result.average.numpy().tobytes()).hexdigest())
+        if return_tensors:
+            out.update(average=result.average, sent=result.sent)
+        return out
+
+    def set_state_provider(self, factory: str, **kwargs) -> None:
+        self.transport.set_state_provider(resolve(factory)(**kwargs))
+
+    def load_state(self, timeout: float) -> dict:
+        t0 = time.perf_counter()
+        state = self.transport.load_state_from_peers(timeout)
+        return dict(state=state, elapsed_s=time.perf_counter() - t0)
+
+    def call(self, function: str, **kwargs) -> Any:
+        return resolve(function)(self, **kwargs)
+
+
+def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transport_kwargs: dict, signal_event) -> None:
+    global _SIGNAL
+    os.setsid()  # our own process group: DHT, averagers and p2pd die with us when the parent kills it
+    mp.set_start_method("fork", force=True)  # a spawned child inherits 'spawn'; hivemind averagers fork
+    _SIGNAL = signal_event
+    torch.set_num_threads(1)  # N peers share the machine's cores
+    if os.environ.get("ODS_LOOPBACK_LOG"):  # e.g. ODS_LOOPBACK_LOG=INFO to see what peers do
+        logging.basicConfig(level=os.environ["ODS_LOOPBACK_LOG"].upper(),
+                            format=f"%(asctime)s peer{index} %(processName)s %(name)s %(levelname)s: %(message)s")
+    import hivemind
+
+    dht = transport = None
+    try:
+        try:
+            dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers or None)
+            transport = resolve(transport_cls)(dht, **transport_kwargs)
+        except BaseException as e:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            return
+        conn.send(("ready", ([str(m) for m in dht.get_visible_maddrs()], str(dht.peer_id))))
+        peer = _Peer(dht, transport)
+        while True:
+            method, args, kwargs = conn.recv()
+            if method == "close":
+                break
+            try:
+                conn.send(("ok", getattr(peer, method)(*args, **kwargs)))
+            except BaseException as e:
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        if transport is not None:
+            transport.close()
+        if dht is not None:
+            dht.shutdown()
+        conn.send(("closed", None))
+
+
+class PeerError(RuntimeError):
+    """A command raised inside a peer (the message carries its traceback)."""
+
+
+class LoopbackPeer:
+    """The parent's handle on one peer process."""
+
+    def __init__(self, index: int, process, conn):
+        self.index, self.process, self.conn = index, process, conn
+        self.maddrs: list[str] = []
+        self.peer_id = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, method: str, *args, **kwargs) -> None:
+        self.conn.send((method, args, kwargs))
+
+    def recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer {self.index} did not answer within {timeout:.0f}s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise PeerError(f"peer {self.index}: {value}")
+        return value
+
+    def call(self, method: str, *args, timeout: float = 60.0, **kwargs) -> Any:
+        self.send(method, *args, **kwargs)
+        return self.recv(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the peer's whole process group (it is its own session leader)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.join(10)
+
+
+class LoopbackSwarm:
+    """Start ``n`` peers (peer 0 bootstraps the others); a context manager that always cleans up."""
+
+    def __init__(self, n: int, *, transport_kwargs: dict, run_id: str = "loopback",
+                 transport_cls: str = "opendiloco_stream.transport.hivemind:HivemindTransport",
+                 peer_overrides: Optional[dict[int, dict]] = None, start_timeout: float = 90.0):
+        self.n, self.run_id, self.transport_cls, self.transport_kwargs = n, run_id, transport_cls, transport_kwargs
+        self.peer_overrides, self.start_timeout = peer_overrides or {}, start_timeout
+        self.ctx = mp.get_context("spawn")
+        self.signal = self.ctx.Event()
+        self.peers: list[LoopbackPeer] = []
+
+    def _spawn(self, overrides: dict) -> LoopbackPeer:
+        index = len(self.peers)
+        spec = dict(self.peer_overrides.get(index, {}), **overrides)
+        cls = spec.pop("transport_cls", self.transport_cls)
+        kwargs = dict(self.transport_kwargs, run_id=self.run_id, **spec)
+        initial = self.peers[0].maddrs if self.peers else []
+        parent, child = self.ctx.Pipe()
+        process = self.ctx.Process(target=_peer_main, args=(child, index, initial, cls, kwargs, self.signal),
+                                   name=f"loopback-peer-{index}")  # not daemonic: it forks the DHT
+        process.start()
+        peer = LoopbackPeer(index, process, parent)
+        self.peers.append(peer)
+        return peer
+
+    def _await_ready(self, peer: LoopbackPeer) -> LoopbackPeer:
+        peer.maddrs, peer.peer_id = peer.recv(self.start_timeout)
+        return peer
+
+    def add_peer(self, **overrides) -> LoopbackPeer:
+        """Start one more peer (joined to peer 0), e.g. a late joiner; ``overrides`` go to its transport."""
+        return self._await_ready(self._spawn(overrides))
+
+    def start(self) -> "LoopbackSwarm":
+        try:
+            self.add_peer()
+            others = [self._spawn({}) for _ in range(1, self.n)]
+            for peer in others:  # started concurrently: the imports dominate start-up
+                self._await_ready(peer)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def call_all(self, method: str, *args, timeout: float = 60.0, per_peer: Optional[list[dict]] = None,
+                 peers: Optional[list[LoopbackPeer]] = None, **kwargs) -> list[Any]:
+        """Send the same command to several peers at once, then collect the answers in order."""
+        peers = self.peers if peers is None else peers
+        for i, peer in enumerate(peers):
+            peer.send(method, *args, **dict(kwargs, **(per_peer[i] if per_peer else {})))
+        return [peer.recv(timeout) for peer in peers]
+
+    def close(self, timeout: float = 20.0) -> None:
+        for peer in self.peers:
+            if peer.process.is_alive():
+                try:
+                    peer.send("close")
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + timeout
+        for peer in self.peers:
+            peer.process.join(max(0.1, deadline - time.monotonic()))
+        for peer in self.peers:  # the session may hold orphans (p2pd, averagers) even if the peer exited
+            try:
+                os.killpg(peer.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, TypeError):
+                pass
+            peer.process.join(5)
+
+    def __enter__(self) -> "LoopbackSwarm":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,405 @@
+"""Networking: DHT start and its errors, identity, signed metrics, lifecycle, and the bootstrap /
+doctor / monitor commands, all with real hivemind nodes on 127.0.0.1.
+
+Every process a test starts is killed by PID in a ``finally``; nodes are stopped with ``stop_dht``,
+which verifies that their p2pd is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from opendiloco_stream.config import NetConfig
+from opendiloco_stream.net.dht import (NetError, ensure_identity, listen_maddrs, run_key, start_dht, stop_dht,
+                                       visible_maddrs)
+from opendiloco_stream.net.lifecycle import descendants, is_running, kill_process_tree, process_name
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_ID = "QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv9iBR5Yqgh"  # well-formed peer id nobody uses
+
+# Runs one command through the real cli.main (its error handling, exit codes) with only that
+# command registered, so it works while other command modules are still being written.
+RUNNER = ("import sys, opendiloco_stream.cli as cli; cli.COMMANDS = (sys.argv[1],); "
+          "sys.exit(cli.main(sys.argv[1:]))")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _p2pd_under(pid: int) -> list[int]:
+    return [p for p in descendants(pid) if process_name(p) == "p2pd"]
+
+
+def _spawn(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-c", RUNNER, *argv], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _run(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    proc = _spawn(*argv)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_process_tree(proc.pid, timeout=2)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _has_controlling_terminal() -> bool:
+    try:
+        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY))
+        return True
+    except OSError:
+        return False
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> Optional[str]:
+    """The next stdout line of ``proc``, or None if none came within ``timeout``."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return None
+    return proc.stdout.readline()
+
+
+@pytest.fixture(scope="module")
+def bootstrap(tmp_path_factory):
+    """A real ``bootstrap`` command in a subprocess; yields (address, process)."""
+    addr_file = tmp_path_factory.mktemp("boot") / "addrs"
+    proc = _spawn("bootstrap", "--addr-file", str(addr_file), "--run-id", "net-test")
+    try:
+        line = _readline(proc, 90)
+        assert line and line.startswith("--initial-peers /ip4/127.0.0.1/"), (line, proc.poll())
+        yield line.split()[1], proc
+    finally:
+        kill_process_tree(proc.pid, timeout=5)
+        proc.wait(5)
+
+
+# ---------------------------------------------------------------------------------- config checks
+
+
+def test_bad_multiaddrs_are_one_line_errors_naming_the_value_and_a_good_example():
+    cases = {
+        "1.2.3.4:5": dict(initial_peers=["1.2.3.4:5"]),
+        "no /p2p/": dict(initial_peers=["/ip4/127.0.0.1/tcp/5"]),
+        "/ip4/1.2.3/tcp/0": dict(host_maddrs=["/ip4/1.2.3/tcp/0"]),
+        "--public-ip": dict(public_ip="203.0.113.7"),  # without a fixed port
+        "not-an-ip": dict(public_ip="not-an-ip", port=31337),
+        "a.b": dict(run_id="a.b"),
+    }
+    for needle, fields in cases.items():
+        with pytest.raises(NetError) as e:
+            start_dht(NetConfig(**fields))
+        message = str(e.value)
+        assert "\n" not in message
+        assert needle in message, message
+    with pytest.raises(NetError, match=r"expected e\.g\. /ip4/"):
+        listen_maddrs(NetConfig(initial_peers=["1.2.3.4:5"]))
+
+
+def test_listen_defaults_local_for_local_runs_and_shortcuts_for_wan():
+    local = NetConfig(initial_peers=[f"/ip4/127.0.0.1/tcp/4/p2p/{FAKE_ID}"])
+    assert listen_maddrs(local) == (["/ip4/127.0.0.1/tcp/0"], [])
+    remote = NetConfig(initial_peers=[f"/ip4/203.0.113.7/tcp/4/p2p/{FAKE_ID}"])
+    assert listen_maddrs(remote) == (["/ip4/0.0.0.0/tcp/0"], [])
+    wan = NetConfig(port=31337, public_ip="198.51.100.4")
+    assert listen_maddrs(wan) == (["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1"],
+                                  ["/ip4/198.51.100.4/tcp/31337", "/ip4/198.51.100.4/udp/31337/quic-v1"])
+    explicit = NetConfig(port=1, public_ip="198.51.100.4", host_maddrs=["/ip4/10.0.0.2/tcp/7"],
+                         announce_maddrs=["/ip4/198.51.100.4/tcp/7"])
+    assert listen_maddrs(explicit) == (["/ip4/10.0.0.2/tcp/7"], ["/ip4/198.51.100.4/tcp/7"])
+
+
+def test_run_keys_are_namespaced_per_run_and_usable_as_averager_prefixes():
+    assert run_key("a", "b_metrics") != run_key("a_b", "metrics")
+    assert run_key("r1", "metrics") != run_key("r2", "metrics")
+    assert "." not in run_key("run-1_x", "frag0")  # hivemind group keys are "<prefix>.0b<bits>"
+    with pytest.raises(ValueError):
+        run_key("r1", "a.b")
+
+
+# ---------------------------------------------------------------------------------- DHT start
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_unreachable_bootstrap_is_a_one_line_error_and_leaves_no_process():
+    before = set(_p2pd_under(os.getpid()))
+    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{FAKE_ID}"
+    with pytest.raises(NetError) as e:
+        start_dht(NetConfig(initial_peers=[dead]), start_timeout=60)
+    assert "could not reach any initial peer" in str(e.value) and dead in str(e.value)
+    assert "\n" not in str(e.value)
+    assert set(_p2pd_under(os.getpid())) <= before
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_port_in_use_names_the_fix():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(NetError, match=f"port {port} is already in use; pick another --port"):
+            start_dht(NetConfig(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"]), start_timeout=60)
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_identity_path_keeps_the_peer_id_and_stop_leaves_no_p2pd(tmp_path):
+    key = tmp_path / "keys" / "peer.key"  # the folder does not exist yet
+    ids = []
+    for _ in range(2):
+        dht = start_dht(NetConfig(identity_path=str(key)))
+        try:
+            ids.append(str(dht.peer_id))
+            assert visible_maddrs(dht)[0].endswith(f"/p2p/{ids[-1]}")
+            p2pd = _p2pd_under(dht.pid)
+            assert len(p2pd) == 1
+        finally:
+            stop_dht(dht)
+        assert not any(is_running(p) for p in p2pd)
+    assert ids[0] == ids[1] == ensure_identity(str(key))
+    assert key.stat().st_mode & 0o777 == 0o400
+    key.chmod(0o600)
+    key.write_bytes(b"garbage")
+    with pytest.raises(NetError, match="not a libp2p private key"):
+        ensure_identity(str(key))
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """Three DHT nodes in this process: a writer, a reader and a forger."""
+    nodes = []
+    try:
+        nodes.append(start_dht(NetConfig()))
+        first = visible_maddrs(nodes[0])
+        nodes += [start_dht(NetConfig(initial_peers=first)) for _ in range(2)]
+        yield nodes
+    finally:
+        for node in nodes:
+            stop_dht(node)
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_metrics_from_one_node_are_read_by_another_and_forgeries_are_rejected(swarm):
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from opendiloco_stream.net.metrics import MetricsPublisher, install_validators, read_swarm_metrics, to_record
+
+    writer, reader, forger = swarm
+    install_validators(reader, "signed", RSAPrivateKey())
+    with MetricsPublisher(writer, "signed", expiration=60, name="alice", private_key=RSAPrivateKey()) as pub:
+        pub.publish({"step": 7, "loss": float("nan"), "tokens_per_s": 12.5, "bytes_sent": 3, "unknown": 1})
+        assert pub.flush(30) and pub.published == 1 and pub.failures == 0
+        [record] = read_swarm_metrics(reader, "signed")
+        assert (record["name"], record["step"], record["bytes_sent"]) == ("alice", 7, 3)
+        assert record["loss"] is None  # NaN would not survive the schema check; it is published as None
+        assert record["peer_id"] == str(writer.peer_id)
+        assert read_swarm_metrics(reader, "other-run") == []
+
+        # a node that skips the validators writes under alice's subkey: the others refuse the unsigned record
+        forged = to_record({"step": 999}, name="alice", peer_id="x", time=get_dht_time())
+        key = run_key("signed", "metrics")
+        forger.store(key, forged, expiration_time=get_dht_time() + 60, subkey=pub.public_key)
+        assert [(r["name"], r["step"]) for r in read_swarm_metrics(reader, "signed")] == [("alice", 7)]
+        # with its own key it cannot sign for alice's subkey, and a record of its own must match the schema
+        own = install_validators(forger, "signed", RSAPrivateKey())
+        assert not forger.store(key, forged, expiration_time=get_dht_time() + 60, subkey=pub.public_key)
+        assert not forger.store(key, {**forged, "step": 1.0}, expiration_time=get_dht_time() + 60, subkey=own)
+        assert forger.store(key, {**forged, "name": "mallory"}, expiration_time=get_dht_time() + 60, subkey=own)
+        assert [(r["name"], r["step"]) for r in read_swarm_metrics(reader, "signed")] == [("alice", 7),
+                                                                                          ("mallory", 999)]
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_expired_metrics_disappear_and_a_dead_dht_never_raises_into_training(swarm):
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from opendiloco_stream.net.metrics import MetricsPublisher, install_validators, read_swarm_metrics
+
+    writer, reader, _ = swarm
+    install_validators(reader, "expiry", RSAPrivateKey())
+    pub = MetricsPublisher(writer, "expiry", expiration=3, name="bob", private_key=RSAPrivateKey())
+    pub.publish({"step": 1})
+    assert pub.flush(30) and pub.published == 1
+    pub.close()  # no more refreshes: the record must expire on its own
+    [record] = read_swarm_metrics(reader, "expiry")
+    # waiting for a point in DHT time, not for an event: expiry is defined by the clock
+    time.sleep(max(0.0, record["expiration"] - get_dht_time()) + 0.2)
+    assert read_swarm_metrics(reader, "expiry") == []
+
+    lonely = start_dht(NetConfig())
+    pub = MetricsPublisher(lonely, "expiry", expiration=3, private_key=RSAPrivateKey())
+    stop_dht(lonely)
+    pub.publish({"step": 2})  # must neither raise nor block
+    assert pub.flush(30) and pub.failures >= 1 and pub.published == 0
+    pub.close()
+
+
+# ---------------------------------------------------------------------------------- lifecycle
+
+_GRACEFUL_CHILD = """
+import subprocess, sys, time
+from opendiloco_stream.net.lifecycle import GracefulShutdown, new_session
+import os
+created = new_session()
+assert not created or os.getsid(0) == os.getpid()
+print(int(created), flush=True)
+with GracefulShutdown() as stop:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    print(sleeper.pid, flush=True)
+    stop.wait()
+    print("stopping", flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(60)  # a cleanup that never ends: the second signal must cut it short
+    sleeper.terminate()
+    sleeper.wait()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["clean", "hang"])
+def test_graceful_shutdown_first_signal_is_a_flag_second_exits_now(mode):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _GRACEFUL_CHILD, mode], env=env, text=True,
+                            stdout=subprocess.PIPE)
+    try:
+        created = int(_readline(proc, 30))
+        assert created or _has_controlling_terminal()  # only an interactive job keeps its session
+        sleeper = int(_readline(proc, 30))
+        proc.send_signal(signal.SIGTERM)
+        assert _readline(proc, 30).strip() == "stopping"
+        if mode == "hang":
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 128 + signal.SIGINT
+        else:
+            assert proc.wait(30) == 0
+        assert not is_running(sleeper)
+    finally:
+        kill_process_tree(proc.pid, timeout=2)
+
+
+def test_kill_process_tree_reaches_grandchildren_that_ignore_sigterm():
+    script = ("import subprocess, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)'], "
+              "stdout=subprocess.PIPE, text=True); c.stdout.readline(); print(c.pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], text=True, stdout=subprocess.PIPE)
+    try:
+        grandchild = int(_readline(proc, 30))
+        killed = kill_process_tree(proc.pid, timeout=0.5)
+        assert set(killed) == {proc.pid, grandchild}
+        assert proc.wait(5) == -signal.SIGKILL and not is_running(grandchild)
+    finally:
+        kill_process_tree(proc.pid, timeout=1)
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_bootstrap_command_writes_addr_file_accepts_peers_and_stops_cleanly_on_sigint(tmp_path):
+    addr_file = tmp_path / "bootstrap.addrs"
+    proc = _spawn("bootstrap", "--addr-file", str(addr_file), "--identity-path", str(tmp_path / "b.key"))
+    joined = None
+    try:
+        line = _readline(proc, 90)
+        assert line and line.startswith("--initial-peers "), (line, proc.poll())
+        addrs = addr_file.read_text().split()
+        assert addrs[0] == line.split()[1] and addrs[0].endswith("/p2p/" + ensure_identity(str(tmp_path / "b.key")))
+
+        joined = start_dht(NetConfig(initial_peers=addrs))
+        assert joined.get(run_key("opendiloco", "nothing"), latest=True) is None  # the DHT answers
+        p2pd = _p2pd_under(proc.pid)
+        assert len(p2pd) == 1
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert "bootstrap node stopped" in proc.stderr.read()
+        assert not any(is_running(p) for p in p2pd)
+    finally:
+        if joined is not None:
+            stop_dht(joined)
+        kill_process_tree(proc.pid, timeout=2)
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_doctor_passes_against_a_live_bootstrap(bootstrap):
+    address, _ = bootstrap
+    result = _run("doctor", "--initial-peers", address, "--run-id", "net-test")
+    lines = [l for l in result.stdout.splitlines() if l.startswith("[")]
+    assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 5, result.stdout + result.stderr
+    assert "the bootstrap" in lines[3] and "opened a new connection" in lines[3]  # a real dial-back
+    assert lines[4].startswith("[ok] share: --initial-peers /ip4/127.0.0.1/tcp/")
+    assert result.returncode == 0
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_doctor_fails_with_the_fix_for_a_dead_bootstrap_and_an_unreachable_announce(bootstrap):
+    address, _ = bootstrap
+    dead_port = _free_port()
+    result = _run("doctor", "--initial-peers", f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/{FAKE_ID}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "[FAIL] bootstrap" in result.stdout and f"nc -vz 127.0.0.1 {dead_port}" in result.stdout
+
+    # listening on one port but announcing another: what a peer behind NAT without forwarding looks like
+    listen, announced = _free_port(), _free_port()
+    result = _run("doctor", "--initial-peers", address, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{listen}",
+                  "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{announced}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "[ok] bootstrap" in result.stdout and "[FAIL] dial-back" in result.stdout
+    assert "fix: open/forward the listening port" in result.stdout
+
+    result = _run("doctor", "--initial-peers", "203.0.113.7:31337")
+    assert result.returncode == 2 and "not a valid multiaddr" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_monitor_once_json_lists_a_publishing_peer(bootstrap):
+    from opendiloco_stream.net.metrics import MetricsPublisher
+
+    address, _ = bootstrap
+    dht = start_dht(NetConfig(initial_peers=[address]))
+    try:
+        with MetricsPublisher(dht, "net-test", expiration=60, name="carol") as pub:
+            pub.publish({"step": 42, "loss": 3.25, "tokens_per_s": 1000.0, "bytes_sent": 5 * 2**20,
+                         "compute_utilization": 0.9, "rounds": 4})
+            assert pub.flush(30) and pub.published == 1
+            result = _run("monitor", "--initial-peers", address, "--run-id", "net-test", "--once", "--json")
+            assert result.returncode == 0, result.stderr
+            [record] = [r for r in json.loads(result.stdout) if r["name"] == "carol"]
+            assert (record["step"], record["loss"], record["rounds"]) == (42, 3.25, 4)
+
+            table = _run("monitor", "--initial-peers", address, "--run-id", "net-test", "--once")
+            assert table.returncode == 0, table.stderr
+            row = next(l for l in table.stdout.splitlines() if l.startswith("carol"))
+            assert row.split()[:6] == ["carol", "42", "3.2500", "1000", "5.0", "90%"]
+    finally:
+        stop_dht(dht)
