@@ -62,6 +62,8 @@ class DiLoCoConfig(_Strict):
     error_feedback: bool = False
     weighting: Literal["tokens", "equal"] = "tokens"
     sync_timeout: float = Field(300.0, gt=0.0, description="upper bound on any wait for a round (s)")
+    record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "
+                                 "records (to verify peers hold bit-identical results)")
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "DiLoCoConfig":

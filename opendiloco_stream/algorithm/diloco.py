@@ -14,6 +14,7 @@ the same loop runs the baseline. No networking here: everything goes through a T
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -261,6 +262,9 @@ class StreamingDiLoCo:
             self.stats["bytes_received"] += result.bytes_received
             self.stats["peak_bytes_per_sync"] = max(self.stats["peak_bytes_per_sync"], result.bytes_sent)
             self.stats["rejected"] += result.rejected
+            if self.config.record_digests:
+                rec["digest"] = hashlib.blake2b(result.average.detach().cpu().float().numpy().tobytes(),
+                                                digest_size=16).hexdigest()
         else:
             rec.update(group_size=0, reason=reason)
             self.stats["failed_syncs"] += 1

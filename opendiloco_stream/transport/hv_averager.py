@@ -69,8 +69,9 @@ class FragmentAverager(DecentralizedAverager):
     def run(self) -> None:
         # The host handles Ctrl-C and shuts us down; if the host dies without doing so, so do we.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        hivemind_level = os.environ.get("ODS_HIVEMIND_LOG", "CRITICAL").upper()  # DEBUG to debug matchmaking
         for name in _NOISY_LOGGERS:
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+            logging.getLogger(name).setLevel(hivemind_level)
         threading.Thread(target=self._exit_with_parent, daemon=True).start()
         super().run()
 

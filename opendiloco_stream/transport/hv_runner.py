@@ -195,6 +195,13 @@ class HvAllReduceRunner:
                 if frame.kind != VERDICT or len(frame.status) != len(self.peer_ids):
                     raise ProtocolError(f"expected a verdict, got frame kind {frame.kind}")
                 self.verdicts[s].set_result(frame.status)
+            # Wait for the sender to finish writing (end of stream) before answering: closing the
+            # stream while it still writes would break its pipe.
+            try:
+                msg = await asyncio.wait_for(it.__anext__(), min(self.t.next_chunk, self._remaining()))
+                raise ProtocolError(f"unexpected message after the contribution (code {msg.code})")
+            except StopAsyncIteration:
+                pass
         except (Exception, asyncio.CancelledError) as e:
             why = "stalled" if isinstance(e, asyncio.TimeoutError) else "left" if isinstance(e, StopAsyncIteration) else repr(e)
             self._sender_lost(s, why)
