@@ -129,7 +129,8 @@ class FragmentAverager(DecentralizedAverager):
         """Route a groupmate's stream to the runner of its group."""
         try:
             request = await asyncio.wait_for(anext(stream), self.timeouts.next_chunk)
-        except (Exception, StopAsyncIteration):
+        except (Exception, StopAsyncIteration) as e:
+            logger.info("%s: a stream from %s ended before its first message: %r", self.prefix, context.remote_id, e)
             return
         if request.group_id not in self._running_groups:
             # the leader may have started before our own BEGIN_ALLREDUCE arrived (as in hivemind)

@@ -161,9 +161,11 @@ class HvAllReduceRunner:
         """Handle one sender's stream: take its contribution chunks and verdict, return the averages."""
         s = self.peer_ids.index(remote) if remote in self.peer_ids else -1
         if s < 0 or s not in self.sender_done or not self.is_reducer[self.me] or s in self.connected:
+            logger.info("round %s: refusing a stream from %s (not a sender of ours, or a second stream)", self.key, remote)
             yield _error(averaging_pb2.PROTOCOL_VIOLATION)
             return
         if self.finished or self.sender_done[s].is_set():  # too late: already counted as missing
+            logger.info("round %s: %s connected too late", self.key, remote)
             yield _error(averaging_pb2.CANCELLED)
             return
         self.connected.add(s)
@@ -204,6 +206,7 @@ class HvAllReduceRunner:
                 pass
         except (Exception, asyncio.CancelledError) as e:
             why = "stalled" if isinstance(e, asyncio.TimeoutError) else "left" if isinstance(e, StopAsyncIteration) else repr(e)
+            logger.info("round %s: stream from %s broke: %s", self.key, self._name(s), why)
             self._sender_lost(s, why)
             if isinstance(e, asyncio.CancelledError):
                 raise

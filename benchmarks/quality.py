@@ -1,0 +1,384 @@
+"""Learning quality at equal tokens: synchronization modes and wire codecs, side by side.
+
+Every run trains the tiny Llama on the built-in corpus with M workers as threads over the
+in-process ``LocalSwarm`` (cheap and deterministic: the same seed gives the same numbers), through
+the package's own ``train_worker`` loop, so what is measured is exactly what ``opendiloco-stream
+local`` runs. All runs see the same tokens: same steps x batch x workers, same data order per seed.
+
+Two groups of runs:
+
+* modes (fp32 on the wire): ``data-parallel`` (gradients averaged every inner step: the upper
+  bound), ``diloco`` (blocking, P = 1), ``streaming`` (blocking, P fragments), ``streaming-tau1``
+  (overlap mode, tau = 1, alpha = 0.5), ``eager`` and ``naive-delayed`` (one-outer-step overlap).
+* codecs under ``eager`` (the package default): fp32 (the ``eager`` run), fp16, int8, fp4-e3m0,
+  fp4-e2m1, each lossy one with and without error feedback (EF on fp32 is a no-op: no residual).
+
+Usage (from the repository root)::
+
+    python benchmarks/quality.py --preset full       # the numbers in docs/benchmarks-quality.md
+    python benchmarks/quality.py                     # --preset quick: 1 seed, 100 steps
+    python benchmarks/quality.py --smoke --out /tmp/q.json --img-dir /tmp   # seconds (tests)
+    python benchmarks/quality.py --only eager,naive-delayed --seeds 0,1,2
+
+Prints markdown tables, writes JSON (``--out``, default ``benchmarks/results/quality-<preset>.json``,
+rewritten after every run so an interrupted run keeps what it finished) and PNG plots
+(``--img-dir``, default ``docs/img``; the smoke preset defaults to the directory of ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+try:
+    from benchmarks._common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table,
+                                    mean_spread, plot_bars, plot_lines, write_json)
+except ImportError:  # run as a script: python benchmarks/quality.py
+    from _common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, mean_spread,
+                         plot_bars, plot_lines, write_json)
+
+from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
+from opendiloco_stream.compression import get_codec
+from opendiloco_stream.config import RunConfig, load_config
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Run sizes; ``mode_seeds`` for the mode comparison, ``codec_seeds`` for the codec grid."""
+
+    workers: int
+    steps: int
+    seq_len: int
+    batch_size: int
+    inner_steps: int
+    fragments: int
+    eval_every: int
+    warmup_steps: int
+    max_val_batches: int
+    mode_seeds: tuple[int, ...]
+    codec_seeds: tuple[int, ...]
+
+
+PRESETS: dict[str, Preset] = {
+    "smoke": Preset(workers=2, steps=8, seq_len=32, batch_size=2, inner_steps=4, fragments=2, eval_every=4,
+                    warmup_steps=2, max_val_batches=1, mode_seeds=(0,), codec_seeds=(0,)),
+    "quick": Preset(workers=4, steps=100, seq_len=64, batch_size=8, inner_steps=25, fragments=2, eval_every=25,
+                    warmup_steps=20, max_val_batches=8, mode_seeds=(0,), codec_seeds=(0,)),
+    "full": Preset(workers=4, steps=200, seq_len=64, batch_size=8, inner_steps=25, fragments=2, eval_every=25,
+                   warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0,)),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration to train: ``diloco`` holds DiLoCoConfig overrides on top of the preset."""
+
+    name: str
+    group: str  # "mode" or "codec"
+    label: str
+    diloco: dict[str, Any] = field(default_factory=dict)
+
+
+LOSSY_CODECS = ("fp16", "int8", "fp4-e3m0", "fp4-e2m1")
+MODE_REFERENCE, CODEC_REFERENCE = "streaming", "eager"  # the rows deltas are measured against
+
+
+def variants(preset: Preset) -> list[Variant]:
+    """The mode comparison, then the codec grid (whose fp32 row is the ``eager`` mode run)."""
+    P = preset.fragments
+    out = [
+        Variant("data-parallel", "mode", "data-parallel (every step)", {"mode": "data-parallel", "num_fragments": 1}),
+        Variant("diloco", "mode", "DiLoCo (blocking, P=1)", {"mode": "blocking", "num_fragments": 1}),
+        Variant("streaming", "mode", f"streaming (blocking, P={P})", {"mode": "blocking"}),
+        Variant("streaming-tau1", "mode", f"streaming tau=1 (P={P})", {"mode": "overlap", "overlap_steps": 1}),
+        Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}),
+        Variant("naive-delayed", "mode", f"naive-delayed (P={P})", {"mode": "naive-delayed"}),
+    ]
+    for codec in LOSSY_CODECS:
+        for ef in (False, True):
+            out.append(Variant(f"eager-{codec}" + ("-ef" if ef else ""), "codec", f"eager {codec}" + (" + EF" if ef else ""),
+                               {"mode": "eager", "codec": codec, "error_feedback": ef}))
+    return out
+
+
+def make_config(preset: Preset, variant: Variant, seed: int) -> RunConfig:
+    """The run's RunConfig; the environment (``ODS_*``) is ignored so results are reproducible."""
+    diloco = {"inner_steps": preset.inner_steps, "num_fragments": preset.fragments, "codec": "fp32",
+              "error_feedback": False, **variant.diloco}
+    return load_config(overrides={
+        "diloco": diloco,
+        "model": {"name": "tiny", "seq_len": preset.seq_len},
+        "data": {"dataset": "builtin", "max_val_batches": preset.max_val_batches},
+        "train": {"steps": preset.steps, "batch_size": preset.batch_size, "eval_every": preset.eval_every,
+                  "warmup_steps": preset.warmup_steps, "seed": seed, "device": "cpu"},
+    }, environ={})
+
+
+def train_run(cfg: RunConfig, workers: int, data_cache: dict) -> dict[str, Any]:
+    """Train ``workers`` threads over a LocalSwarm; return the summary record and the curves."""
+    from opendiloco_stream.commands.local import prepare_data
+    from opendiloco_stream.train.loop import summarize, train_worker
+    from opendiloco_stream.transport.local import LocalSwarm
+
+    key = (cfg.model.seq_len, cfg.train.seed)
+    if key not in data_cache:
+        data_cache[key] = prepare_data(cfg)
+    train_source, val, vocab_size = data_cache[key]
+    d = cfg.diloco
+    swarm = LocalSwarm(num_workers=workers, codec=d.codec, block_size=d.codec_block_size,
+                       scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding, seed=cfg.train.seed,
+                       timeout=d.sync_timeout)
+    records: list[dict[str, Any]] = []  # list.append is atomic under the GIL: safe from worker threads
+    start = time.perf_counter()
+    reports = swarm.run(lambda rank: train_worker(rank, workers, cfg, swarm.transport(rank), train_source, val,
+                                                  vocab_size, records.append))
+    wall = time.perf_counter() - start
+    codec = get_codec(d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype)
+    summary = summarize(cfg, reports, wall, codec.encoded_size)
+    summary["bits_per_value"] = codec.bits_per_value(max(1, reports[0].outer_gradient_numel))
+    summary["bytes_sent_launched"] = bytes_launched(cfg, records)
+    return {"summary": summary, "eval_curve": _mean_by_step(records, "eval", "eval_loss"),
+            "train_curve": _mean_by_step(records, "step", "loss")}
+
+
+def rounds_launched(cfg: RunConfig) -> dict[int, int]:
+    """fragment -> rounds it puts on the wire in ``cfg.train.steps`` inner steps (data-parallel: every step)."""
+    d, steps = cfg.diloco, cfg.train.steps
+    if d.mode == "data-parallel":
+        return {0: steps}
+    offsets = fragment_offsets(d.inner_steps, d.num_fragments)
+    return {p: sum(syncs_at(t, o, d.inner_steps) for t in range(1, steps + 1)) for p, o in enumerate(offsets)}
+
+
+def bytes_launched(cfg: RunConfig, records: list[dict[str, Any]]) -> int:
+    """Bytes all workers put on the wire, rounds still in flight at the end included.
+
+    The summary's ``bytes_sent`` counts a round when its result is consumed, so under eager and
+    overlap the last round of each fragment is missing from it; comparing modes needs what was sent.
+    A fragment's round always has the same size, so its bytes are taken from any consumed round.
+    """
+    per_round: dict[tuple[int, int], int] = {}
+    for r in records:
+        if r.get("event") == "sync" and r.get("ok"):
+            per_round[(r["rank"], r["fragment"])] = int(r["bytes_sent"])
+    launched = rounds_launched(cfg)
+    return sum(b * launched[fragment] for (_, fragment), b in per_round.items())
+
+
+def _mean_by_step(records: list[dict[str, Any]], event: str, key: str) -> list[list[float]]:
+    """[[step, mean over workers], ...] sorted by step."""
+    by_step: dict[int, list[float]] = {}
+    for r in records:
+        if r.get("event") == event:
+            by_step.setdefault(int(r["step"]), []).append(float(r[key]))
+    return [[s, sum(v) / len(v)] for s, v in sorted(by_step.items())]
+
+
+# ---------------------------------------------------------------------------------------- tables
+def _runs_of(runs: list[dict], name: str) -> list[dict]:
+    return [r for r in runs if r["variant"] == name]
+
+
+def _paired_delta(runs: list[dict], name: str, ref: str) -> Optional[float]:
+    """Mean over shared seeds of eval_loss(name) - eval_loss(ref): same init and data, less noise."""
+    if name == ref:
+        return 0.0
+    ref_by_seed = {r["seed"]: r["summary"]["eval_loss"] for r in _runs_of(runs, ref)}
+    deltas = [r["summary"]["eval_loss"] - ref_by_seed[r["seed"]] for r in _runs_of(runs, name) if r["seed"] in ref_by_seed]
+    return sum(deltas) / len(deltas) if deltas else None
+
+
+def aggregate(runs: list[dict], variant_list: list[Variant]) -> dict[str, dict[str, Any]]:
+    """Per variant: eval-loss statistics over seeds, deltas against the reference, bytes per token."""
+    out = {}
+    for v in variant_list:
+        rs = _runs_of(runs, v.name)
+        if not rs:
+            continue
+        s0 = rs[0]["summary"]
+        ref = MODE_REFERENCE if v.group == "mode" else CODEC_REFERENCE
+        out[v.name] = {
+            "label": v.label, "group": v.group, "seeds": [r["seed"] for r in rs],
+            "eval_loss": mean_spread([r["summary"]["eval_loss"] for r in rs]),
+            "train_loss": mean_spread([r["summary"]["train_loss"] for r in rs]),
+            "delta_vs_ref": _paired_delta(runs, v.name, ref), "reference": ref,
+            "bytes_per_token": s0["bytes_sent_launched"] / max(1, s0["tokens"]),
+            "bytes_sent_per_worker": s0["bytes_sent_per_worker"], "peak_bytes_per_sync": s0["peak_bytes_per_sync"],
+            "bits_per_value": s0["bits_per_value"], "codec": s0["codec"], "mode": s0["mode"],
+            "fragments": s0["fragments"], "inner_steps": s0["inner_steps"], "overlap_steps": s0["overlap_steps"],
+            "local_only_steps": s0["local_only_steps"], "tokens": s0["tokens"],
+            "wall_time_s": mean_spread([r["summary"]["wall_time_s"] for r in rs])["mean"],
+        }
+    return out
+
+
+def _spread(st: dict[str, float]) -> str:
+    if st["n"] <= 1:
+        return "— (1 seed)"
+    return f"{st['min']:.4f}–{st['max']:.4f} (sd {st['std']:.4f}, n={st['n']})"
+
+
+def _delta(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:+.4f}"
+
+
+def mode_table(agg: dict[str, dict]) -> str:
+    rows = []
+    for name, a in agg.items():
+        if a["group"] != "mode":
+            continue
+        H = "1" if a["mode"] == "data-parallel" else str(a["inner_steps"])
+        rows.append([a["label"], H, a["fragments"], a["overlap_steps"], f"{a['eval_loss']['mean']:.4f}",
+                     _spread(a["eval_loss"]), _delta(a["delta_vs_ref"]), f"{a['train_loss']['mean']:.4f}",
+                     f"{a['bytes_per_token']:,.1f}", f"{a['wall_time_s']:.0f}"])
+    return markdown_table(["variant", "H", "P", "tau", "eval loss (mean)", "spread over seeds",
+                           f"Δ vs {MODE_REFERENCE} (paired)", "train loss", "bytes sent / token / worker",
+                           "wall s"], rows, align="lrrrrlrrrr")
+
+
+def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:
+    rows = []
+    for name, a in agg.items():
+        if name != CODEC_REFERENCE and a["group"] != "codec":
+            continue
+        ef = "yes" if name.endswith("-ef") else "no"
+        rows.append([a["codec"], ef, f"{a['bits_per_value']:.2f}", f"{a['eval_loss']['mean']:.4f}",
+                     _spread(a["eval_loss"]), _delta(_paired_delta(runs, name, CODEC_REFERENCE)), f"{a['bytes_per_token']:,.2f}",
+                     a["local_only_steps"]])
+    return markdown_table(["codec (eager)", "error feedback", "bits / value", "eval loss", "spread over seeds",
+                           "Δ vs fp32 (paired)", "bytes sent / token / worker", "local-only outer steps"], rows,
+                          align="llrrlrrr")
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _curves(runs: list[dict], names: list[str], labels: dict[str, str]):
+    series, bands = {}, {}
+    for name in names:
+        rs = _runs_of(runs, name)
+        if not rs:
+            continue
+        steps = [s for s, _ in rs[0]["eval_curve"] if s > 0]  # step 0 (init) squashes the y axis
+        ys = [[dict(map(tuple, r["eval_curve"]))[s] for s in steps] for r in rs]
+        mean = [sum(col) / len(col) for col in zip(*ys)]
+        series[labels[name]] = (steps, mean)
+        if len(rs) > 1:
+            bands[labels[name]] = ([min(col) for col in zip(*ys)], [max(col) for col in zip(*ys)])
+    return series, bands
+
+
+def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list[Variant], preset: Preset,
+               img_dir: Path, command: str) -> list[str]:
+    labels = {v.name: v.label for v in variant_list}
+    tokens_per_step = preset.batch_size * preset.seq_len
+    note = f"{command}  ({preset.workers} workers x {preset.steps} steps x {tokens_per_step} tokens)"
+    paths = []
+    modes = [v.name for v in variant_list if v.group == "mode"]
+    series, bands = _curves(runs, modes, labels)
+    if series:
+        paths.append(plot_lines(img_dir / "quality-modes-eval-loss.png", series, bands=bands, note=note,
+                                title="Eval loss at equal tokens: synchronization modes (fp32 on the wire)",
+                                xlabel="inner step (per worker)", ylabel="eval loss (mean over workers; band: seeds)"))
+    codecs = [CODEC_REFERENCE] + [v.name for v in variant_list if v.group == "codec"]
+    labels[CODEC_REFERENCE] = "eager fp32"
+    series, bands = _curves(runs, codecs, labels)
+    if len(series) > 1:
+        paths.append(plot_lines(img_dir / "quality-codecs-eval-loss.png", series, bands=bands, note=note,
+                                title="Eval loss at equal tokens: wire codecs under eager",
+                                xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
+    names = [n for n in agg]
+    paths.append(plot_bars(img_dir / "quality-bytes-per-token.png", [agg[n]["label"] for n in names],
+                           [agg[n]["bytes_per_token"] for n in names], log=True, annotate="{:,.1f}", note=note,
+                           title="Bytes each worker sends per training token",
+                           ylabel="bytes / token / worker (log)"))
+    return [str(p) for p in paths]
+
+
+# ---------------------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default="quick", help="run sizes (default quick)")
+    p.add_argument("--smoke", action="store_true", help="same as --preset smoke: seconds, for tests")
+    p.add_argument("--only", help="comma-separated variant names (default: all)")
+    p.add_argument("--seeds", help="comma-separated seeds for the mode comparison (default: the preset's)")
+    p.add_argument("--codec-seeds", help="comma-separated seeds for the codec grid (default: the preset's)")
+    p.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/quality-<preset>.json)")
+    p.add_argument("--img-dir", type=Path, help="where the PNGs go (default docs/img)")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset = "smoke"
+    return args
+
+
+def _seeds(text: Optional[str], default: tuple[int, ...]) -> tuple[int, ...]:
+    if not text:
+        return default
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise SystemExit(f"error: seeds must be comma-separated integers, got {text!r}") from None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    preset = PRESETS[args.preset]
+    preset = Preset(**{**asdict(preset), "mode_seeds": _seeds(args.seeds, preset.mode_seeds),
+                       "codec_seeds": _seeds(args.codec_seeds, preset.codec_seeds)})
+    variant_list = variants(preset)
+    if args.only:
+        wanted = {s.strip() for s in args.only.split(",") if s.strip()}
+        unknown = wanted - {v.name for v in variant_list}
+        if unknown:
+            print(f"error: unknown variant(s) {', '.join(sorted(unknown))}; choose from "
+                  f"{', '.join(v.name for v in variant_list)}", file=sys.stderr)
+            return 2
+        variant_list = [v for v in variant_list if v.name in wanted]
+    out = args.out or RESULTS_DIR / f"quality-{args.preset}.json"
+    img_dir = args.img_dir or (out.parent if args.preset == "smoke" else IMG_DIR)
+    command = command_line(argv)
+    # workers are threads: split the cores between them as the ``local`` command does
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // preset.workers))
+
+    jobs = [(v, s) for v in variant_list for s in (preset.mode_seeds if v.group == "mode" else preset.codec_seeds)]
+    payload: dict[str, Any] = {"benchmark": "quality", "command": command, "preset_name": args.preset,
+                               "preset": asdict(preset), "environment": environment(),
+                               "variants": [asdict(v) for v in variant_list], "runs": []}
+    data_cache: dict = {}
+    started = time.perf_counter()
+    for i, (v, seed) in enumerate(jobs, 1):
+        t0 = time.perf_counter()
+        cfg = make_config(preset, v, seed)
+        result = train_run(cfg, preset.workers, data_cache)
+        s = result["summary"]
+        payload["runs"].append({"variant": v.name, "group": v.group, "seed": seed,
+                                "config": cfg.diloco.model_dump(mode="json"), **result})
+        print(f"[{i}/{len(jobs)}] {v.name} seed {seed}: eval loss {s['eval_loss_initial']:.3f} -> "
+              f"{s['eval_loss']:.4f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        payload["wall_time_s"] = time.perf_counter() - started
+        write_json(out, payload)  # after every run: an interrupted benchmark keeps what it finished
+
+    agg = aggregate(payload["runs"], variant_list)
+    payload["aggregate"] = agg
+    tables = {"modes": mode_table(agg), "codecs": codec_table(agg, payload["runs"])}
+    payload["tables_markdown"] = tables
+    if not args.no_plots:
+        payload["plots"] = make_plots(payload["runs"], agg, variant_list, preset, img_dir, command)
+    write_json(out, payload)
+    tokens = preset.workers * preset.steps * preset.batch_size * preset.seq_len
+    print(f"\n{command}\n\n{preset.workers} workers x {preset.steps} steps x batch {preset.batch_size} x seq "
+          f"{preset.seq_len} = {tokens:,} tokens per run; mode seeds {list(preset.mode_seeds)}, codec seeds "
+          f"{list(preset.codec_seeds)}; wall {payload['wall_time_s'] / 60:.1f} min\n")
+    print(tables["modes"] + "\n\n" + tables["codecs"] + "\n")
+    print(f"results: {out}" + ("" if args.no_plots else f"\nplots: {', '.join(payload['plots'])}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

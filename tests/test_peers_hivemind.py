@@ -1,0 +1,165 @@
+"""Real peers on 127.0.0.1: `peer` processes over a `bootstrap` node, training the tiny model.
+
+Every process is started by PID in its own session and killed (whole tree) in a finally block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from opendiloco_stream.net.lifecycle import descendants, is_running
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+SMALL = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
+
+
+def records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return out
+
+
+def start_peer(tmp: Path, name: str, addrs: list[str], *flags: str, env=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, *SMALL, *flags,
+           "--metrics-file", str(tmp / f"{name}.jsonl")]
+    return subprocess.Popen(cmd, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true", **(env or {})})
+
+
+def wait_for(pred, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"{what}: a process exited with {p.returncode}")
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def test_three_peers_eager_fp4_learn_with_bit_identical_averages(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "opendiloco_stream", "local", "--transport", "hivemind", "--workers", "3",
+         "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--steps", "60",
+         *SMALL, "--metrics-file", str(metrics)],
+        capture_output=True, text=True, timeout=420, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = records(metrics)
+    summary = recs[-1]
+    assert summary["event"] == "summary" and summary["workers"] == 3
+    assert summary["eval_loss"] < summary["eval_loss_initial"] - 0.3, summary
+    syncs = [r for r in recs if r["event"] == "sync"]
+    by_round = defaultdict(list)
+    for r in syncs:
+        by_round[(r["fragment"], r["round"])].append(r)
+    full = {k: v for k, v in by_round.items() if len(v) == 3 and all(r["ok"] for r in v)}
+    assert len(full) >= 6, {k: [(r["rank"], r["ok"], r.get("group_size")) for r in v] for k, v in by_round.items()}
+    for key, group in full.items():
+        assert all(r["group_size"] == 3 for r in group), (key, group)
+        assert len({r["digest"] for r in group}) == 1, (key, group)  # bit-identical across the 3 peers
+        assert all(r["bytes_sent"] > 0 for r in group)
+
+
+def test_sigkilled_peer_costs_the_others_a_bounded_wait_and_they_keep_training(tmp_path):
+    boot, addrs = start_bootstrap(tmp_path, "killtest")
+    procs = [boot]
+    try:
+        common = ["--run-id", "killtest", "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2",
+                  "--inner-steps", "10", "--steps", "80", "--target-group-size", "3", "--no-join",
+                  "--sync-timeout", "60"]
+        peers = [start_peer(tmp_path, f"p{r}", addrs, *common, "--shard", f"{r}/3") for r in range(3)]
+        procs += peers
+        # kill peer 2 right after it launched a round that the others are in too
+        wait_for(lambda: sum(r["event"] == "sync" for r in records(tmp_path / "p2.jsonl")) >= 2, 240,
+                 "peer 2's first syncs", peers)
+        killed_at = time.monotonic()
+        os.kill(peers[2].pid, signal.SIGKILL)
+        for p in peers[:2]:
+            p.wait(timeout=300)
+            assert p.returncode == 0, (tmp_path / "p0.log").read_text()[-3000:]
+        for name in ("p0", "p1"):
+            recs = records(tmp_path / f"{name}.jsonl")
+            summary = recs[-1]
+            assert summary["event"] == "summary" and summary["steps"] == 80
+            syncs = [r for r in recs if r["event"] == "sync"]
+            last = syncs[-3:]  # well after the kill: groups of the two survivors
+            assert all(r["ok"] and r["group_size"] == 2 for r in last), last
+            assert all(r["wait_s"] < 60 for r in syncs)  # no wait beyond the documented bound
+        assert time.monotonic() - killed_at < 300
+    finally:
+        stop_processes(procs, grace=10)
+
+
+def test_late_joiner_downloads_state_converges_and_contributes(tmp_path):
+    boot, addrs = start_bootstrap(tmp_path, "jointest")
+    procs = [boot]
+    try:
+        common = ["--run-id", "jointest", "--mode", "blocking", "--codec", "fp32", "--fragments", "2",
+                  "--inner-steps", "10", "--steps", "100", "--checkpoint-dir"]
+        first = [start_peer(tmp_path, f"p{r}", addrs, *common, str(tmp_path / f"ck{r}"), "--shard", f"{r}/3",
+                            "--no-join") for r in range(2)]
+        procs += first
+        wait_for(lambda: any(r["event"] == "sync" and r["round"] >= 1 for r in records(tmp_path / "p0.jsonl")),
+                 240, "the first peers' syncs", first)
+        joiner = start_peer(tmp_path, "p2", addrs, *common, str(tmp_path / "ck2"), "--shard", "2/3")
+        procs.append(joiner)
+        for p in first + [joiner]:
+            p.wait(timeout=400)
+            assert p.returncode == 0
+        jrecs = records(tmp_path / "p2.jsonl")
+        joined = [r for r in jrecs if r["event"] == "joined"]
+        assert joined and joined[0]["step"] > 0, jrecs[:5]
+        later = [r for r in jrecs if r["event"] == "sync" and r["ok"]]
+        assert any(r["group_size"] == 3 for r in later), later  # it contributes to later rounds
+        import torch
+
+        outer = [torch.load(tmp_path / f"ck{r}" / "worker-0.pt", weights_only=False)["diloco"]["outer_params"]
+                 for r in range(3)]
+        for frag in range(2):
+            for a, b in zip(outer[2][frag], outer[0][frag]):
+                assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    finally:
+        stop_processes(procs, grace=10)
+
+
+def test_sigint_stops_a_peer_cleanly_with_no_leftover_processes(tmp_path):
+    boot, addrs = start_bootstrap(tmp_path, "sigint")
+    procs = [boot]
+    try:
+        peer = start_peer(tmp_path, "p0", addrs, "--run-id", "sigint", "--steps", "100000", "--inner-steps", "10",
+                          "--fragments", "2", "--no-join", "--shard", "0/1")
+        procs.append(peer)
+        wait_for(lambda: sum(r["event"] == "step" for r in records(tmp_path / "p0.jsonl")) >= 3, 180,
+                 "training to start", [peer])
+        tree = descendants(peer.pid)
+        assert tree, "the peer runs a DHT process and p2pd"
+        peer.send_signal(signal.SIGINT)
+        peer.wait(timeout=60)
+        assert peer.returncode == 0, (tmp_path / "p0.log").read_text()[-3000:]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(is_running(p) for p in tree):
+            time.sleep(0.2)
+        assert not [p for p in tree if is_running(p)], "leftover child processes"
+        recs = records(tmp_path / "p0.jsonl")
+        assert any(r["event"] == "stopped" for r in recs) and recs[-1]["event"] == "summary"
+    finally:
+        stop_processes(procs, grace=10)

@@ -1,0 +1,103 @@
+"""The WAN emulation layer of benchmarks/wan.py: namespaces, tbf shaping, counters, teardown.
+
+Needs root and ``ip netns``; skipped with the reason otherwise. Bounded: one ~2 MB transfer at
+8 Mbit/s (~2 s) plus namespace set-up.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import netns  # noqa: E402
+
+REASON = netns.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"WAN emulation unavailable: {REASON}")
+
+RATE_MBIT = 8.0
+NBYTES = 2_000_000
+
+
+@pytest.fixture
+def topo():
+    t = netns.Topology(peers=2, prefix=f"{netns.PREFIX}{__import__('os').getpid()}")
+    t.create()
+    try:
+        yield t
+    finally:
+        t.teardown()
+
+
+def test_two_peer_topology_is_isolated_and_connected(topo):
+    names = set(netns.our_namespaces())
+    assert {topo.ns("boot"), topo.ns("p0"), topo.ns("p1"), topo.bridge} <= names
+    # no default route anywhere: traffic cannot leave the namespaces we made
+    for node in topo.nodes:
+        routes = subprocess.run(["ip", "-n", topo.ns(node), "route", "show"], capture_output=True, text=True).stdout
+        assert "default" not in routes
+        assert f"{netns.SUBNET}.0/24" in routes
+    # the root namespace got no interface of ours
+    root_links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert netns.IFACE not in root_links and "vp0" not in root_links
+
+
+def test_tbf_limits_throughput_and_counters_see_the_bytes(topo):
+    topo.shape(RATE_MBIT)
+    assert "tbf" in topo.qdisc("p0") and "rate 8Mbit" in topo.qdisc("p0")
+    before_src, before_dst = topo.counters("p0"), topo.counters("p1")
+    result = netns.measure_throughput(topo, "p0", "p1", NBYTES, timeout=40.0)
+    after_src, after_dst = topo.counters("p0"), topo.counters("p1")
+    assert result["bytes"] == NBYTES
+    assert abs(result["mbit_s"] - RATE_MBIT) / RATE_MBIT < 0.25, result
+    sent = after_src["tx_bytes"] - before_src["tx_bytes"]
+    received = after_dst["rx_bytes"] - before_dst["rx_bytes"]
+    # payload plus TCP/IP/Ethernet headers: a little more than the payload, never less
+    assert NBYTES <= sent < NBYTES * 1.10, sent
+    assert NBYTES <= received < NBYTES * 1.10, received
+    assert after_src["tx_packets"] > before_src["tx_packets"]
+
+
+def test_unshaped_link_is_much_faster_than_the_limit(topo):
+    # the limit comes from tbf, not from the machine: without it the same transfer is far faster
+    result = netns.measure_throughput(topo, "p0", "p1", NBYTES, timeout=40.0)
+    assert result["mbit_s"] > 4 * RATE_MBIT, result
+
+
+def test_teardown_removes_namespaces_and_processes():
+    t = netns.Topology(peers=2, prefix=f"{netns.PREFIX}{__import__('os').getpid()}")
+    t.create()
+    sleeper = subprocess.Popen(t.exec_argv("p0", [sys.executable, "-c", "import time; time.sleep(120)"]))
+    try:
+        assert sleeper.pid in netns.namespace_pids(t.ns("p0"))
+        t.teardown()
+        assert sleeper.wait(timeout=10) is not None  # killed by teardown, not by us
+        assert [n for n in netns.our_namespaces() if n.startswith(t.prefix + "-")] == []
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert "vp0" not in links and "vboot" not in links
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait(5)
+        t.teardown()
+
+
+def test_cleanup_leftovers_removes_a_dead_runs_namespaces():
+    dead_pid = 2 ** 22 + 12345  # above pid_max's default: no live process has it
+    stale = netns.Topology(peers=1, prefix=f"{netns.PREFIX}{dead_pid}")
+    stale.create()
+    stale._restore_handlers()  # pretend its creator died without cleaning up
+    stale.created = []
+    live = netns.Topology(peers=1)
+    live.create()
+    try:
+        removed = netns.cleanup_leftovers()
+        assert set(removed) == {stale.bridge, stale.ns("boot"), stale.ns("p0")}
+        remaining = netns.our_namespaces()
+        assert live.ns("p0") not in removed and live.ns("p0") in remaining
+    finally:
+        live.teardown()
+        netns.delete_namespaces([n for n in netns.our_namespaces(dead_pid)])
