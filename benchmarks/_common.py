@@ -40,6 +40,15 @@ def command_line(argv: Optional[Sequence[str]] = None, script: Optional[str] = N
     return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in argv)])
 
 
+def relative(path: str | Path) -> str:
+    """``path`` relative to the repository root when it is inside it (for JSON and docs), else as is."""
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def environment() -> dict[str, Any]:
     """Where the numbers come from: machine, versions, commit (read-only git query)."""
     import torch

@@ -28,6 +28,7 @@ rewritten after every run so an interrupted run keeps what it finished) and PNG 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -38,11 +39,11 @@ from typing import Any, Optional
 import torch
 
 try:
-    from benchmarks._common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table,
-                                    mean_spread, plot_bars, plot_lines, write_json)
+    from benchmarks._common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, mean_spread,
+                                    plot_bars, plot_lines, relative, write_json)
 except ImportError:  # run as a script: python benchmarks/quality.py
-    from _common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, mean_spread,
-                         plot_bars, plot_lines, write_json)
+    from _common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, mean_spread, plot_bars,
+                         plot_lines, relative, write_json)
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
 from opendiloco_stream.compression import get_codec
@@ -297,7 +298,7 @@ def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list[Varian
                            [agg[n]["bytes_per_token"] for n in names], log=True, annotate="{:,.1f}", note=note,
                            title="Bytes each worker sends per training token",
                            ylabel="bytes / token / worker (log)"))
-    return [str(p) for p in paths]
+    return [relative(p) for p in paths]
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -311,6 +312,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/quality-<preset>.json)")
     p.add_argument("--img-dir", type=Path, help="where the PNGs go (default docs/img)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--render-only", action="store_true",
+                   help="no training: rebuild tables and plots from the existing --out JSON")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset = "smoke"
@@ -346,10 +349,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     # workers are threads: split the cores between them as the ``local`` command does
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // preset.workers))
 
-    jobs = [(v, s) for v in variant_list for s in (preset.mode_seeds if v.group == "mode" else preset.codec_seeds)]
+    if args.render_only:
+        if not out.is_file():
+            print(f"error: --render-only needs an existing result file, {out} is missing", file=sys.stderr)
+            return 2
+        payload = json.loads(out.read_text())
+        preset = Preset(**{k: tuple(v) if k.endswith("seeds") else v for k, v in payload["preset"].items()})
+        variant_list = [Variant(**v) for v in payload["variants"]]
+        return report(payload, preset, variant_list, out, img_dir, args.no_plots)
+
+    # every seed-0 run first: an interrupted benchmark (JSON is rewritten after every run) then
+    # still has the whole mode comparison and codec grid for one seed
+    seeds = sorted(set(preset.mode_seeds) | set(preset.codec_seeds))
+    jobs = [(v, s) for s in seeds for v in variant_list
+            if s in (preset.mode_seeds if v.group == "mode" else preset.codec_seeds)]
     payload: dict[str, Any] = {"benchmark": "quality", "command": command, "preset_name": args.preset,
                                "preset": asdict(preset), "environment": environment(),
-                               "variants": [asdict(v) for v in variant_list], "runs": []}
+                               "variants": [asdict(v) for v in variant_list], "runs": [], "wall_time_s": 0.0}
     data_cache: dict = {}
     started = time.perf_counter()
     for i, (v, seed) in enumerate(jobs, 1):
@@ -363,12 +379,18 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{s['eval_loss']:.4f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         payload["wall_time_s"] = time.perf_counter() - started
         write_json(out, payload)  # after every run: an interrupted benchmark keeps what it finished
+    return report(payload, preset, variant_list, out, img_dir, args.no_plots)
 
+
+def report(payload: dict[str, Any], preset: Preset, variant_list: list[Variant], out: Path, img_dir: Path,
+           no_plots: bool) -> int:
+    """Aggregate the runs, print the tables, write the JSON and the plots."""
+    command = payload["command"]
     agg = aggregate(payload["runs"], variant_list)
     payload["aggregate"] = agg
     tables = {"modes": mode_table(agg), "codecs": codec_table(agg, payload["runs"])}
     payload["tables_markdown"] = tables
-    if not args.no_plots:
+    if not no_plots:
         payload["plots"] = make_plots(payload["runs"], agg, variant_list, preset, img_dir, command)
     write_json(out, payload)
     tokens = preset.workers * preset.steps * preset.batch_size * preset.seq_len
@@ -376,7 +398,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{preset.seq_len} = {tokens:,} tokens per run; mode seeds {list(preset.mode_seeds)}, codec seeds "
           f"{list(preset.codec_seeds)}; wall {payload['wall_time_s'] / 60:.1f} min\n")
     print(tables["modes"] + "\n\n" + tables["codecs"] + "\n")
-    print(f"results: {out}" + ("" if args.no_plots else f"\nplots: {', '.join(payload['plots'])}"))
+    print(f"results: {relative(out)}" + ("" if no_plots else f"\nplots: {', '.join(payload['plots'])}"))
     return 0
 
 

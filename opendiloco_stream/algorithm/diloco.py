@@ -15,6 +15,7 @@ the same loop runs the baseline. No networking here: everything goes through a T
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -88,6 +89,9 @@ class StreamingDiLoCo:
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "peak_bytes_per_sync": 0, "syncs": 0,
                       "failed_syncs": 0, "local_only_steps": 0, "wait_s": 0.0, "rejected": 0}
         self._closed = False
+        # state_dict() may run in another thread (a late joiner's download): it must never see a
+        # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
+        self._lock = threading.RLock()
         H, P = config.inner_steps, config.num_fragments
 
         if config.mode == "data-parallel":
@@ -118,6 +122,10 @@ class StreamingDiLoCo:
         """Call once after every inner optimizer step; ``tokens`` = tokens in that step's batch."""
         if self._closed:
             raise RuntimeError("StreamingDiLoCo.step() after close()")
+        with self._lock:
+            self._step(tokens)
+
+    def _step(self, tokens: Optional[int]) -> None:
         self.step_count += 1
         t = self.step_count
         if self.config.mode == "data-parallel":
@@ -283,7 +291,12 @@ class StreamingDiLoCo:
         outer parameters and optimizer state, eager state, error-feedback residuals.
 
         In-flight rounds are waited for (bounded by ``sync_timeout``) and stored as finished.
+        Thread-safe: a snapshot is taken between two steps, never in the middle of one.
         """
+        with self._lock:
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"step": self.step_count, "mode": self.config.mode}
         if self.config.mode == "data-parallel":
             return state
@@ -316,6 +329,10 @@ class StreamingDiLoCo:
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local
         parameters are set to the outer parameters, the donor's own contributions are not taken
         as ours, and error-feedback residuals start empty."""
+        with self._lock:
+            self._load_state_dict(state, joiner)
+
+    def _load_state_dict(self, state: dict[str, Any], joiner: bool) -> None:
         self.step_count = int(state["step"])
         if self.config.mode == "data-parallel":
             return

@@ -12,12 +12,17 @@ also answers ``doctor``'s dial-back requests and validates the run's metrics rec
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import secrets
 import sys
 import tempfile
 from pathlib import Path
 
 from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind
+
+logger = logging.getLogger(__name__)
+HEARTBEAT_PERIOD = 30.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,17 +48,27 @@ def write_addr_file(path: str, maddrs: list[str]) -> None:
         raise
 
 
+def _heartbeat(dht) -> None:
+    """Look up a random key: the lookup pings neighbours and evicts dead ones from the routing
+    table, so joining peers are not sent to peers that left long ago (as hivemind's run_dht does)."""
+    try:
+        dht.get(f"heartbeat_{secrets.token_hex(8)}", latest=True, return_future=True).result(HEARTBEAT_PERIOD)
+    except Exception as e:  # a slow lookup is not a reason to stop serving
+        logger.debug("heartbeat lookup: %r", e)
+
+
 def _is_local_only(maddrs: list[str]) -> bool:
     return all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in maddrs)
 
 
 def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
-    from opendiloco_stream.net.lifecycle import GracefulShutdown
+    from opendiloco_stream.net.lifecycle import GracefulShutdown, daemons, kill_stray_daemons
     from opendiloco_stream.net.metrics import install_validators
     from opendiloco_stream.net.reachability import DialbackService
 
     net = net_config_from_args(args)
+    existing = daemons()
     quiet_hivemind(args.verbose)
     with GracefulShutdown() as stop:
         dht = start_dht(net)
@@ -76,12 +91,14 @@ def run(args: argparse.Namespace) -> int:
                 print("note: the /p2p/ id changes at every start; --identity-path bootstrap.key keeps it",
                       file=sys.stderr)
             print("serving; Ctrl+C (or SIGTERM) stops it", file=sys.stderr, flush=True)
-            stop.wait()
+            while not stop.wait(HEARTBEAT_PERIOD):
+                _heartbeat(dht)
         finally:
             if not args.verbose:  # p2pd complains about the sockets we close on the way out
                 quiet_hivemind(level=60)
             if service is not None:
                 service.shutdown()
             stop_dht(dht)
+            kill_stray_daemons(existing)  # a dial-back probe cut short by the shutdown
     print("bootstrap node stopped", file=sys.stderr)
     return 0

@@ -28,13 +28,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.cli import UsageError
     from opendiloco_stream.net.doctor import check_config, run_checks
+    from opendiloco_stream.net.lifecycle import daemons, kill_stray_daemons
 
     if args.timeout <= 0:
         raise UsageError("--timeout must be > 0 seconds")
     net = net_config_from_args(args)
+    existing = daemons()
     check_config(net)  # bad addresses: exit 2 before any check runs
     quiet_hivemind(args.verbose, level=None if args.verbose else 60)  # the checks report failures themselves
-    checks = asyncio.run(run_checks(net, timeout=args.timeout, report=lambda c: print(c.lines(), flush=True)))
+    try:
+        checks = asyncio.run(run_checks(net, timeout=args.timeout, report=lambda c: print(c.lines(), flush=True)))
+    finally:
+        kill_stray_daemons(existing)  # Ctrl+C mid-check can leave a daemon that was still starting
     failed = [c.name for c in checks if c.status == "FAIL"]
     print(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else "all checks passed")
     return 1 if failed else 0

@@ -221,7 +221,7 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
     """
     import hivemind
 
-    from opendiloco_stream.net.lifecycle import kill_process_tree
+    from opendiloco_stream.net.lifecycle import descendants, kill_process_tree, process_name
 
     check_run_id(net.run_id)
     host, announce = listen_maddrs(net)
@@ -248,6 +248,8 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise NetError(explain_start_error(e, net, host)) from None
+    # remembered now: if the DHT process dies, its p2pd is re-parented and no longer found through it
+    dht._ods_children = {p: process_name(p) for p in descendants(dht.pid)}
     logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(host))
     return dht
 
@@ -255,18 +257,24 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
 def stop_dht(dht: Any, timeout: float = 5.0) -> None:
     """Shut ``dht`` down and make sure its process and p2pd are gone (SIGKILL after ``timeout``).
 
-    hivemind's own shutdown gives up after 3 s and can leave p2pd behind when the DHT process is
-    stuck, e.g. when Ctrl+C already killed p2pd (it is in the terminal's process group).
+    When p2pd is already dead (Ctrl+C in a terminal reaches it too: it shares the terminal's
+    process group), hivemind's graceful shutdown would wait for it in vain; the DHT process is then
+    terminated directly. Either way nothing of the node is left running, including a p2pd whose
+    DHT process died earlier (start_dht remembered it).
     """
-    from opendiloco_stream.net.lifecycle import descendants, is_running, terminate_pids
+    from opendiloco_stream.net.lifecycle import descendants, is_running, process_name, terminate_pids
 
     pid = dht.pid
-    # collected first: once the DHT process exits, its p2pd can no longer be found through it
-    tree = [*descendants(pid), pid] if pid is not None and is_running(pid) else []
-    try:
-        dht.shutdown()
-    except Exception as e:  # a broken pipe to a dead DHT process: the kill below finishes the job
-        logger.debug("DHT shutdown: %r", e)
-    terminate_pids([p for p in tree if p != pid] + ([pid] if pid is not None else []), timeout)
+    known = dict(getattr(dht, "_ods_children", {}))
+    if pid is not None and is_running(pid):
+        known.update({p: process_name(p) for p in descendants(pid)})
+    # a remembered pid only counts while it still runs the same program (pids get reused)
+    children = [p for p, name in known.items() if is_running(p) and process_name(p) == name]
+    if any(known[p] == "p2pd" for p in children):
+        try:
+            dht.shutdown()
+        except Exception as e:  # a broken pipe to a dead DHT process: the kill below finishes the job
+            logger.debug("DHT shutdown: %r", e)
+    terminate_pids(children + ([pid] if pid is not None else []), timeout)
     if pid is not None:
         dht.join(1.0)

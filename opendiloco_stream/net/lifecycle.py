@@ -145,6 +145,23 @@ def kill_process_tree(pid: int, timeout: float = 5.0, *, include_root: bool = Tr
     return killed + terminate_pids(late, min(timeout, 1.0))
 
 
+def daemons(name: str = "p2pd") -> set[int]:
+    """Pids of the ``p2pd`` processes descending from this process."""
+    return {p for p in descendants(os.getpid()) if process_name(p) == name}
+
+
+def kill_stray_daemons(existing: Iterable[int] = (), timeout: float = 2.0, name: str = "p2pd") -> list[int]:
+    """Terminate ``p2pd`` descendants of this process not in ``existing`` (a last sweep before a command ends).
+
+    Pass ``daemons()`` taken when the command started, so that daemons of other components of the
+    same process are spared. Normally finds nothing: each node stops its own daemon; this catches
+    one started by a dial probe or a node creation that was interrupted midway.
+    """
+    strays = sorted(daemons(name) - set(existing))
+    terminate_pids(strays, timeout)
+    return strays
+
+
 def new_session() -> bool:
     """Make this process the leader of a new session and process group, where that is safe.
 
@@ -183,15 +200,19 @@ class GracefulShutdown:
                 train_one_step()          # the loop stops at a safe point
             save_checkpoint()
 
-    Handlers are installed only in the main thread (Python delivers signals there). Processes
-    forked while it is active (the DHT, averagers) inherit the handler; in them it restores the
-    default action and re-raises, so SIGTERM still terminates a child.
+    Handlers are installed only in the main thread (Python delivers signals there). The handler
+    takes no lock (a lock held by the interrupted code would deadlock it): it sets a flag and
+    writes a byte to a pipe that :meth:`wait` selects on. Processes forked while it is active (the
+    DHT, averagers) inherit the handler; in them it passes SIGTERM on to their own children and
+    then dies of the signal, so killing a helper never orphans its p2pd.
     """
 
     def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM), *, kill_timeout: float = 0.0):
         self.signals = tuple(signals)
         self.signum: Optional[int] = None
-        self._event = threading.Event()
+        self._flag = False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
         self._previous: dict[int, object] = {}
         self._owner_pid = os.getpid()
         self._kill_timeout = kill_timeout
@@ -199,29 +220,42 @@ class GracefulShutdown:
     @property
     def requested(self) -> bool:
         """True once a shutdown signal arrived (or :meth:`request` was called)."""
-        return self._event.is_set()
+        return self._flag
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Ask for a shutdown as if ``signum`` had arrived (for code paths that decide to stop)."""
         self.signum = self.signum or signum
-        self._event.set()
+        self._set()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until a shutdown is requested or ``timeout`` passed; return :attr:`requested`."""
-        return self._event.wait(timeout)
+        if not self._flag:
+            select.select([self._read_fd], [], [], timeout)  # the byte is never read: every waiter wakes
+        return self._flag
+
+    def _set(self) -> None:
+        self._flag = True
+        try:
+            os.write(self._write_fd, b"!")
+        except (BlockingIOError, OSError):  # pipe full or closed: the flag is what counts
+            pass
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if os.getpid() != self._owner_pid:
+            # a forked helper (DHT, averager): pass the signal on to its own children (p2pd), then
+            # die as it would have without us, instead of orphaning them
+            _send(signal.SIGTERM, descendants(os.getpid()))
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if self._event.is_set():
+        if self._flag:
             self._exit_now(signum)
         self.signum = signum
-        self._event.set()
+        self._set()
 
     def _exit_now(self, signum: int) -> None:
-        print(f"received {signal.Signals(signum).name} twice: stopping now", file=sys.stderr, flush=True)
+        # os.write, not print: the interrupted code may hold the stderr buffer's lock
+        os.write(2, f"received {signal.Signals(signum).name} twice: stopping now\n".encode())
         kill_process_tree(os.getpid(), self._kill_timeout, include_root=False)
         os._exit(128 + signum)
 
@@ -235,3 +269,10 @@ class GracefulShutdown:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def __del__(self) -> None:
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -88,8 +88,12 @@ class DialbackService:
     def shutdown(self) -> None:
         """Stop serving (the DHT keeps running)."""
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(self.timeout + 5.0)
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop already ended
+                pass
+        # a dial in flight ends within its own timeout; the thread is a daemon, so never wait longer
+        self._thread.join(self.timeout + 2.0)
 
     def _run(self) -> None:
         asyncio.run(self._serve())
@@ -98,6 +102,8 @@ class DialbackService:
         from google.protobuf.wrappers_pb2 import BytesValue
 
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        # the p2p client's reader tasks fail when p2pd dies first (Ctrl+C reaches it too): not our error
+        self._loop.set_exception_handler(lambda loop, context: logger.debug("dial-back loop: %s", context))
         self._dials = asyncio.Semaphore(self.max_concurrent)
         self._busy_callers: set[str] = set()
         try:
@@ -111,9 +117,9 @@ class DialbackService:
         try:
             await self._stop.wait()
         finally:
-            try:
-                await p2p.remove_protobuf_handler(DIALBACK_HANDLER)
-            except Exception as e:  # the daemon may already be gone at shutdown
+            try:  # bounded: when Ctrl+C already killed p2pd, the daemon never answers
+                await asyncio.wait_for(p2p.remove_protobuf_handler(DIALBACK_HANDLER), 0.5)
+            except Exception as e:
                 logger.debug("remove dial-back handler: %r", e)
 
     async def _handle(self, request: Any, context: Any) -> Any:

@@ -106,6 +106,21 @@ class FragmentAverager(DecentralizedAverager):
     def shutdown(self) -> None:
         self.close(self.shutdown_timeout)
 
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        # hivemind names handlers after the class; subclasses (test fakes) must reach plain peers
+        name = f"FragmentAverager.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's matchmaking, but the leader keeps the stream open until the follower closes it:
+        otherwise BEGIN_ALLREDUCE is sometimes lost in flight (see hv_protocol, "Closing") and the
+        follower misses a group the others run with it."""
+        async for response in self._matchmaking.rpc_join_group(request, context):
+            yield response
+        await asyncio.sleep(self.timeouts.request)  # cancelled as soon as the follower closes
+
     # ------------------------------------------------------------------ the all-reduce
     async def _aggregate_with_group(self, group_info: GroupInfo, **_allreduce_kwargs) -> dict:
         registered = self._running_groups[group_info.group_id]

@@ -67,8 +67,10 @@ class _Peer:
         try:
             result = handle.wait(wait_timeout)
         except SyncFailed as e:
-            return dict(ok=False, reason=e.reason, message=str(e), launch_s=launch_s, elapsed_s=time.perf_counter() - t0)
-        out = dict(ok=True, launch_s=launch_s, elapsed_s=time.perf_counter() - t0, group_size=result.group_size,
+            return dict(ok=False, reason=e.reason, message=str(e), launch_s=launch_s, elapsed_s=time.perf_counter() - t0,
+                        finished_at=time.time())
+        out = dict(ok=True, launch_s=launch_s, elapsed_s=time.perf_counter() - t0, finished_at=time.time(),
+                   group_size=result.group_size,
                    weight_share=result.weight_share, bytes_sent=result.bytes_sent,
                    bytes_received=result.bytes_received, peers=result.peers, included_self=result.included_self,
                    rejected=result.rejected, sha256=hashlib.sha256(result.average.numpy().tobytes()).hexdigest())
@@ -120,10 +122,14 @@ def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transp
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
+        t0 = time.monotonic()
         if transport is not None:
             transport.close()
+        t1 = time.monotonic()
         if dht is not None:
             dht.shutdown()
+        logging.getLogger(__name__).info("peer %d closed: transport %.2fs, DHT %.2fs", index, t1 - t0,
+                                         time.monotonic() - t1)
         conn.send(("closed", None))
 
 

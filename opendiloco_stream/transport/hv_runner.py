@@ -29,7 +29,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hv_protocol import (
-    CONTRIB, MISSING, OK, ABSTAINED, PROTOCOL_VERSION, REJECTED, RESULT, VERDICT, GroupLayout, ProtocolError,
+    CONTRIB, DONE, MISSING, OK, ABSTAINED, PROTOCOL_VERSION, REJECTED, RESULT, VERDICT, GroupLayout, ProtocolError,
     check_chunk, chunk_numel_for, codec_alignment, codec_spec, combine_verdicts, norm_verdict, pack_frame,
     unpack_frame, weighted_mean,
 )
@@ -219,9 +219,16 @@ class HvAllReduceRunner:
                 msg = _message(pack_frame(RESULT, j, payload, final, total_weight), code=averaging_pb2.AVERAGED_PART)
                 self.bytes_sent += msg.ByteSize()
                 yield msg
+            msg = _message(pack_frame(DONE, len(self.my_chunks), b"", final, total_weight), code=averaging_pb2.AVERAGED_PART)
+            self.bytes_sent += msg.ByteSize()
+            yield msg
         except Exception as e:  # our reduction failed: tell the sender instead of going silent
             logger.debug("round %s: no result for %s: %r", self.key, self._name(s), e)
             yield _error()
+            return
+        # Linger until the sender closes the stream (which cancels us): closing first could drop
+        # the frames above while they are still in flight.
+        await asyncio.sleep(min(self.t.next_chunk, self._remaining()))
 
     def _sender_lost(self, s: int, why: str) -> None:
         if not self.sender_done[s].is_set():
@@ -269,8 +276,7 @@ class HvAllReduceRunner:
                 for s in accepted:
                     self.decoded[s][j] = None
                 self.result_chunks[j].set_result(payload)
-            if self.my_chunks:
-                self._record_part(self.me, final, total_weight)
+            self._record_part(self.me, final, total_weight)
         except BaseException as e:
             failure = e if isinstance(e, RoundError) else RoundError(
                 "timeout" if isinstance(e, asyncio.TimeoutError) else "partial", f"round {self.key}: reduction failed: {e!r}")
@@ -318,14 +324,17 @@ class HvAllReduceRunner:
                     raise ProtocolError(f"expected result chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
                 self._record_part(q, frame.status, frame.total_weight)
                 await self._in_executor(self._take_result, frame.payload, lo, hi)
-            # The reducer closes the stream after its last result. Waiting for that (rather than
-            # closing first) lets our verdict through even when its part is empty.
+            # DONE closes the exchange (it also carries the verdict when the part is empty); then
+            # we close the stream: the reducer waits for that.
             timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
-            try:
-                msg = await asyncio.wait_for(it.__anext__(), timeout)
-            except StopAsyncIteration:
-                return
-            raise ProtocolError(f"reducer {self._name(q)} sent more than its part ({msg.code})")
+            msg = await asyncio.wait_for(it.__anext__(), timeout)
+            self.bytes_received += msg.ByteSize()
+            if msg.code != averaging_pb2.AVERAGED_PART:
+                raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
+            frame = unpack_frame(msg.tensor_part.buffer)
+            if frame.kind != DONE or len(frame.status) != len(self.peer_ids):
+                raise ProtocolError(f"expected the end of results, got kind {frame.kind} chunk {frame.chunk}")
+            self._record_part(q, frame.status, frame.total_weight)
         except RoundError:
             raise
         except StopAsyncIteration:

@@ -124,6 +124,9 @@ class _StateServicer(ServicerBase):
             serialized = await loop.run_in_executor(None, serialize_torch_tensor, tensor)
             for part in split_for_streaming(serialized, PART_BYTES):
                 yield averaging_pb2.DownloadData(tensor_part=part)
+        # Keep the stream open until the joiner closes it (which cancels us): closing first may
+        # drop the last parts in flight (see hv_protocol, "Closing").
+        await asyncio.sleep(self._sharing.chunk_timeout)
 
 
 class StateSharing:
@@ -234,22 +237,26 @@ class StateSharing:
             try:
                 first = await it.__anext__()  # the provider may take a while: bounded by the donor's budget
             except StopAsyncIteration:
-                raise StateError("the donor has no state to share") from None
+                raise StateError("the stream ended before the manifest (the donor left, or has no state)") from None
             manifest = _loads(first.metadata)
+            expected = len(manifest["tensors"])
             groups: list[list] = []
-            while True:
+
+            def complete() -> bool:
+                return len(groups) == expected and (not groups or len(groups[-1]) == max(1, groups[-1][0].chunks))
+
+            while not complete():  # we know what to expect: stop there and close (the donor waits for that)
                 try:
                     msg = await asyncio.wait_for(it.__anext__(), self.chunk_timeout)
                 except StopAsyncIteration:
-                    break
+                    raise StateError(f"the stream ended after {len(groups)} of {expected} tensors (donor left?)") from None
                 if msg.tensor_part.dtype:  # the first part of a tensor carries its dtype
+                    if groups and len(groups[-1]) != max(1, groups[-1][0].chunks):
+                        raise StateError(f"tensor {len(groups) - 1} is missing parts")
                     groups.append([])
-                if not groups:
-                    raise StateError("stream does not start with a tensor header")
+                if not groups or len(groups) > expected:
+                    raise StateError("the stream does not match its manifest")
                 groups[-1].append(msg.tensor_part)
-            for i, parts in enumerate(groups):
-                if len(parts) != max(1, parts[0].chunks):
-                    raise StateError(f"tensor {i} arrived in {len(parts)} of {parts[0].chunks} parts (donor left?)")
             tensors = await asyncio.get_event_loop().run_in_executor(
                 None, lambda: [deserialize_torch_tensor(combine_from_streaming(p)) for p in groups])
             return unflatten_state(manifest, tensors)

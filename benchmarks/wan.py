@@ -1,0 +1,402 @@
+"""WAN benchmark: real ``peer`` processes in network namespaces behind ``tc tbf`` links.
+
+    sudo .venv/bin/python benchmarks/wan.py --quick --out benchmarks/results/wan-quick.json
+    sudo .venv/bin/python benchmarks/wan.py --rates 5,20,100 --out benchmarks/results/wan-full.json
+    sudo .venv/bin/python benchmarks/wan.py --cleanup          # remove leftovers of killed runs
+
+For each link rate R and each mode (data-parallel, DiLoCo blocking P=1, streaming blocking,
+streaming tau=1, streaming eager) x codec, it starts a bootstrap node and M peers, each in its own
+namespace with an R Mbit/s link each way (``benchmarks/netns.py``), trains the tiny model for the
+same number of inner steps (data-parallel: fewer, see ``--dp-budget``) and records, per run:
+compute utilization, tokens/s, bytes per peer from our accounting and from the interface
+counters, peak bytes per sync, time blocked on the network, and the final eval loss.
+
+Nothing is scraped from logs: the bootstrap writes its address to a file, peers write JSON-lines
+metrics. Every run is bounded (``--run-timeout``, derived from the expected traffic by default);
+a run that times out or fails is recorded with its status. Namespaces and every process in them
+are removed at the end, on Ctrl+C and on SIGTERM. Without root / ``ip netns`` it says why and
+exits 0 without numbers. The report (table, ratios, simulator comparison, plots) is
+``benchmarks/wan_report.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns  # noqa: E402
+import wan_report  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable  # the venv's python, by absolute path, also inside the namespaces
+MODES = {  # benchmark label -> (trainer mode, fragments: "P" = --fragments, tau)
+    "data-parallel": ("data-parallel", 1, 0),
+    "diloco": ("blocking", 1, 0),
+    "streaming": ("blocking", "P", 0),
+    "streaming-tau1": ("overlap", "P", 1),
+    "streaming-eager": ("eager", "P", 0),
+}
+CODEC_BITS = {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "fp8-e4m3": 8.0,
+              "fp4-e3m0": 4.0, "fp4-e2m1": 4.0}
+TINY_PARAMS = 870_272  # measured: `peer --model tiny` summary "params" (byte vocabulary)
+GRACE_S = 20.0
+
+
+@dataclass
+class RunSpec:
+    """One benchmark run: a mode, codec and link rate, trained for ``steps`` inner steps by ``peers`` peers."""
+
+    label: str
+    mode: str
+    codec: str
+    fragments: int
+    overlap_steps: int
+    inner_steps: int
+    steps: int
+    link_mbit: float
+    peers: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.label}-{self.codec}-P{self.fragments}-{self.link_mbit:g}mbit"
+
+
+# ---------------------------------------------------------------------------------------- plan
+
+
+def wire_bits(codec: str, block: int = 64) -> float:
+    """Bits per value on the wire, block scales included (fp16 scale per ``block`` for <= 8 bits)."""
+    bits = CODEC_BITS[codec]
+    return bits + (16.0 / block if bits <= 8 and codec != "fp16" else 0.0)
+
+
+def payload_per_sync(spec: RunSpec, params: int = TINY_PARAMS) -> float:
+    """Bytes one peer sends per sync round, as hivemind's butterfly all-reduce moves them."""
+    frac = 1.0 if spec.mode == "data-parallel" else 1.0 / spec.fragments
+    return params * frac * wire_bits(spec.codec) / 8 * 2 * (spec.peers - 1) / spec.peers
+
+
+def expected_network_s(spec: RunSpec) -> float:
+    """Seconds the link needs for all of a run's syncs (one direction; both directions run in parallel)."""
+    syncs = spec.steps if spec.mode == "data-parallel" else spec.steps * spec.fragments / spec.inner_steps
+    return syncs * payload_per_sync(spec) * 8 / (spec.link_mbit * 1e6)
+
+
+def dp_steps(args: argparse.Namespace, rate: float, peers: int, codec: str) -> int:
+    """Data-parallel syncs every step: bound its steps so that it needs about ``--dp-budget`` s of link."""
+    probe = RunSpec("data-parallel", "data-parallel", codec, 1, 0, args.inner_steps, 1, rate, peers)
+    per_step = expected_network_s(probe) + args.step_time_guess
+    return int(max(args.dp_min_steps, min(args.steps, args.dp_budget // per_step)))
+
+
+def plan(args: argparse.Namespace) -> list[RunSpec]:
+    """Every run of the benchmark, in execution order (rate by rate)."""
+    specs = []
+    for rate in args.rates:
+        for label in args.modes:
+            mode, frags, tau = MODES[label]
+            fragments = args.fragments if frags == "P" else frags
+            codecs = args.codecs_for.get(label, args.codecs)
+            for codec in codecs:
+                steps = dp_steps(args, rate, args.peers, codec) if label == "data-parallel" else args.steps
+                specs.append(RunSpec(label, mode, codec, fragments, tau, args.inner_steps, steps, rate, args.peers))
+    if args.baseline:  # no sync at all (H > steps): the traffic that is not ours (DHT, metrics)
+        specs.insert(0, RunSpec("idle", "blocking", "fp32", 1, 0, args.steps + 1, args.steps, args.rates[0],
+                                args.peers))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------- one run
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut by a kill
+    return out
+
+
+def start_bootstrap(topo: netns.Topology, workdir: Path, run_id: str, timeout: float = 60.0) -> tuple[subprocess.Popen, list[str]]:
+    addr_file = workdir / "bootstrap.addrs"
+    argv = [PYTHON, "-m", "opendiloco_stream", "bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
+            "--host-maddrs", f"/ip4/{topo.ip('boot')}/tcp/0"]
+    proc = subprocess.Popen(topo.exec_argv("boot", argv), cwd=REPO, stdout=open(workdir / "bootstrap.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if addr_file.exists() and addr_file.read_text().strip():  # written atomically by the bootstrap
+            return proc, addr_file.read_text().split()
+        time.sleep(0.1)
+    raise RuntimeError(f"bootstrap did not come up in {timeout:g} s: {(workdir / 'bootstrap.log').read_text()[-800:]}")
+
+
+def peer_argv(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, addrs: list[str], workdir: Path) -> list[str]:
+    argv = [PYTHON, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", run_id,
+            "--host-maddrs", f"/ip4/{topo.ip(f'p{rank}')}/tcp/0", "--shard", f"{rank}/{spec.peers}",
+            "--no-join", "--no-progress", "--metrics-file", str(workdir / f"peer-{rank}.jsonl"),
+            "--mode", spec.mode, "--fragments", str(spec.fragments), "--inner-steps", str(spec.inner_steps),
+            "--codec", spec.codec, "--steps", str(spec.steps), "--model", "tiny",
+            "--target-group-size", str(spec.peers), "--link-mbit", f"{spec.link_mbit:g}", "--threads", "1",
+            # the final checkpoint waits for the rounds still in flight (eager, tau) and stores their byte
+            # counts: how our accounting covers every round that went on the wire (see tail_rounds)
+            "--checkpoint-dir", str(workdir / f"ckpt-{rank}")]
+    if spec.mode == "overlap":
+        argv += ["--overlap-steps", str(spec.overlap_steps)]
+    return argv
+
+
+def stop(procs: list[subprocess.Popen], topo: netns.Topology, nodes: list[str]) -> None:
+    """SIGTERM (peers stop at a safe point), wait ``GRACE_S``, then kill whatever is left in the namespaces."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    netns.kill_namespace_processes([topo.ns(n) for n in nodes])  # p2pd, averagers, anything orphaned
+    for p in procs:
+        p.wait(10)
+
+
+def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, progress: bool,
+            baseline_bps: float = 0.0) -> dict[str, Any]:
+    """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed)."""
+    from tqdm import tqdm
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = f"wan{os.getpid()}_{int(time.time() * 1000) % 10**9}"
+    peers = [f"p{r}" for r in range(spec.peers)]
+    procs: list[subprocess.Popen] = []
+    series: list[dict[str, Any]] = []  # interface counters over time, for windowed analysis
+    status, error = "ok", None
+    bar = tqdm(total=spec.steps * spec.peers, desc=spec.name, unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True, leave=False)
+    try:
+        boot, addrs = start_bootstrap(topo, workdir, run_id)
+        procs.append(boot)
+        before = {n: topo.counters(n) for n in peers}
+        t0 = time.monotonic()
+        for r in range(spec.peers):
+            procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", peer_argv(topo, spec, r, run_id, addrs, workdir)),
+                                          cwd=REPO, stdout=open(workdir / f"peer-{r}.log", "w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = t0 + timeout
+        while any(p.poll() is None for p in procs[1:]):
+            if time.monotonic() > deadline:
+                status, error = "timeout", f"not finished after {timeout:.0f} s"
+                break
+            done = sum(1 for r in range(spec.peers) for rec in read_jsonl(workdir / f"peer-{r}.jsonl")
+                       if rec.get("event") == "step")
+            bar.update(done - bar.n)
+            series.append({"t": round(time.monotonic() - t0, 3), "steps": done,
+                           **{n: topo.counters(n) for n in peers}})
+            time.sleep(0.5)
+        failed = [r for r, p in enumerate(procs[1:]) if p.poll() not in (None, 0)]
+        if status == "ok" and failed:
+            status = "failed"
+            error = f"peer {failed[0]} exited {procs[1 + failed[0]].returncode}: " + \
+                (workdir / f"peer-{failed[0]}.log").read_text()[-600:].strip().replace("\n", " | ")
+    except RuntimeError as e:
+        status, error = "failed", str(e)
+        before, t0 = {n: topo.counters(n) for n in peers}, time.monotonic()
+    finally:
+        bar.close()
+        stop(procs, topo, ["boot", *peers])
+    after = {n: topo.counters(n) for n in peers}
+    iface = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in peers}
+    (workdir / "counters.json").write_text(json.dumps({"before": before, "after": after, "series": series}))
+    metrics = [read_jsonl(workdir / f"peer-{r}.jsonl") for r in range(spec.peers)]
+    return make_record(spec, metrics, iface, status, error, time.monotonic() - t0, workdir, baseline_bps)
+
+
+HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 32 (timestamps on): once per frame the veth counts (GSO included)
+
+
+def tail_rounds(ckpt_dir: Path) -> dict[str, int]:
+    """Rounds launched but not consumed by the last step (eager: one per fragment; tau: those due after
+    the end). The final checkpoint waited for them; their byte counts are in its pending state."""
+    import torch
+
+    files = sorted(ckpt_dir.glob("*.pt"))
+    out = {"rounds": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0}
+    if not files:
+        return out
+    state = torch.load(files[0], map_location="cpu", weights_only=False)["diloco"]
+    for pend in state.get("pending") or []:
+        if pend is None:
+            continue
+        out["rounds"] += 1
+        res = pend.get("result")
+        if res is None:
+            out["failed"] += 1
+        else:
+            out["bytes_sent"] += int(res["bytes_sent"])
+            out["bytes_received"] += int(res["bytes_received"])
+    for f in files:  # ~20 MB each: only the counts were needed
+        f.unlink()
+    return out
+
+
+def make_record(spec: RunSpec, metrics: list[list[dict]], iface: dict[str, dict[str, int]], status: str,
+                error: Optional[str], elapsed: float, workdir: Path, baseline_bps: float = 0.0) -> dict[str, Any]:
+    """The JSON record of one run from each peer's metrics and interface counter deltas."""
+    rec: dict[str, Any] = {"mode": spec.label, **asdict(spec), "trainer_mode": spec.mode, "status": status,
+                           "error": error, "elapsed_s": round(elapsed, 1), "workdir": str(workdir)}
+    rec.pop("label")
+    rec["mode"] = spec.label
+    per_peer = []
+    for r, recs in enumerate(metrics):
+        steps = [x for x in recs if x.get("event") == "step"]
+        syncs = [x for x in recs if x.get("event") == "sync"]
+        summary = next((x for x in recs if x.get("event") == "summary"), None)
+        compute = sum(x["compute_s"] for x in steps)
+        p: dict[str, Any] = {"steps": len(steps), "tokens": sum(x["tokens"] for x in steps),
+                             "step_time_s": compute / len(steps) if steps else math.nan,
+                             "bytes_sent": sum(x.get("bytes_sent", 0) for x in syncs if x.get("ok")),
+                             "bytes_received": sum(x.get("bytes_received", 0) for x in syncs if x.get("ok")),
+                             "syncs_ok": sum(1 for x in syncs if x.get("ok")),
+                             "syncs_failed": sum(1 for x in syncs if not x.get("ok")),
+                             "wait_s": sum(x.get("wait_s", 0.0) for x in syncs),
+                             "iface": iface.get(f"p{r}", {}), "tail": tail_rounds(workdir / f"ckpt-{r}")}
+        if summary is not None:
+            wait = summary["wait_s"]
+            # utilization = compute / training-loop wall (evals excluded), so that wall is recoverable
+            adj = compute - (wait if spec.mode == "data-parallel" else 0.0)
+            util = summary["compute_utilization"]
+            train_wall = adj / util if util > 0 else math.nan
+            p.update(compute_utilization=util, wait_s=wait, eval_loss=summary["eval_loss"],
+                     eval_loss_initial=summary["eval_loss_initial"], bytes_sent=summary["bytes_sent"],
+                     bytes_received=summary["bytes_received"], peak_bytes_per_sync=summary["peak_bytes_per_sync"],
+                     train_wall_s=train_wall, tokens_per_s=p["tokens"] / train_wall if train_wall > 0 else math.nan,
+                     local_only_steps=summary["local_only_steps"], params=summary["params"],
+                     stopped_early=summary.get("stopped_early", False))
+            if spec.mode == "data-parallel":
+                p["step_time_s"] = adj / len(steps) if steps else math.nan
+        p["bytes_sent_all_rounds"] = p["bytes_sent"] + p["tail"]["bytes_sent"]
+        if p["iface"]:
+            p["iface"]["tcp_payload_bytes"] = p["iface"]["tx_bytes"] - HEADER_BYTES * p["iface"]["tx_packets"]
+            p["iface"]["other_traffic_bytes"] = round(baseline_bps * elapsed)
+            p["iface"]["sync_payload_bytes"] = p["iface"]["tcp_payload_bytes"] - p["iface"]["other_traffic_bytes"]
+        per_peer.append(p)
+    rec["per_peer"] = per_peer
+    rec.update(wan_report.aggregate(per_peer, spec.mode))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Needs root and `ip netns` (exits 0 with the reason otherwise).")
+    p.add_argument("--quick", action="store_true", help="one link rate (5 Mbit/s), fp32 for every mode + eager fp4")
+    p.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 5,20,100)")
+    p.add_argument("--modes", help=f"subset of {','.join(MODES)} (default: all)")
+    p.add_argument("--codecs", help="codecs of the streaming modes (default fp32,fp16,int8,fp4-e3m0)")
+    p.add_argument("--dp-codecs", default="fp32", help="codecs of data-parallel (default fp32)")
+    p.add_argument("--peers", type=int, default=2, help="peers (default 2)")
+    p.add_argument("--steps", type=int, help="inner steps per run (default 100, --quick 60)")
+    p.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
+    p.add_argument("--fragments", type=int, default=2, help="P of the streaming modes (default 2; tiny has 4 blocks)")
+    p.add_argument("--dp-budget", type=float, default=60.0,
+                   help="data-parallel runs get about this many seconds of link time (default 60)")
+    p.add_argument("--dp-min-steps", type=int, default=5)
+    p.add_argument("--step-time-guess", type=float, default=0.35, help="s per inner step for the time bounds")
+    p.add_argument("--run-timeout", type=float, help="seconds per run (default: derived from the expected traffic)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the no-sync run that measures traffic other than syncs")
+    p.add_argument("--out", help="write the JSON list of runs here (updated after every run)")
+    p.add_argument("--report", help="also write the markdown report here (table, ratio, simulator)")
+    p.add_argument("--plots", help="write PNG plots with this path prefix, e.g. docs/img/wan")
+    p.add_argument("--workdir", help="metrics and logs of each run (default: a temporary folder)")
+    p.add_argument("--cleanup", action="store_true", help="remove namespaces/processes left by earlier runs and exit")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    args.rates = [float(x) for x in (args.rates or ("5" if args.quick else "5,20,100")).split(",")]
+    args.modes = (args.modes or ",".join(MODES)).split(",")
+    args.codecs = (args.codecs or ("fp32,fp4-e3m0" if args.quick else "fp32,fp16,int8,fp4-e3m0")).split(",")
+    args.dp_codecs = args.dp_codecs.split(",")
+    args.steps = args.steps or (60 if args.quick else 100)
+    for m in args.modes:
+        if m not in MODES:
+            p.error(f"--modes: unknown mode {m!r}; use some of {', '.join(MODES)}")
+    for c in args.codecs + args.dp_codecs:
+        if c not in CODEC_BITS:
+            p.error(f"--codecs: unknown codec {c!r}; use some of {', '.join(CODEC_BITS)}")
+    # DiLoCo is the fp32 reference; --quick: fp32 for every mode plus the headline, eager fp4
+    args.codecs_for = {"data-parallel": args.dp_codecs, "diloco": ["fp32"]}
+    if args.quick:
+        args.codecs_for.update({"streaming": ["fp32"], "streaming-tau1": ["fp32"]})
+    return args
+
+
+def _mean_tcp_payload(rec: dict[str, Any]) -> float:
+    xs = [p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"] if p["iface"]]
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        print(f"wan.py: WAN emulation unavailable here, nothing measured: {reason}", file=sys.stderr)
+        return 0
+    if args.cleanup:
+        removed = netns.cleanup_leftovers(include_live=True)
+        print(f"removed {len(removed)} namespaces: {' '.join(removed) or '(none)'}")
+        return 0
+    stale = netns.cleanup_leftovers()
+    if stale:
+        print(f"removed {len(stale)} namespaces left by earlier runs", file=sys.stderr)
+    specs = plan(args)
+    import tempfile
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="ods-wan-"))
+    print(f"{len(specs)} runs, {args.peers} peers, rates {args.rates} Mbit/s; metrics and logs in {root}", file=sys.stderr)
+    records: list[dict[str, Any]] = []
+    baseline_bps = 0.0
+    topo = netns.Topology(peers=args.peers)
+    with topo:
+        for rate in args.rates:
+            topo.shape(rate)
+            probe = netns.measure_throughput(topo, "p0", "p1" if args.peers > 1 else "boot", 1_000_000)
+            print(f"link {rate:g} Mbit/s: measured {probe['mbit_s']:.2f} Mbit/s (1 MB TCP, p0 -> p1)", file=sys.stderr)
+            for spec in [s for s in specs if s.link_mbit == rate]:
+                timeout = args.run_timeout or 120 + 3 * (expected_network_s(spec) + spec.steps * args.step_time_guess)
+                rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, baseline_bps)
+                if spec.label == "idle" and rec["status"] == "ok":
+                    # TCP payload a peer sends when it never syncs (DHT, metrics), per second of run
+                    baseline_bps = _mean_tcp_payload(rec) / rec["elapsed_s"]
+                    rec["other_traffic_bytes_per_s"] = baseline_bps
+                rec["link_measured_mbit"] = round(probe["mbit_s"], 3)
+                records.append(rec)
+                print(wan_report.one_line(rec), file=sys.stderr, flush=True)
+                if args.out:
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps(records, indent=1, default=float))
+    wan_report.finish(records, args.report, args.plots)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted: namespaces and processes removed", file=sys.stderr)
+        sys.exit(130)
