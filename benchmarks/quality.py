@@ -5,13 +5,16 @@ in-process ``LocalSwarm`` (cheap and deterministic: the same seed gives the same
 the package's own ``train_worker`` loop, so what is measured is exactly what ``opendiloco-stream
 local`` runs. All runs see the same tokens: same steps x batch x workers, same data order per seed.
 
-Two groups of runs:
+Three groups of runs (defaults otherwise: outer SGD lr 0.7, Nesterov momentum 0.9, AdamW 4e-4):
 
-* modes (fp32 on the wire): ``data-parallel`` (gradients averaged every inner step: the upper
-  bound), ``diloco`` (blocking, P = 1), ``streaming`` (blocking, P fragments), ``streaming-tau1``
-  (overlap mode, tau = 1, alpha = 0.5), ``eager`` and ``naive-delayed`` (one-outer-step overlap).
-* codecs under ``eager`` (the package default): fp32 (the ``eager`` run), fp16, int8, fp4-e3m0,
-  fp4-e2m1, each lossy one with and without error feedback (EF on fp32 is a no-op: no residual).
+* modes (fp32 on the wire, ``mode_seeds``): ``data-parallel`` (gradients averaged every inner
+  step: the upper bound), ``diloco`` (blocking, P = 1), ``streaming`` (blocking, P fragments),
+  ``streaming-tau1`` (overlap mode, tau = 1, alpha = 0.5), ``eager`` and ``naive-delayed``
+  (one-outer-step overlap).
+* codecs under ``eager`` (the package default, ``codec_seeds``): fp32 (the ``eager`` run), fp16,
+  int8, fp4-e3m0, fp4-e2m1, each lossy one with and without error feedback (EF on fp32 is a no-op).
+* outer lr 0.4 (the Streaming DiLoCo paper's value, ``codec_seeds``): ``streaming``, ``eager`` and
+  ``naive-delayed`` again, to see how much of the gap between them is the outer step size.
 
 Usage (from the repository root)::
 
@@ -19,6 +22,7 @@ Usage (from the repository root)::
     python benchmarks/quality.py                     # --preset quick: 1 seed, 100 steps
     python benchmarks/quality.py --smoke --out /tmp/q.json --img-dir /tmp   # seconds (tests)
     python benchmarks/quality.py --only eager,naive-delayed --seeds 0,1,2
+    python benchmarks/quality.py --preset full --resume   # run only what --out does not hold yet
 
 Prints markdown tables, writes JSON (``--out``, default ``benchmarks/results/quality-<preset>.json``,
 rewritten after every run so an interrupted run keeps what it finished) and PNG plots
@@ -39,11 +43,11 @@ from typing import Any, Optional
 import torch
 
 try:
-    from benchmarks._common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, mean_spread,
-                                    plot_bars, plot_lines, relative, write_json)
+    from benchmarks._common import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
+    from benchmarks._quality_report import SECOND_OUTER_LR, report
 except ImportError:  # run as a script: python benchmarks/quality.py
-    from _common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, mean_spread, plot_bars,
-                         plot_lines, relative, write_json)
+    from _common import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
+    from _quality_report import SECOND_OUTER_LR, report
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
 from opendiloco_stream.compression import get_codec
@@ -82,13 +86,13 @@ class Variant:
     """One configuration to train: ``diloco`` holds DiLoCoConfig overrides on top of the preset."""
 
     name: str
-    group: str  # "mode" or "codec"
+    group: str  # "mode", "codec" or "outer-lr"
     label: str
     diloco: dict[str, Any] = field(default_factory=dict)
+    reference: str = "streaming"  # the variant that "delta" columns subtract
 
 
 LOSSY_CODECS = ("fp16", "int8", "fp4-e3m0", "fp4-e2m1")
-MODE_REFERENCE, CODEC_REFERENCE = "streaming", "eager"  # the rows deltas are measured against
 
 
 def variants(preset: Preset) -> list[Variant]:
@@ -105,7 +109,12 @@ def variants(preset: Preset) -> list[Variant]:
     for codec in LOSSY_CODECS:
         for ef in (False, True):
             out.append(Variant(f"eager-{codec}" + ("-ef" if ef else ""), "codec", f"eager {codec}" + (" + EF" if ef else ""),
-                               {"mode": "eager", "codec": codec, "error_feedback": ef}))
+                               {"mode": "eager", "codec": codec, "error_feedback": ef}, reference="eager"))
+    lr = SECOND_OUTER_LR
+    for mode in ("streaming", "eager", "naive-delayed"):
+        out.append(Variant(f"{mode}-olr{lr}", "outer-lr", f"{mode} (P={P}), outer lr {lr}",
+                           {"mode": "blocking" if mode == "streaming" else mode, "outer_lr": lr},
+                           reference=f"streaming-olr{lr}"))
     return out
 
 
@@ -182,125 +191,6 @@ def _mean_by_step(records: list[dict[str, Any]], event: str, key: str) -> list[l
     return [[s, sum(v) / len(v)] for s, v in sorted(by_step.items())]
 
 
-# ---------------------------------------------------------------------------------------- tables
-def _runs_of(runs: list[dict], name: str) -> list[dict]:
-    return [r for r in runs if r["variant"] == name]
-
-
-def _paired_delta(runs: list[dict], name: str, ref: str) -> Optional[float]:
-    """Mean over shared seeds of eval_loss(name) - eval_loss(ref): same init and data, less noise."""
-    if name == ref:
-        return 0.0
-    ref_by_seed = {r["seed"]: r["summary"]["eval_loss"] for r in _runs_of(runs, ref)}
-    deltas = [r["summary"]["eval_loss"] - ref_by_seed[r["seed"]] for r in _runs_of(runs, name) if r["seed"] in ref_by_seed]
-    return sum(deltas) / len(deltas) if deltas else None
-
-
-def aggregate(runs: list[dict], variant_list: list[Variant]) -> dict[str, dict[str, Any]]:
-    """Per variant: eval-loss statistics over seeds, deltas against the reference, bytes per token."""
-    out = {}
-    for v in variant_list:
-        rs = _runs_of(runs, v.name)
-        if not rs:
-            continue
-        s0 = rs[0]["summary"]
-        ref = MODE_REFERENCE if v.group == "mode" else CODEC_REFERENCE
-        out[v.name] = {
-            "label": v.label, "group": v.group, "seeds": [r["seed"] for r in rs],
-            "eval_loss": mean_spread([r["summary"]["eval_loss"] for r in rs]),
-            "train_loss": mean_spread([r["summary"]["train_loss"] for r in rs]),
-            "delta_vs_ref": _paired_delta(runs, v.name, ref), "reference": ref,
-            "bytes_per_token": s0["bytes_sent_launched"] / max(1, s0["tokens"]),
-            "bytes_sent_per_worker": s0["bytes_sent_per_worker"], "peak_bytes_per_sync": s0["peak_bytes_per_sync"],
-            "bits_per_value": s0["bits_per_value"], "codec": s0["codec"], "mode": s0["mode"],
-            "fragments": s0["fragments"], "inner_steps": s0["inner_steps"], "overlap_steps": s0["overlap_steps"],
-            "local_only_steps": s0["local_only_steps"], "tokens": s0["tokens"],
-            "wall_time_s": mean_spread([r["summary"]["wall_time_s"] for r in rs])["mean"],
-        }
-    return out
-
-
-def _spread(st: dict[str, float]) -> str:
-    if st["n"] <= 1:
-        return "— (1 seed)"
-    return f"{st['min']:.4f}–{st['max']:.4f} (sd {st['std']:.4f}, n={st['n']})"
-
-
-def _delta(x: Optional[float]) -> str:
-    return "—" if x is None else f"{x:+.4f}"
-
-
-def mode_table(agg: dict[str, dict]) -> str:
-    rows = []
-    for name, a in agg.items():
-        if a["group"] != "mode":
-            continue
-        H = "1" if a["mode"] == "data-parallel" else str(a["inner_steps"])
-        rows.append([a["label"], H, a["fragments"], a["overlap_steps"], f"{a['eval_loss']['mean']:.4f}",
-                     _spread(a["eval_loss"]), _delta(a["delta_vs_ref"]), f"{a['train_loss']['mean']:.4f}",
-                     f"{a['bytes_per_token']:,.1f}", f"{a['wall_time_s']:.0f}"])
-    return markdown_table(["variant", "H", "P", "tau", "eval loss (mean)", "spread over seeds",
-                           f"Δ vs {MODE_REFERENCE} (paired)", "train loss", "bytes sent / token / worker",
-                           "wall s"], rows, align="lrrrrlrrrr")
-
-
-def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:
-    rows = []
-    for name, a in agg.items():
-        if name != CODEC_REFERENCE and a["group"] != "codec":
-            continue
-        ef = "yes" if name.endswith("-ef") else "no"
-        rows.append([a["codec"], ef, f"{a['bits_per_value']:.2f}", f"{a['eval_loss']['mean']:.4f}",
-                     _spread(a["eval_loss"]), _delta(_paired_delta(runs, name, CODEC_REFERENCE)), f"{a['bytes_per_token']:,.2f}",
-                     a["local_only_steps"]])
-    return markdown_table(["codec (eager)", "error feedback", "bits / value", "eval loss", "spread over seeds",
-                           "Δ vs fp32 (paired)", "bytes sent / token / worker", "local-only outer steps"], rows,
-                          align="llrrlrrr")
-
-
-# ---------------------------------------------------------------------------------------- plots
-def _curves(runs: list[dict], names: list[str], labels: dict[str, str]):
-    series, bands = {}, {}
-    for name in names:
-        rs = _runs_of(runs, name)
-        if not rs:
-            continue
-        steps = [s for s, _ in rs[0]["eval_curve"] if s > 0]  # step 0 (init) squashes the y axis
-        ys = [[dict(map(tuple, r["eval_curve"]))[s] for s in steps] for r in rs]
-        mean = [sum(col) / len(col) for col in zip(*ys)]
-        series[labels[name]] = (steps, mean)
-        if len(rs) > 1:
-            bands[labels[name]] = ([min(col) for col in zip(*ys)], [max(col) for col in zip(*ys)])
-    return series, bands
-
-
-def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list[Variant], preset: Preset,
-               img_dir: Path, command: str) -> list[str]:
-    labels = {v.name: v.label for v in variant_list}
-    tokens_per_step = preset.batch_size * preset.seq_len
-    note = f"{command}  ({preset.workers} workers x {preset.steps} steps x {tokens_per_step} tokens)"
-    paths = []
-    modes = [v.name for v in variant_list if v.group == "mode"]
-    series, bands = _curves(runs, modes, labels)
-    if series:
-        paths.append(plot_lines(img_dir / "quality-modes-eval-loss.png", series, bands=bands, note=note,
-                                title="Eval loss at equal tokens: synchronization modes (fp32 on the wire)",
-                                xlabel="inner step (per worker)", ylabel="eval loss (mean over workers; band: seeds)"))
-    codecs = [CODEC_REFERENCE] + [v.name for v in variant_list if v.group == "codec"]
-    labels[CODEC_REFERENCE] = "eager fp32"
-    series, bands = _curves(runs, codecs, labels)
-    if len(series) > 1:
-        paths.append(plot_lines(img_dir / "quality-codecs-eval-loss.png", series, bands=bands, note=note,
-                                title="Eval loss at equal tokens: wire codecs under eager",
-                                xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
-    names = [n for n in agg]
-    paths.append(plot_bars(img_dir / "quality-bytes-per-token.png", [agg[n]["label"] for n in names],
-                           [agg[n]["bytes_per_token"] for n in names], log=True, annotate="{:,.1f}", note=note,
-                           title="Bytes each worker sends per training token",
-                           ylabel="bytes / token / worker (log)"))
-    return [relative(p) for p in paths]
-
-
 # ---------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,6 +204,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--render-only", action="store_true",
                    help="no training: rebuild tables and plots from the existing --out JSON")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in --out (same preset) and run only the missing ones")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset = "smoke"
@@ -349,25 +241,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     # workers are threads: split the cores between them as the ``local`` command does
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // preset.workers))
 
-    if args.render_only:
+    payload: dict[str, Any] = {"benchmark": "quality", "command": command, "preset_name": args.preset,
+                               "preset": asdict(preset), "environment": environment(),
+                               "variants": [asdict(v) for v in variant_list], "runs": [], "wall_time_s": 0.0}
+    if args.render_only or args.resume:
         if not out.is_file():
-            print(f"error: --render-only needs an existing result file, {out} is missing", file=sys.stderr)
-            return 2
-        payload = json.loads(out.read_text())
-        preset = Preset(**{k: tuple(v) if k.endswith("seeds") else v for k, v in payload["preset"].items()})
-        variant_list = [Variant(**v) for v in payload["variants"]]
-        return report(payload, preset, variant_list, out, img_dir, args.no_plots)
+            if args.render_only:
+                print(f"error: --render-only needs an existing result file; {out} is missing", file=sys.stderr)
+                return 2
+        else:
+            previous = json.loads(out.read_text())
+            saved = {k: tuple(v) if isinstance(v, list) else v for k, v in previous["preset"].items()}
+            if not args.render_only and saved != asdict(preset):
+                print(f"error: {out} was made with other settings ({previous.get('command')}); "
+                      "resume needs the same preset and seeds", file=sys.stderr)
+                return 2
+            preset = Preset(**saved)
+            # keep the first command and add this one: the docs must show every command that ran
+            commands = previous.get("commands", [previous["command"]])
+            payload.update(runs=previous["runs"], wall_time_s=previous.get("wall_time_s", 0.0),
+                           environment=previous["environment"], command=previous["command"],
+                           commands=commands + ([command] if args.resume and command not in commands else []))
+        if args.render_only:
+            return report(payload, preset, variant_list, out, img_dir, args.no_plots)
 
     # every seed-0 run first: an interrupted benchmark (JSON is rewritten after every run) then
     # still has the whole mode comparison and codec grid for one seed
     seeds = sorted(set(preset.mode_seeds) | set(preset.codec_seeds))
+    done = {(r["variant"], r["seed"]) for r in payload["runs"]}
     jobs = [(v, s) for s in seeds for v in variant_list
-            if s in (preset.mode_seeds if v.group == "mode" else preset.codec_seeds)]
-    payload: dict[str, Any] = {"benchmark": "quality", "command": command, "preset_name": args.preset,
-                               "preset": asdict(preset), "environment": environment(),
-                               "variants": [asdict(v) for v in variant_list], "runs": [], "wall_time_s": 0.0}
+            if s in (preset.mode_seeds if v.group == "mode" else preset.codec_seeds) and (v.name, s) not in done]
     data_cache: dict = {}
-    started = time.perf_counter()
+    started = time.perf_counter() - payload["wall_time_s"]
     for i, (v, seed) in enumerate(jobs, 1):
         t0 = time.perf_counter()
         cfg = make_config(preset, v, seed)
@@ -380,26 +285,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         payload["wall_time_s"] = time.perf_counter() - started
         write_json(out, payload)  # after every run: an interrupted benchmark keeps what it finished
     return report(payload, preset, variant_list, out, img_dir, args.no_plots)
-
-
-def report(payload: dict[str, Any], preset: Preset, variant_list: list[Variant], out: Path, img_dir: Path,
-           no_plots: bool) -> int:
-    """Aggregate the runs, print the tables, write the JSON and the plots."""
-    command = payload["command"]
-    agg = aggregate(payload["runs"], variant_list)
-    payload["aggregate"] = agg
-    tables = {"modes": mode_table(agg), "codecs": codec_table(agg, payload["runs"])}
-    payload["tables_markdown"] = tables
-    if not no_plots:
-        payload["plots"] = make_plots(payload["runs"], agg, variant_list, preset, img_dir, command)
-    write_json(out, payload)
-    tokens = preset.workers * preset.steps * preset.batch_size * preset.seq_len
-    print(f"\n{command}\n\n{preset.workers} workers x {preset.steps} steps x batch {preset.batch_size} x seq "
-          f"{preset.seq_len} = {tokens:,} tokens per run; mode seeds {list(preset.mode_seeds)}, codec seeds "
-          f"{list(preset.codec_seeds)}; wall {payload['wall_time_s'] / 60:.1f} min\n")
-    print(tables["modes"] + "\n\n" + tables["codecs"] + "\n")
-    print(f"results: {relative(out)}" + ("" if no_plots else f"\nplots: {', '.join(payload['plots'])}"))
-    return 0
 
 
 if __name__ == "__main__":

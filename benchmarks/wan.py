@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
+import wan_records as wr  # noqa: E402
 import wan_report  # noqa: E402
+from _common import command_line, environment, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # the venv's python, by absolute path, also inside the namespaces
@@ -110,8 +112,8 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
                 steps = dp_steps(args, rate, args.peers, codec) if label == "data-parallel" else args.steps
                 specs.append(RunSpec(label, mode, codec, fragments, tau, args.inner_steps, steps, rate, args.peers))
     if args.baseline:  # no sync at all (H > steps): the traffic that is not ours (DHT, metrics)
-        specs.insert(0, RunSpec("idle", "blocking", "fp32", 1, 0, args.steps + 1, args.steps, args.rates[0],
-                                args.peers))
+        steps = min(args.steps, 20)  # a rate per second is all it measures
+        specs.insert(0, RunSpec("idle", "blocking", "fp32", 1, 0, steps + 1, steps, args.rates[0], args.peers))
     return specs
 
 
@@ -144,7 +146,8 @@ def start_bootstrap(topo: netns.Topology, workdir: Path, run_id: str, timeout: f
     raise RuntimeError(f"bootstrap did not come up in {timeout:g} s: {(workdir / 'bootstrap.log').read_text()[-800:]}")
 
 
-def peer_argv(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, addrs: list[str], workdir: Path) -> list[str]:
+def peer_argv(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, addrs: list[str], workdir: Path,
+              matchmaking_s: float) -> list[str]:
     argv = [PYTHON, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", run_id,
             "--host-maddrs", f"/ip4/{topo.ip(f'p{rank}')}/tcp/0", "--shard", f"{rank}/{spec.peers}",
             "--no-join", "--no-progress", "--metrics-file", str(workdir / f"peer-{rank}.jsonl"),
@@ -153,7 +156,7 @@ def peer_argv(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, addrs
             "--target-group-size", str(spec.peers), "--link-mbit", f"{spec.link_mbit:g}", "--threads", "1",
             # the final checkpoint waits for the rounds still in flight (eager, tau) and stores their byte
             # counts: how our accounting covers every round that went on the wire (see tail_rounds)
-            "--checkpoint-dir", str(workdir / f"ckpt-{rank}")]
+            "--checkpoint-dir", str(workdir / f"ckpt-{rank}"), "--matchmaking-time", f"{matchmaking_s:g}"]
     if spec.mode == "overlap":
         argv += ["--overlap-steps", str(spec.overlap_steps)]
     return argv
@@ -176,25 +179,27 @@ def stop(procs: list[subprocess.Popen], topo: netns.Topology, nodes: list[str]) 
 
 
 def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, progress: bool,
-            baseline_bps: float = 0.0) -> dict[str, Any]:
+            other_bps: float = 0.0, matchmaking_s: float = 10.0) -> dict[str, Any]:
     """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed)."""
     from tqdm import tqdm
 
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"wan{os.getpid()}_{int(time.time() * 1000) % 10**9}"
     peers = [f"p{r}" for r in range(spec.peers)]
+    nodes = ["boot", *peers]  # the bootstrap's counters show how much of the traffic is DHT
+    load_before = os.getloadavg()[0]
     procs: list[subprocess.Popen] = []
     series: list[dict[str, Any]] = []  # interface counters over time, for windowed analysis
-    status, error = "ok", None
+    status, error, max_lag = "ok", None, 0
     bar = tqdm(total=spec.steps * spec.peers, desc=spec.name, unit="step", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, leave=False)
     try:
         boot, addrs = start_bootstrap(topo, workdir, run_id)
         procs.append(boot)
-        before = {n: topo.counters(n) for n in peers}
+        before = {n: topo.counters(n) for n in nodes}
         t0 = time.monotonic()
         for r in range(spec.peers):
-            procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", peer_argv(topo, spec, r, run_id, addrs, workdir)),
+            procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", peer_argv(topo, spec, r, run_id, addrs, workdir, matchmaking_s)),
                                           cwd=REPO, stdout=open(workdir / f"peer-{r}.log", "w"),
                                           stderr=subprocess.STDOUT, start_new_session=True))
         deadline = t0 + timeout
@@ -202,11 +207,12 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
             if time.monotonic() > deadline:
                 status, error = "timeout", f"not finished after {timeout:.0f} s"
                 break
-            done = sum(1 for r in range(spec.peers) for rec in read_jsonl(workdir / f"peer-{r}.jsonl")
-                       if rec.get("event") == "step")
-            bar.update(done - bar.n)
+            done = [sum(1 for rec in read_jsonl(workdir / f"peer-{r}.jsonl") if rec.get("event") == "step")
+                    for r in range(spec.peers)]
+            bar.update(sum(done) - bar.n)
+            max_lag = max(max_lag, max(done) - min(done)) if min(done) > 0 else max_lag
             series.append({"t": round(time.monotonic() - t0, 3), "steps": done,
-                           **{n: topo.counters(n) for n in peers}})
+                           **{n: topo.counters(n) for n in nodes}})
             time.sleep(0.5)
         failed = [r for r, p in enumerate(procs[1:]) if p.poll() not in (None, 0)]
         if status == "ok" and failed:
@@ -215,88 +221,32 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
                 (workdir / f"peer-{failed[0]}.log").read_text()[-600:].strip().replace("\n", " | ")
     except RuntimeError as e:
         status, error = "failed", str(e)
-        before, t0 = {n: topo.counters(n) for n in peers}, time.monotonic()
+        before, t0 = {n: topo.counters(n) for n in nodes}, time.monotonic()
     finally:
         bar.close()
         stop(procs, topo, ["boot", *peers])
-    after = {n: topo.counters(n) for n in peers}
-    iface = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in peers}
+    after = {n: topo.counters(n) for n in nodes}
+    iface = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in nodes}
     (workdir / "counters.json").write_text(json.dumps({"before": before, "after": after, "series": series}))
     metrics = [read_jsonl(workdir / f"peer-{r}.jsonl") for r in range(spec.peers)]
-    return make_record(spec, metrics, iface, status, error, time.monotonic() - t0, workdir, baseline_bps)
-
-
-HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 32 (timestamps on): once per frame the veth counts (GSO included)
-
-
-def tail_rounds(ckpt_dir: Path) -> dict[str, int]:
-    """Rounds launched but not consumed by the last step (eager: one per fragment; tau: those due after
-    the end). The final checkpoint waited for them; their byte counts are in its pending state."""
-    import torch
-
-    files = sorted(ckpt_dir.glob("*.pt"))
-    out = {"rounds": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0}
-    if not files:
-        return out
-    state = torch.load(files[0], map_location="cpu", weights_only=False)["diloco"]
-    for pend in state.get("pending") or []:
-        if pend is None:
-            continue
-        out["rounds"] += 1
-        res = pend.get("result")
-        if res is None:
-            out["failed"] += 1
-        else:
-            out["bytes_sent"] += int(res["bytes_sent"])
-            out["bytes_received"] += int(res["bytes_received"])
-    for f in files:  # ~20 MB each: only the counts were needed
-        f.unlink()
-    return out
+    rec = make_record(spec, metrics, iface, status, error, time.monotonic() - t0, workdir, other_bps)
+    # a loaded machine slows compute unevenly: the peers drift apart (eager never re-aligns them)
+    rec.update(max_step_lag=max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+               boot_iface=iface["boot"], matchmaking_s=matchmaking_s)
+    return rec
 
 
 def make_record(spec: RunSpec, metrics: list[list[dict]], iface: dict[str, dict[str, int]], status: str,
-                error: Optional[str], elapsed: float, workdir: Path, baseline_bps: float = 0.0) -> dict[str, Any]:
+                error: Optional[str], elapsed: float, workdir: Path, other_bps: float = 0.0) -> dict[str, Any]:
     """The JSON record of one run from each peer's metrics and interface counter deltas."""
-    rec: dict[str, Any] = {"mode": spec.label, **asdict(spec), "trainer_mode": spec.mode, "status": status,
-                           "error": error, "elapsed_s": round(elapsed, 1), "workdir": str(workdir)}
-    rec.pop("label")
-    rec["mode"] = spec.label
-    per_peer = []
-    for r, recs in enumerate(metrics):
-        steps = [x for x in recs if x.get("event") == "step"]
-        syncs = [x for x in recs if x.get("event") == "sync"]
-        summary = next((x for x in recs if x.get("event") == "summary"), None)
-        compute = sum(x["compute_s"] for x in steps)
-        p: dict[str, Any] = {"steps": len(steps), "tokens": sum(x["tokens"] for x in steps),
-                             "step_time_s": compute / len(steps) if steps else math.nan,
-                             "bytes_sent": sum(x.get("bytes_sent", 0) for x in syncs if x.get("ok")),
-                             "bytes_received": sum(x.get("bytes_received", 0) for x in syncs if x.get("ok")),
-                             "syncs_ok": sum(1 for x in syncs if x.get("ok")),
-                             "syncs_failed": sum(1 for x in syncs if not x.get("ok")),
-                             "wait_s": sum(x.get("wait_s", 0.0) for x in syncs),
-                             "iface": iface.get(f"p{r}", {}), "tail": tail_rounds(workdir / f"ckpt-{r}")}
-        if summary is not None:
-            wait = summary["wait_s"]
-            # utilization = compute / training-loop wall (evals excluded), so that wall is recoverable
-            adj = compute - (wait if spec.mode == "data-parallel" else 0.0)
-            util = summary["compute_utilization"]
-            train_wall = adj / util if util > 0 else math.nan
-            p.update(compute_utilization=util, wait_s=wait, eval_loss=summary["eval_loss"],
-                     eval_loss_initial=summary["eval_loss_initial"], bytes_sent=summary["bytes_sent"],
-                     bytes_received=summary["bytes_received"], peak_bytes_per_sync=summary["peak_bytes_per_sync"],
-                     train_wall_s=train_wall, tokens_per_s=p["tokens"] / train_wall if train_wall > 0 else math.nan,
-                     local_only_steps=summary["local_only_steps"], params=summary["params"],
-                     stopped_early=summary.get("stopped_early", False))
-            if spec.mode == "data-parallel":
-                p["step_time_s"] = adj / len(steps) if steps else math.nan
-        p["bytes_sent_all_rounds"] = p["bytes_sent"] + p["tail"]["bytes_sent"]
-        if p["iface"]:
-            p["iface"]["tcp_payload_bytes"] = p["iface"]["tx_bytes"] - HEADER_BYTES * p["iface"]["tx_packets"]
-            p["iface"]["other_traffic_bytes"] = round(baseline_bps * elapsed)
-            p["iface"]["sync_payload_bytes"] = p["iface"]["tcp_payload_bytes"] - p["iface"]["other_traffic_bytes"]
-        per_peer.append(p)
+    rec: dict[str, Any] = {"mode": spec.label, "trainer_mode": spec.mode, "codec": spec.codec,
+                           "fragments": spec.fragments, "link_mbit": spec.link_mbit, "peers": spec.peers,
+                           "steps": spec.steps, "inner_steps": spec.inner_steps, "overlap_steps": spec.overlap_steps,
+                           "status": status, "error": error, "elapsed_s": round(elapsed, 1), "workdir": str(workdir)}
+    per_peer = [wr.peer_figures(recs, spec.mode, iface.get(f"p{r}", {}), wr.tail_rounds(workdir / f"ckpt-{r}"),
+                                other_bps, elapsed) for r, recs in enumerate(metrics)]
+    rec.update(wr.aggregate(per_peer))
     rec["per_peer"] = per_peer
-    rec.update(wan_report.aggregate(per_peer, spec.mode))
     return rec
 
 
@@ -312,11 +262,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--codecs", help="codecs of the streaming modes (default fp32,fp16,int8,fp4-e3m0)")
     p.add_argument("--dp-codecs", default="fp32", help="codecs of data-parallel (default fp32)")
     p.add_argument("--peers", type=int, default=2, help="peers (default 2)")
-    p.add_argument("--steps", type=int, help="inner steps per run (default 100, --quick 60)")
+    p.add_argument("--steps", type=int, help="inner steps per run (default 100, --quick 40)")
     p.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
     p.add_argument("--fragments", type=int, default=2, help="P of the streaming modes (default 2; tiny has 4 blocks)")
-    p.add_argument("--dp-budget", type=float, default=60.0,
-                   help="data-parallel runs get about this many seconds of link time (default 60)")
+    p.add_argument("--dp-budget", type=float, help="data-parallel runs get about this many seconds of link "
+                   "time (default 60, --quick 30)")
+    p.add_argument("--matchmaking-time", type=float, default=10.0,
+                   help="peers' matchmaking_time (default 10 s, the trainer's is 5 s: peers start seconds apart "
+                        "on a loaded machine and eager peers drift)")
     p.add_argument("--dp-min-steps", type=int, default=5)
     p.add_argument("--step-time-guess", type=float, default=0.35, help="s per inner step for the time bounds")
     p.add_argument("--run-timeout", type=float, help="seconds per run (default: derived from the expected traffic)")
@@ -333,7 +286,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.modes = (args.modes or ",".join(MODES)).split(",")
     args.codecs = (args.codecs or ("fp32,fp4-e3m0" if args.quick else "fp32,fp16,int8,fp4-e3m0")).split(",")
     args.dp_codecs = args.dp_codecs.split(",")
-    args.steps = args.steps or (60 if args.quick else 100)
+    args.steps = args.steps or (40 if args.quick else 100)
+    args.dp_budget = args.dp_budget or (30.0 if args.quick else 60.0)
     for m in args.modes:
         if m not in MODES:
             p.error(f"--modes: unknown mode {m!r}; use some of {', '.join(MODES)}")
@@ -345,11 +299,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.quick:
         args.codecs_for.update({"streaming": ["fp32"], "streaming-tau1": ["fp32"]})
     return args
-
-
-def _mean_tcp_payload(rec: dict[str, Any]) -> float:
-    xs = [p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"] if p["iface"]]
-    return sum(xs) / len(xs) if xs else 0.0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -366,30 +315,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     if stale:
         print(f"removed {len(stale)} namespaces left by earlier runs", file=sys.stderr)
     specs = plan(args)
-    import tempfile
     root = Path(args.workdir or tempfile.mkdtemp(prefix="ods-wan-"))
+    env = {**environment(), "command": command_line(argv)}
     print(f"{len(specs)} runs, {args.peers} peers, rates {args.rates} Mbit/s; metrics and logs in {root}", file=sys.stderr)
     records: list[dict[str, Any]] = []
-    baseline_bps = 0.0
-    topo = netns.Topology(peers=args.peers)
-    with topo:
+    other_bps = 0.0
+    with netns.Topology(peers=args.peers) as topo:
         for rate in args.rates:
             topo.shape(rate)
             probe = netns.measure_throughput(topo, "p0", "p1" if args.peers > 1 else "boot", 1_000_000)
-            print(f"link {rate:g} Mbit/s: measured {probe['mbit_s']:.2f} Mbit/s (1 MB TCP, p0 -> p1)", file=sys.stderr)
+            print(f"link {rate:g} Mbit/s: measured {probe['mbit_s']:.2f} Mbit/s (1 MB over TCP, p0 -> p1)",
+                  file=sys.stderr)
             for spec in [s for s in specs if s.link_mbit == rate]:
                 timeout = args.run_timeout or 120 + 3 * (expected_network_s(spec) + spec.steps * args.step_time_guess)
-                rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, baseline_bps)
+                rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, other_bps,
+                              args.matchmaking_time)
                 if spec.label == "idle" and rec["status"] == "ok":
-                    # TCP payload a peer sends when it never syncs (DHT, metrics), per second of run
-                    baseline_bps = _mean_tcp_payload(rec) / rec["elapsed_s"]
-                    rec["other_traffic_bytes_per_s"] = baseline_bps
-                rec["link_measured_mbit"] = round(probe["mbit_s"], 3)
+                    # TCP payload a peer sends when it never syncs (DHT upkeep, metrics), per second of run
+                    other_bps = wr.mean([p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"]]) / rec["elapsed_s"]
+                    rec["other_traffic_bytes_per_s"] = other_bps
+                rec.update(link_measured_mbit=round(probe["mbit_s"], 3), environment=env)
                 records.append(rec)
                 print(wan_report.one_line(rec), file=sys.stderr, flush=True)
                 if args.out:
-                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.out).write_text(json.dumps(records, indent=1, default=float))
+                    write_json(args.out, records)  # after every run: an interrupted benchmark keeps its runs
     wan_report.finish(records, args.report, args.plots)
     return 0
 

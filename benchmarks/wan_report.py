@@ -1,83 +1,259 @@
-"""Aggregation and reporting for benchmarks/wan.py: per-run figures, markdown, simulator, plots.
+"""The report of a wan.py results file: table, headline, bytes per token, wire accounting, simulator, plots.
 
-    python benchmarks/wan_report.py benchmarks/results/wan-quick.json --report docs/x.md --plots docs/img/wan
+    python benchmarks/wan_report.py benchmarks/results/wan-quick.json --report out.md --plots docs/img/wan-quick
+
+The simulator comparison runs ``opendiloco-stream simulate`` (in-process, same flags as the CLI)
+with each run's measured step time, link rate, H, P, payload bits and group size, once with no
+latency and once with the per-round latency measured on the blocking runs at that link.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import markdown_table, plot_bars, plot_lines  # noqa: E402
+from wan_records import clean, mean, rounds_per_peer  # noqa: E402
+
+LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
+SIM_METHOD = {"data-parallel": "data-parallel", "diloco": "diloco", "streaming": "streaming",
+              "streaming-tau1": "streaming-overlap-fp4", "streaming-eager": "eager-fp4"}
+CODEC_BITS = {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "fp8-e4m3": 8.0, "fp4-e3m0": 4.0, "fp4-e2m1": 4.0}
+TINY_LAYERS = 4
 
 
-def _mean(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None and x == x]
-    return sum(xs) / len(xs) if xs else math.nan
+def wire_bits(codec: str, block: int = 64) -> float:
+    """Bits per value on the wire, the fp16 per-block scale of the <= 8-bit codecs included."""
+    bits = CODEC_BITS[codec]
+    return bits + (16.0 / block if bits <= 8 else 0.0)
 
 
-def aggregate(per_peer: list[dict[str, Any]], mode: str) -> dict[str, Any]:
-    """Run-level figures: means over peers of per-peer quantities, sums of rates."""
-    tokens = [p["tokens"] for p in per_peer]
-    out = {
-        "steps_done": min((p["steps"] for p in per_peer), default=0),
-        "tokens": sum(tokens),
-        "compute_utilization": _mean([p.get("compute_utilization") for p in per_peer]),
-        "tokens_per_s": sum(p.get("tokens_per_s", math.nan) for p in per_peer) if per_peer else math.nan,
-        "step_time_s": _mean([p["step_time_s"] for p in per_peer]),
-        "bytes_per_peer": _mean([p["bytes_sent"] for p in per_peer]),
-        "bytes_received_per_peer": _mean([p["bytes_received"] for p in per_peer]),
-        "peak_bytes_per_sync": max((p.get("peak_bytes_per_sync", 0) for p in per_peer), default=0),
-        "wait_s": _mean([p["wait_s"] for p in per_peer]),
-        "eval_loss": _mean([p.get("eval_loss") for p in per_peer]),
-        "eval_loss_initial": _mean([p.get("eval_loss_initial") for p in per_peer]),
-        "syncs_ok": sum(p["syncs_ok"] for p in per_peer),
-        "syncs_failed": sum(p["syncs_failed"] for p in per_peer),
-        "iface_tx_bytes_per_peer": _mean([p["iface"].get("tx_bytes") for p in per_peer]),
-        "iface_rx_bytes_per_peer": _mean([p["iface"].get("rx_bytes") for p in per_peer]),
-        "iface_tx_packets_per_peer": _mean([p["iface"].get("tx_packets") for p in per_peer]),
-    }
-    out["bytes_all_rounds_per_peer"] = _mean([p["bytes_sent_all_rounds"] for p in per_peer])
-    out["tail_rounds_failed"] = sum(p["tail"]["failed"] for p in per_peer)
-    out["iface_sync_payload_per_peer"] = _mean([p["iface"].get("sync_payload_bytes") for p in per_peer])
-    out["wire_agreement"] = (out["iface_sync_payload_per_peer"] / out["bytes_all_rounds_per_peer"]
-                             if out["bytes_all_rounds_per_peer"] else math.nan)
-    tok_peer = _mean(tokens)
-    out["bytes_per_token"] = out["bytes_per_peer"] / tok_peer if tok_peer else math.nan
-    out["iface_bytes_per_token"] = out["iface_tx_bytes_per_peer"] / tok_peer if tok_peer else math.nan
-    out["iface_over_ours"] = (out["iface_tx_bytes_per_peer"] / out["bytes_per_peer"]
-                              if out["bytes_per_peer"] else math.nan)
-    return out
+def runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The benchmark runs proper (not the no-sync baseline): by link, mode, then widest codec first."""
+    out = [r for r in records if r["mode"] in LABELS]
+    return sorted(out, key=lambda r: (r["link_mbit"], LABELS.index(r["mode"]), -wire_bits(r["codec"])))
 
 
 def _mb(x: float) -> str:
     return "-" if x != x else f"{x / 1e6:.2f}"
 
 
+def _pct(x: float) -> str:
+    return "-" if x != x else f"{x * 100:.1f}%"
+
+
 def one_line(rec: dict[str, Any]) -> str:
-    return (f"{rec['mode']:<16} {rec['codec']:<9} P={rec['fragments']} {rec['link_mbit']:g} Mbit/s "
-            f"{rec['status']:<7} steps {rec['steps_done']}/{rec['steps']}  util {rec['compute_utilization'] * 100:5.1f}%  "
-            f"{rec['tokens_per_s']:7.0f} tok/s  sent/peer ours {_mb(rec['bytes_per_peer'])} MB, iface "
-            f"{_mb(rec['iface_tx_bytes_per_peer'])} MB (agreement {rec['wire_agreement']:.3f})  wait {rec['wait_s']:.1f} s  eval {rec['eval_loss']:.3f}"
-            + (f"  ({rec['error'][:120]})" if rec.get("error") else ""))
+    """Progress line printed after each run."""
+    agree = f"{rec['wire_agreement']:.3f}" if clean(rec) else "n/a"
+    return (f"{rec['mode']:<16} {rec['codec']:<9} P={rec['fragments']} {rec['link_mbit']:g} Mbit/s {rec['status']:<7} "
+            f"steps {rec['steps_done']}/{rec['steps']}  util {_pct(rec['compute_utilization']):>6}  "
+            f"{rec['tokens_per_s']:6.0f} tok/s  sent/peer {_mb(rec['bytes_per_peer'])} MB (iface tx "
+            f"{_mb(rec['iface_tx_bytes_per_peer'])}, agreement {agree})  blocked {rec['wait_s']:.1f} s  "
+            f"failed {rec['syncs_failed'] + rec['tail_rounds_failed']}  eval {rec['eval_loss']:.3f}"
+            + (f"  ({rec['error'][:160]})" if rec.get("error") else ""))
 
 
-def finish(records: list[dict[str, Any]], report: Optional[str], plots: Optional[str]) -> None:
-    pass
+# ---------------------------------------------------------------------------------------- analyses
+
+
+def control_fit(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Least squares ``iface sync payload = a * ours + c * rounds`` (per peer) over the clean runs.
+
+    ``a`` checks our payload accounting against the kernel's counters (1.0 = exact); ``c`` is what
+    a round costs on the wire besides its payload (matchmaking, DHT lookups, stream set-up, verdicts).
+    """
+    import numpy as np
+
+    rows = [(r["bytes_all_rounds_per_peer"], rounds_per_peer(r), r["iface_sync_payload_per_peer"])
+            for r in runs(records) if clean(r)]
+    if len(rows) < 2:
+        return {"a": math.nan, "c_bytes_per_round": math.nan, "runs": len(rows)}
+    (a, c), *_ = np.linalg.lstsq(np.array([[b, n] for b, n, _ in rows]), np.array([w for *_, w in rows]), rcond=None)
+    return {"a": float(a), "c_bytes_per_round": float(c), "runs": len(rows)}
+
+
+def round_latency(records: list[dict[str, Any]], rate: float) -> float:
+    """Median time a blocking round takes beyond moving its payload at the measured link rate."""
+    lats = []
+    for r in runs(records):
+        if r["link_mbit"] == rate and r["mode"] in ("diloco", "streaming") and clean(r):
+            n = rounds_per_peer(r)
+            lats.append(r["wait_s"] / n - r["bytes_per_peer"] / n * 8 / (r["link_measured_mbit"] * 1e6))
+    lats.sort()
+    return max(0.0, lats[len(lats) // 2]) if lats else 0.0
+
+
+def simulate_argv(r: dict[str, Any], latency_s: float) -> list[str]:
+    """``opendiloco-stream simulate`` arguments that model run ``r``."""
+    bits = f"{wire_bits(r['codec']):g}"
+    params = next((p["params"] for p in r["per_peer"] if p.get("params")), 870_272)
+    return ["simulate", "--params", str(params), "--layers", str(TINY_LAYERS), "--step-time", f"{r['step_time_s']:.4f}",
+            "--inner-steps", str(r["inner_steps"]), "--fragment-layers", str(TINY_LAYERS // max(1, r["fragments"])),
+            "--overlap-steps", str(max(1, r["overlap_steps"])), "--at-mbit", f"{r['link_mbit']:g}",
+            "--allreduce-factor", f"{2 * (r['peers'] - 1) / r['peers']:g}", "--bits", bits, "--quant-bits", bits,
+            "--latency-ms", f"{latency_s * 1e3:.0f}", "--methods", SIM_METHOD[r["mode"]], "--json"]
+
+
+def predict(r: dict[str, Any], latency_s: float) -> float:
+    from opendiloco_stream.cli import main as cli_main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli_main(simulate_argv(r, latency_s))
+    return json.loads(buf.getvalue())[0]["utilization"] if rc == 0 else math.nan
+
+
+def simulator_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for r in runs(records):
+        if r["status"] == "ok" and r["step_time_s"] == r["step_time_s"]:
+            lat = round_latency(records, r["link_mbit"])
+            rows.append({"link_mbit": r["link_mbit"], "mode": r["mode"], "codec": r["codec"],
+                         "step_time_s": r["step_time_s"], "measured": r["compute_utilization"],
+                         "predicted": predict(r, 0.0), "predicted_with_latency": predict(r, lat), "latency_s": lat,
+                         "command": "opendiloco-stream " + " ".join(simulate_argv(r, lat))})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- sections
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    head = ["link", "mode", "codec", "P", "steps", "compute util.", "tokens/s", "MB sent/peer (ours)",
+            "MB iface tx/peer", "iface / ours", "peak MB/sync", "blocked s/peer", "failed rounds", "eval loss", "status"]
+    rows = [[f"{r['link_mbit']:g} Mbit/s", r["mode"], r["codec"], r["fragments"], f"{r['steps_done']}/{r['steps']}",
+             _pct(r["compute_utilization"]), f"{r['tokens_per_s']:.0f}", _mb(r["bytes_per_peer"]),
+             _mb(r["iface_tx_bytes_per_peer"]), f"{r['wire_agreement']:.3f}" if clean(r) else "n/a",
+             _mb(r["peak_bytes_per_sync"]), f"{r['wait_s']:.1f}", r["syncs_failed"] + r["tail_rounds_failed"],
+             f"{r['eval_loss']:.3f}", r["status"]] for r in runs(records)]
+    return markdown_table(head, rows)
+
+
+def headline(records: list[dict[str, Any]]) -> list[str]:
+    """Eager fp4 beside every other mode, at each link where DiLoCo blocking fp32 is network-bound (< 80%)."""
+    out = []
+    bound = sorted({r["link_mbit"] for r in runs(records)
+                    if r["mode"] == "diloco" and r["status"] == "ok" and r["compute_utilization"] < 0.8})
+    for rate in bound:
+        at = [r for r in runs(records) if r["link_mbit"] == rate]
+        eager = next((r for r in at if r["mode"] == "streaming-eager" and r["codec"].startswith("fp4")), None)
+        if eager is None:
+            continue
+        verdict = ">= 95%" if eager["compute_utilization"] >= 0.95 else "below 95%"
+        out.append(f"At {rate:g} Mbit/s, where DiLoCo blocking fp32 is network-bound, streaming eager {eager['codec']} "
+                   f"runs at **{_pct(eager['compute_utilization'])}** compute utilization ({verdict}). All modes there:")
+        out += [f"- {r['mode']} {r['codec']}: {_pct(r['compute_utilization'])} ({r['steps_done']} steps, "
+                f"blocked {r['wait_s']:.1f} s per peer)" for r in at]
+        out.append("")
+    return out
+
+
+def bytes_per_token(records: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for rate in sorted({r["link_mbit"] for r in runs(records)}):
+        at = {(r["mode"], r["codec"]): r for r in runs(records) if r["link_mbit"] == rate and r["status"] == "ok"}
+        dp, eager = at.get(("data-parallel", "fp32")), at.get(("streaming-eager", "fp4-e3m0"))
+        if dp is None or eager is None:
+            continue
+        expected = eager["inner_steps"] * 32 / wire_bits("fp4-e3m0")
+        out.append(f"- {rate:g} Mbit/s: data-parallel fp32 {dp['bytes_per_token']:.0f} B/token, streaming eager fp4 "
+                   f"{eager['bytes_per_token']:.2f} B/token (ours, consumed rounds): **{dp['bytes_per_token'] / eager['bytes_per_token']:.0f}x**; "
+                   f"interface tx bytes per token: {dp['iface_bytes_per_token'] / eager['iface_bytes_per_token']:.0f}x; "
+                   f"payload arithmetic H x 32 / {wire_bits('fp4-e3m0'):g} bits = {expected:.0f}x")
+    return out
+
+
+def accounting(records: list[dict[str, Any]], fit: dict[str, float]) -> list[str]:
+    idle = next((r for r in records if r["mode"] == "idle" and "other_traffic_bytes_per_s" in r), None)
+    out = [f"- traffic other than syncs (the no-sync run): {idle['other_traffic_bytes_per_s']:.0f} B/s of TCP payload "
+           "per peer, subtracted per second of each run" if idle else "- no no-sync run: nothing subtracted",
+           f"- fit over the {fit['runs']} runs whose every round succeeded: interface sync payload = "
+           f"**{fit['a']:.4f} x ours + {fit['c_bytes_per_round'] / 1e3:.1f} kB per round**", ""]
+    rows = []
+    for r in runs(records):
+        if clean(r):
+            n = rounds_per_peer(r)
+            rows.append([f"{r['link_mbit']:g}", r["mode"], r["codec"], _mb(r["bytes_all_rounds_per_peer"]),
+                         _mb(r["iface_sync_payload_per_peer"]), f"{r['wire_agreement']:.3f}", f"{n:g}",
+                         f"{(r['iface_sync_payload_per_peer'] - fit['c_bytes_per_round'] * n) / r['bytes_all_rounds_per_peer']:.3f}"])
+    head = ["Mbit/s", "mode", "codec", "ours MB (all rounds)", "iface sync payload MB", "iface / ours", "rounds/peer",
+            "(iface - c x rounds) / ours"]
+    return out + [markdown_table(head, rows)]
+
+
+def simulator(sims: list[dict[str, Any]]) -> list[str]:
+    head = ["Mbit/s", "mode", "codec", "step s", "measured", "simulate, latency 0", "simulate, measured latency"]
+    rows = [[f"{s['link_mbit']:g}", s["mode"], s["codec"], f"{s['step_time_s']:.3f}", _pct(s["measured"]),
+             _pct(s["predicted"]), f"{_pct(s['predicted_with_latency'])} ({s['latency_s']:.2f} s)"] for s in sims]
+    out = [markdown_table(head, rows)]
+    if sims:
+        out += ["", f"e.g. `{sims[0]['command']}`"]
+    return out
+
+
+def finish(records: list[dict[str, Any]], report: Optional[str], plots: Optional[str]) -> str:
+    """Print (and write to ``report``) the markdown report; draw PNGs under the ``plots`` prefix."""
+    fit = control_fit(records)
+    env = next((r.get("environment") for r in records if r.get("environment")), {})
+    parts = [f"Command: `{env.get('command', '?')}` (commit {env.get('git_commit')}, {env.get('cpu_count')} CPUs, "
+             f"{env.get('date_utc')})", "", "### Runs", "", table(records), "", "### Headline", "", *headline(records),
+             "### Bytes per token", "", *bytes_per_token(records), "",
+             "### Interface counters vs our accounting", "", *accounting(records, fit), "",
+             "### Simulator vs measured", "", *simulator(simulator_rows(records))]
+    text = "\n".join(parts) + "\n"
+    print(text)
+    if report:
+        Path(report).parent.mkdir(parents=True, exist_ok=True)
+        Path(report).write_text(text)
+    if plots:
+        draw(records, plots)
+    return text
+
+
+def draw(records: list[dict[str, Any]], prefix: str) -> None:
+    ok = [r for r in runs(records) if r["status"] == "ok"]
+    series = {}
+    for mode in LABELS:
+        for codec in sorted({r["codec"] for r in ok if r["mode"] == mode}, key=lambda c: -wire_bits(c)):
+            pts = sorted((r["link_mbit"], r["compute_utilization"] * 100) for r in ok if r["mode"] == mode and r["codec"] == codec)
+            series[f"{mode} {codec}"] = ([x for x, _ in pts], [y for _, y in pts])
+    if series:
+        plot_lines(f"{prefix}-utilization.png", series, title="Compute utilization, 2 peers behind tc tbf links",
+                   xlabel="link rate per peer, each way (Mbit/s)", ylabel="compute utilization (%)", ylim=(0, 105),
+                   note="benchmarks/wan.py; data-parallel runs fewer steps (see table)")
+    rate = min((r["link_mbit"] for r in ok), default=None)
+    at = [r for r in ok if r["link_mbit"] == rate]
+    if at:
+        plot_bars(f"{prefix}-bytes-per-token.png", [f"{r['mode']} {r['codec']}" for r in at],
+                  [r["bytes_per_token"] for r in at], title=f"Bytes sent per peer per token at {rate:g} Mbit/s (ours)",
+                  ylabel="bytes / token (log)", log=True, note="benchmarks/wan.py")
+
+
+def _nan(x: Any, key: str = "") -> Any:
+    """null -> NaN for the numbers wan.py wrote as null (strict JSON has no NaN)."""
+    if x is None and key != "error":
+        return math.nan
+    if isinstance(x, dict):
+        return {k: _nan(v, k) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan(v, key) for v in x]
+    return x
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Report of a wan.py results file")
-    p.add_argument("results")
-    p.add_argument("--report")
-    p.add_argument("--plots")
+    p.add_argument("results", help="JSON written by wan.py --out")
+    p.add_argument("--report", help="write the markdown here")
+    p.add_argument("--plots", help="PNG path prefix, e.g. docs/img/wan-quick")
     args = p.parse_args(argv)
-    finish(json.loads(Path(args.results).read_text()), args.report, args.plots)
+    finish(_nan(json.loads(Path(args.results).read_text())), args.report, args.plots)
     return 0
 
 

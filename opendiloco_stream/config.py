@@ -147,11 +147,11 @@ class RunConfig(_Strict):
     net: NetConfig = Field(default_factory=NetConfig)
 
 
-def _deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+def deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_update(out[key], value)
+            out[key] = deep_update(out[key], value)
         else:
             out[key] = value
     return out
@@ -188,8 +188,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    data = _deep_update(data, env_overrides(environ))
-    data = _deep_update(data, overrides or {})
+    data = deep_update(data, env_overrides(environ))
+    data = deep_update(data, overrides or {})
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

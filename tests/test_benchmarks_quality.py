@@ -41,6 +41,7 @@ def test_quality_smoke_runs_every_variant_at_equal_tokens(quality):
     names = {r["variant"] for r in result["runs"]}
     expected = {"data-parallel", "diloco", "streaming", "streaming-tau1", "eager", "naive-delayed"}
     expected |= {f"eager-{c}{ef}" for c in ("fp16", "int8", "fp4-e3m0", "fp4-e2m1") for ef in ("", "-ef")}
+    expected |= {f"{m}-olr0.4" for m in ("streaming", "eager", "naive-delayed")}
     assert names == expected
     tokens = {r["summary"]["tokens"] for r in result["runs"]}
     assert len(tokens) == 1, tokens  # equal tokens across modes is the point of the comparison
@@ -67,10 +68,27 @@ def test_quality_bytes_per_token_count_rounds_still_in_flight(quality):
 
 def test_quality_smoke_writes_plots(quality):
     result, _, out_dir = quality
-    for name in ("quality-modes-eval-loss.png", "quality-codecs-eval-loss.png", "quality-bytes-per-token.png"):
+    names = ["quality-modes-eval-loss.png", "quality-codecs-eval-loss.png", "quality-outer-lr-eval-loss.png",
+             "quality-bytes-per-token.png"]
+    for name in names:
         assert_png(out_dir / name)
-    assert sorted(Path(p).name for p in result["plots"]) == sorted(
-        ["quality-modes-eval-loss.png", "quality-codecs-eval-loss.png", "quality-bytes-per-token.png"])
+    assert sorted(Path(p).name for p in result["plots"]) == sorted(names)
+
+
+def test_quality_resume_runs_only_what_is_missing(quality, tmp_path):
+    result, _, _ = quality
+    partial = dict(result, runs=[r for r in result["runs"] if r["variant"] != "eager-int8"])
+    out = tmp_path / "q.json"
+    out.write_text(json.dumps(partial))
+    proc = run_script("quality.py", "--smoke", "--resume", "--no-plots", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("seed 0: eval loss") == 1 and "eager-int8 seed 0" in proc.stderr
+    resumed = json.loads(out.read_text())
+    assert len(resumed["runs"]) == len(result["runs"])
+    # the local swarm is deterministic: the re-run reproduces the first run's numbers exactly
+    again = next(r for r in resumed["runs"] if r["variant"] == "eager-int8")["summary"]
+    first = next(r for r in result["runs"] if r["variant"] == "eager-int8")["summary"]
+    assert again["eval_loss"] == first["eval_loss"] and again["bytes_sent"] == first["bytes_sent"]
 
 
 def test_quality_unknown_variant_is_one_line_and_exit_code_2(tmp_path):

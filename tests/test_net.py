@@ -202,7 +202,43 @@ def test_identity_path_keeps_the_peer_id_and_stop_leaves_no_p2pd(tmp_path):
         ensure_identity(str(key))
 
 
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_a_dht_process_killed_by_a_signal_never_leaves_its_p2pd_behind():
+    from opendiloco_stream.net.lifecycle import GracefulShutdown, wait_gone
+
+    with GracefulShutdown():  # forked under it, the DHT process passes SIGTERM on to its p2pd
+        dht = start_dht(NetConfig())
+        p2pd = _p2pd_under(dht.pid)
+        os.kill(dht.pid, signal.SIGTERM)
+        assert wait_gone(p2pd + [dht.pid], 30) == []
+        stop_dht(dht)
+
+    dht = start_dht(NetConfig())
+    p2pd = _p2pd_under(dht.pid)
+    os.kill(dht.pid, signal.SIGKILL)  # nothing runs in the DHT process: its p2pd is orphaned (re-parented)...
+    assert wait_gone([dht.pid], 30) == []
+    stop_dht(dht)  # ...and stop_dht still finds it, because start_dht remembered it
+    assert not any(is_running(p) for p in p2pd)
+
+
 # ---------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_records_are_schema_exact_whatever_the_trainer_passes():
+    import numpy as np
+    import torch
+
+    from opendiloco_stream.net.metrics import PeerMetrics, to_record
+
+    record = to_record({"step": np.int64(5), "loss": torch.tensor(2.5), "tokens_per_s": float("inf"),
+                        "compute_utilization": 1.2, "rounds": {"0": 3}, "mode": "eager", "peer": "ignored"},
+                       name="a", peer_id="b", time=1.0)
+    assert record == {"name": "a", "peer_id": "b", "step": 5, "loss": 2.5, "tokens_per_s": 0.0, "bytes_sent": 0,
+                      "bytes_received": 0, "compute_utilization": 1.0, "rounds": 0, "failed_rounds": 0,
+                      "mode": "eager", "time": 1.0}
+    assert [type(record[k]) for k in ("step", "loss")] == [int, float]  # strict: no numpy/torch scalars
+    assert PeerMetrics(**record).dict() == record
 
 
 @pytest.fixture(scope="module")
@@ -372,16 +408,33 @@ def test_bootstrap_command_writes_addr_file_accepts_peers_and_stops_cleanly_on_s
         kill_process_tree(proc.pid, timeout=2)
 
 
+@pytest.fixture(scope="module")
+def publishing_peer(bootstrap):
+    """A DHT node in this process, joined to the bootstrap, publishing metrics for run "net-test"."""
+    from opendiloco_stream.net.metrics import MetricsPublisher
+
+    dht = start_dht(NetConfig(initial_peers=[bootstrap[0]]))
+    try:
+        with MetricsPublisher(dht, "net-test", expiration=120, name="carol") as pub:
+            pub.publish({"step": 42, "loss": 3.25, "tokens_per_s": 1000.0, "bytes_sent": 5 * 2**20,
+                         "compute_utilization": 0.9, "rounds": 4})
+            assert pub.flush(30) and pub.published == 1
+            yield pub
+    finally:
+        stop_dht(dht)
+
+
 @pytest.mark.network
 @pytest.mark.timeout(180)
-def test_doctor_passes_against_a_live_bootstrap(bootstrap):
+def test_doctor_passes_against_a_live_bootstrap(bootstrap, publishing_peer):
     address, _ = bootstrap
     result = _run("doctor", "--initial-peers", address, "--run-id", "net-test")
     lines = [l for l in result.stdout.splitlines() if l.startswith("[")]
     assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 5, result.stdout + result.stderr
+    assert "run 'net-test' has 1 peer(s) publishing metrics" in lines[2]  # decoded the signed records
     assert "the bootstrap" in lines[3] and "opened a new connection" in lines[3]  # a real dial-back
     assert lines[4].startswith("[ok] share: --initial-peers /ip4/127.0.0.1/tcp/")
-    assert result.returncode == 0
+    assert result.returncode == 0 and "Traceback" not in result.stderr
 
 
 @pytest.mark.network
@@ -405,22 +458,12 @@ def test_doctor_fails_with_the_fix_for_a_dead_bootstrap_and_an_unreachable_annou
 
 @pytest.mark.network
 @pytest.mark.timeout(180)
-def test_monitor_once_json_lists_a_publishing_peer(bootstrap):
-    from opendiloco_stream.net.metrics import MetricsPublisher
-
-    address, _ = bootstrap
-    dht = start_dht(NetConfig(initial_peers=[address]))
-    try:
-        with MetricsPublisher(dht, "net-test", expiration=60, name="carol") as pub:
-            pub.publish({"step": 42, "loss": 3.25, "tokens_per_s": 1000.0, "bytes_sent": 5 * 2**20,
-                         "compute_utilization": 0.9, "rounds": 4})
-            assert pub.flush(30) and pub.published == 1
-            result = _run("monitor", "--initial-peers", address, "--run-id", "net-test", "--once", "--json")
-            assert result.returncode == 0, result.stderr
-            [record] = [r for r in json.loads(result.stdout) if r["name"] == "carol"]
-            assert (record["step"], record["loss"], record["rounds"]) == (42, 3.25, 4)
-    finally:
-        stop_dht(dht)
+def test_monitor_once_json_lists_a_publishing_peer(bootstrap, publishing_peer):
+    result = _run("monitor", "--initial-peers", bootstrap[0], "--run-id", "net-test", "--once", "--json")
+    assert result.returncode == 0, result.stderr
+    [record] = [r for r in json.loads(result.stdout) if r["name"] == "carol"]
+    assert (record["step"], record["loss"], record["rounds"]) == (42, 3.25, 4)
+    assert record["peer_id"] == publishing_peer.peer_id
 
 
 def test_monitor_table_shows_the_numbers_that_matter():

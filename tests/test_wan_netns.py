@@ -6,6 +6,7 @@ Needs root and ``ip netns``; skipped with the reason otherwise. Bounded: one ~2 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ NBYTES = 2_000_000
 
 @pytest.fixture
 def topo():
-    t = netns.Topology(peers=2, prefix=f"{netns.PREFIX}{__import__('os').getpid()}")
+    t = netns.Topology(peers=2, prefix=f"{netns.PREFIX}{os.getpid()}")
     t.create()
     try:
         yield t
@@ -68,7 +69,7 @@ def test_unshaped_link_is_much_faster_than_the_limit(topo):
 
 
 def test_teardown_removes_namespaces_and_processes():
-    t = netns.Topology(peers=2, prefix=f"{netns.PREFIX}{__import__('os').getpid()}")
+    t = netns.Topology(peers=2, prefix=f"{netns.PREFIX}{os.getpid()}")
     t.create()
     sleeper = subprocess.Popen(t.exec_argv("p0", [sys.executable, "-c", "import time; time.sleep(120)"]))
     try:

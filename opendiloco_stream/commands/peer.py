@@ -20,16 +20,12 @@ from typing import Any
 
 import torch
 
-from opendiloco_stream.commands._common import add_training_flags, config_from_args
+from opendiloco_stream.commands._common import add_training_flags, overrides_from_args
+from opendiloco_stream.config import load_config
+from opendiloco_stream.net.flags import add_network_flags, net_overrides
 
-NET_FLAGS: dict[str, tuple[str, str]] = {
-    "run_id": ("net", "run_id"),
-    "initial_peers": ("net", "initial_peers"),
-    "host_maddrs": ("net", "host_maddrs"),
-    "announce_maddrs": ("net", "announce_maddrs"),
-    "port": ("net", "port"),
-    "public_ip": ("net", "public_ip"),
-    "identity_path": ("net", "identity_path"),
+# transport knobs beyond the shared network flags (net/flags.py)
+TRANSPORT_FLAGS: dict[str, tuple[str, str]] = {
     "client_mode": ("net", "client_mode"),
     "link_mbit": ("net", "link_mbit"),
     "matchmaking_time": ("net", "matchmaking_time"),
@@ -40,26 +36,20 @@ NET_FLAGS: dict[str, tuple[str, str]] = {
 SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
 
 
-def add_net_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("network")
-    g.add_argument("--run-id", help="name of the run (peers of one run must use the same)")
-    g.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs printed by `bootstrap`")
-    g.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="where to listen (default: see docs/networking.md)")
-    g.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="what others dial (behind NAT)")
-    g.add_argument("--port", type=int, help="listen on 0.0.0.0:PORT (tcp and quic)")
-    g.add_argument("--public-ip", help="announce this IP (with --port) when behind NAT")
-    g.add_argument("--identity-path", help="private key file for a stable peer id")
+def add_transport_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transport")
     g.add_argument("--client-mode", action="store_true", default=None, help="outgoing connections only (behind NAT)")
     g.add_argument("--link-mbit", type=float, help="expected link rate; timeouts are derived from it")
-    g.add_argument("--matchmaking-time", type=float)
-    g.add_argument("--allreduce-timeout", type=float)
-    g.add_argument("--target-group-size", type=int)
+    g.add_argument("--matchmaking-time", type=float, help="seconds a round waits for its group to form")
+    g.add_argument("--allreduce-timeout", type=float, help="bound on one all-reduce (default: from the link rate)")
+    g.add_argument("--target-group-size", type=int, help="expected number of peers (groups form at once when reached)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peer", help="join a run and train", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_net_flags(p)
+    add_network_flags(p, config=False)
+    add_transport_flags(p)
     p.add_argument("--shard", default="auto", metavar="R/W",
                    help="data shard of this peer, e.g. 0/3; 'auto' picks one of 64 from the peer id")
     p.add_argument("--no-join", action="store_true", help="do not download state from running peers")
@@ -108,9 +98,13 @@ def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.net.metrics import MetricsPublisher
     from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
 
+    from opendiloco_stream.config import deep_update
+    from opendiloco_stream.net.flags import quiet_hivemind
+
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = config_from_args(args, NET_FLAGS)
+    quiet_hivemind(args.verbose)
+    cfg = load_config(args.config, deep_update(overrides_from_args(args, TRANSPORT_FLAGS), net_overrides(args)))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
     if args.threads:
@@ -126,21 +120,36 @@ def run(args: argparse.Namespace) -> int:
             print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}); "
                   f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
             transport = build_transport(cfg, dht)
-            publisher = MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration)
+            publisher = MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration,
+                                         name=peer_id[-8:])
             writer = MetricsWriter(cfg.train.metrics_file)
             writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",
                           **cfg.model_dump(mode="json")})
             live: dict[str, Any] = {"step": 0, "loss": float("nan"), "tokens": 0, "t0": time.perf_counter(),
-                                    "bytes_sent": 0, "bytes_received": 0, "rounds": {}, "last_pub": 0.0}
+                                    "compute_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "rounds": 0,
+                                    "failed_rounds": 0, "last_pub": 0.0}
+
+            def snapshot() -> dict[str, Any]:
+                elapsed = max(1e-9, time.perf_counter() - live["t0"])
+                return {"step": live["step"], "loss": live["loss"], "tokens_per_s": live["tokens"] / elapsed,
+                        "bytes_sent": live["bytes_sent"], "bytes_received": live["bytes_received"],
+                        "compute_utilization": min(1.0, live["compute_s"] / elapsed), "rounds": live["rounds"],
+                        "failed_rounds": live["failed_rounds"], "mode": cfg.diloco.mode}
 
             def emit(rec: dict[str, Any]) -> None:
                 writer.write(rec)
-                if rec.get("event") == "sync" and rec.get("ok"):
-                    live["bytes_sent"] += rec.get("bytes_sent", 0)
-                    live["bytes_received"] += rec.get("bytes_received", 0)
-                    live["rounds"][str(rec["fragment"])] = rec["round"]
+                if rec.get("event") == "sync":
+                    if rec.get("ok"):
+                        live["rounds"] += 1
+                        live["bytes_sent"] += rec.get("bytes_sent", 0)
+                        live["bytes_received"] += rec.get("bytes_received", 0)
+                    else:
+                        live["failed_rounds"] += 1
                 elif rec.get("event") == "step":
                     live["tokens"] += rec["tokens"]
+                    live["compute_s"] += rec["compute_s"]
+                elif rec.get("event") == "joined":
+                    live["step"] = rec["step"]
 
             bar = tqdm(total=cfg.train.steps, desc=f"peer {peer_id[-6:]}", unit="step", disable=args.no_progress,
                        file=sys.stderr, dynamic_ncols=True)
@@ -152,10 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 now = time.perf_counter()
                 if now - live["last_pub"] >= 2.0:
                     live["last_pub"] = now
-                    elapsed = max(1e-9, now - live["t0"])
-                    publisher.publish({"peer": peer_id[-8:], "step": bar.n, "loss": loss,
-                                       "tokens_per_s": live["tokens"] / elapsed, "bytes_sent": live["bytes_sent"],
-                                       "bytes_received": live["bytes_received"], "rounds": live["rounds"]})
+                    publisher.publish(snapshot())
                     bar.set_postfix(loss=f"{loss:.3f}")
 
             start = time.perf_counter()
@@ -168,10 +174,9 @@ def run(args: argparse.Namespace) -> int:
                               scale_dtype=cfg.diloco.codec_scale_dtype)
             summary = summarize(cfg, [report], wall, codec.encoded_size)
             summary.update(peer_id=peer_id, stopped_early=stop.requested)
-            publisher.publish({"peer": peer_id[-8:], "step": report.steps, "loss": report.train_loss,
-                               "tokens_per_s": summary["tokens_per_s"], "bytes_sent": summary["bytes_sent"],
-                               "bytes_received": summary["bytes_received"], "rounds": live["rounds"],
-                               "compute_utilization": summary["compute_utilization"], "done": True})
+            publisher.publish({**snapshot(), "compute_utilization": summary["compute_utilization"],
+                               "tokens_per_s": summary["tokens_per_s"]})
+            publisher.close(timeout=5.0)  # the final record reaches the DHT before it stops
             writer.write(summary)
             writer.close()
             print_summary(summary)

@@ -134,22 +134,27 @@ def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
     return host, announce
 
 
-def visible_maddrs(dht: Any, latest: bool = True) -> list[str]:
-    """The multiaddrs other peers should pass as ``--initial-peers``, best first.
+def rank_maddrs(maddrs: Iterable[Any]) -> list[str]:
+    """``maddrs`` best first for others to dial: public, then private, then loopback; TCP before
+    QUIC; wildcard addresses (0.0.0.0, ::) dropped."""
+    from hivemind.utils.multiaddr import Multiaddr
 
-    Wildcard addresses are dropped; public addresses come before private ones, loopback last, TCP
-    before QUIC. Every address keeps its ``/p2p/<peer id>`` suffix.
-    """
-    def rank(m) -> tuple[int, int]:
-        scope = 0
+    def rank(m: Any) -> tuple[int, int]:
+        scope = 1  # dns names and anything without an IP: as good as a private address
         for proto in ("ip4", "ip6"):
             if proto in m:
                 ip = ipaddress.ip_address(m[proto])
-                scope = 3 if ip.is_unspecified else 2 if ip.is_loopback else 1 if not ip.is_global else 0
+                scope = 3 if ip.is_unspecified else 2 if ip.is_loopback else 0 if ip.is_global else 1
         return scope, 0 if "tcp" in m else 1
 
-    maddrs = sorted(dht.get_visible_maddrs(latest=latest), key=rank)
-    return [str(m) for m in maddrs if rank(m)[0] < 3]
+    ranked = sorted((Multiaddr(str(m)) for m in maddrs), key=rank)
+    return [str(m) for m in ranked if rank(m)[0] < 3]
+
+
+def visible_maddrs(dht: Any, latest: bool = True) -> list[str]:
+    """The multiaddrs other peers should pass as ``--initial-peers``, best first (:func:`rank_maddrs`),
+    each with its ``/p2p/<peer id>`` suffix."""
+    return rank_maddrs(dht.get_visible_maddrs(latest=latest))
 
 
 # ---------------------------------------------------------------------------------------- identity

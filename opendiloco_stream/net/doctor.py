@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import ipaddress
+import logging
 import math
 import os
 import time
@@ -28,8 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from opendiloco_stream.config import NetConfig
-from opendiloco_stream.net.dht import NetError, explain_start_error, listen_maddrs, run_key
-from opendiloco_stream.net.reachability import short_error, probe_dial, request_dialback
+from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, listen_maddrs,
+                                       rank_maddrs, run_key)
+from opendiloco_stream.net.metrics import metrics_validators
+from opendiloco_stream.net.reachability import probe_dial, request_dialback, short_error
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,15 +53,16 @@ class Check:
 
 def _host_port(maddr: str) -> tuple[str, str]:
     parts = maddr.strip("/").split("/")
-    host = parts[1] if len(parts) > 1 else "?"
-    port = parts[3] if len(parts) > 3 else "?"
-    return host, port
+    return (parts[1] if len(parts) > 1 else "?"), (parts[3] if len(parts) > 3 else "?")
 
 
-def _is_unspecified(maddr: Any) -> bool:
+def _ip_is(maddr: Any, attribute: str) -> bool:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    maddr = Multiaddr(str(maddr))
     for proto in ("ip4", "ip6"):
         if proto in maddr:
-            return ipaddress.ip_address(maddr[proto]).is_unspecified
+            return getattr(ipaddress.ip_address(maddr[proto]), attribute)
     return False
 
 
@@ -70,17 +76,149 @@ def _reach_fix(net: NetConfig) -> str:
             "(net.client_mode = true)")
 
 
+class _Doctor:
+    """The state the checks share: the listening daemon ("ours") and the client DHT node."""
+
+    def __init__(self, net: NetConfig, timeout: float):
+        self.net, self.timeout = net, timeout
+        self.host, self.announce = listen_maddrs(net)
+        self.ours: Optional[Any] = None  # a p2p daemon listening and announcing like the peer would
+        self.ours_maddrs: list[str] = []
+        self.node: Optional[Any] = None  # a client DHT node connected to the initial peers
+        self.helper: Optional[Any] = None  # the initial peer asked for the dial-back
+        self.reached: list[str] = []
+
+    async def p2pd(self) -> Check:
+        from hivemind.p2p import P2P
+
+        binary = importlib.resources.files("hivemind.hivemind_cli") / "p2pd"
+        reinstall = "reinstall hivemind: pip install --force-reinstall --no-deps hivemind==1.1.12"
+        if not os.access(str(binary), os.X_OK):
+            return Check("p2pd", "FAIL", f"{binary} is missing or not executable", reinstall)
+        t0 = time.monotonic()
+        try:
+            p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=self.timeout)
+        except Exception as e:
+            return Check("p2pd", "FAIL", f"{binary} does not start: {short_error(e)}",
+                         f"{reinstall}; on an unusual platform build p2pd with Go (HIVEMIND_BUILDGO=1)")
+        await p2p.shutdown()
+        return Check("p2pd", "ok", f"{binary} starts ({(time.monotonic() - t0) * 1e3:.0f} ms)")
+
+    async def listen(self) -> Check:
+        from hivemind.p2p import P2P
+
+        identity = self.net.identity_path
+        if identity:
+            ensure_identity(identity)  # the same key the node will use: the shared address stays valid
+        try:
+            self.ours = await P2P.create(host_maddrs=self.host, announce_maddrs=self.announce or None,
+                                         identity_path=identity, startup_timeout=self.timeout)
+        except Exception as e:
+            return Check("listen", "FAIL", f"cannot listen on {' '.join(self.host)}",
+                         explain_start_error(e, self.net, self.host))
+        self.ours_maddrs = rank_maddrs(await self.ours.get_visible_maddrs())
+        return Check("listen", "ok", f"listening on {' '.join(self.host)}; announcing {' '.join(self.ours_maddrs)}")
+
+    async def bootstrap(self) -> Check:
+        from hivemind.dht.node import DHTNode
+        from hivemind.dht.validation import CompositeValidator
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        peers = self.net.initial_peers
+        if not peers:
+            return Check("bootstrap", "skip", "no --initial-peers given")
+        t0 = time.monotonic()
+        try:
+            probe_host, _ = listen_maddrs(NetConfig(initial_peers=peers))
+            # the outer bound is wider than the daemon's own, which fails with a clearer message
+            # the run's validators: without them the signed metrics records cannot even be decoded
+            self.node = await asyncio.wait_for(DHTNode.create(
+                initial_peers=peers, client_mode=True, host_maddrs=probe_host, startup_timeout=self.timeout,
+                record_validator=CompositeValidator(metrics_validators(self.net.run_id))), 2 * self.timeout)
+            ids = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in peers]
+            pings = await asyncio.gather(*(asyncio.wait_for(self.node.protocol.call_ping(p), self.timeout)
+                                           for p in ids), return_exceptions=True)
+            alive = [p for p, r in zip(ids, pings) if r is not None and not isinstance(r, BaseException)]
+            found = await asyncio.wait_for(self.node.get(run_key(self.net.run_id, "metrics"), latest=True),
+                                           self.timeout)
+        except Exception as e:
+            host, port = _host_port(peers[0])
+            reason = f"no answer in {self.timeout:g} s" if isinstance(e, asyncio.TimeoutError) else short_error(e)
+            return Check("bootstrap", "FAIL", f"cannot reach {' '.join(peers)} ({reason})",
+                         f"check that the bootstrap node runs and that this is the address it printed at its "
+                         f"current start (its /p2p/ id changes unless it uses --identity-path); test the port "
+                         f"from here with `nc -vz {host} {port}`")
+        if not alive:
+            return Check("bootstrap", "FAIL", "connected, but no initial peer answers DHT pings",
+                         "the address belongs to a node that is not a DHT server (a client-mode peer?); use "
+                         "the address printed by `opendiloco-stream bootstrap`")
+        self.helper = alive[0]
+        dead = [m for m, p in zip(peers, ids) if p not in alive]
+        if dead:
+            return Check("bootstrap", "warn", f"{len(alive)}/{len(ids)} initial peers answer; not: {' '.join(dead)}",
+                         "drop or refresh the dead addresses")
+        publishing = len(found.value) if found is not None and isinstance(found.value, dict) else 0
+        return Check("bootstrap", "ok", f"{len(alive)}/{len(ids)} initial peers answer; run '{self.net.run_id}' "
+                     f"has {publishing} peer(s) publishing metrics (lookup done {(time.monotonic() - t0) * 1e3:.0f} "
+                     f"ms after start)")
+
+    async def dial_back(self) -> Check:
+        if not self.ours_maddrs:
+            return Check("dial-back", "skip", "nothing is listening (see listen)")
+        candidates = self.ours_maddrs
+        if self.net.initial_peers and not all(_ip_is(m, "is_loopback") for m in self.net.initial_peers):
+            # a remote helper dialing 127.0.0.1 reaches itself, not us
+            candidates = [m for m in candidates if not _ip_is(m, "is_loopback")] or candidates
+        results: dict[str, Optional[str]] = {}
+        why_local = "no bootstrap to ask"
+        if self.helper is not None:
+            bound = self.timeout * math.ceil(len(candidates) / 2) + 5  # the helper dials two at a time
+            try:
+                results = await request_dialback(self.node.p2p, self.helper, candidates, bound)
+            except (LookupError, TimeoutError) as e:
+                why_local = str(e)
+        local_only = not results
+        if local_only:
+            results = {m: await probe_dial(m, self.timeout) for m in candidates}
+        self.reached = [m for m, err in results.items() if err is None]
+        failed = "; ".join(f"{m}: {err}" for m, err in results.items() if err is not None)
+        if not self.reached:
+            return Check("dial-back", "FAIL", f"no announced address could be dialed ({failed})", _reach_fix(self.net))
+        if local_only:
+            return Check("dial-back", "warn", f"dialed from THIS machine only ({why_local}): "
+                         f"{' '.join(self.reached)} accepts connections; reachability from other machines is "
+                         f"not verified", "run the bootstrap with `opendiloco-stream bootstrap` (it answers "
+                         "dial-back requests) or run doctor from another machine against your address")
+        extra = f" (not: {failed})" if failed else ""
+        return Check("dial-back", "ok", f"the bootstrap ({self.helper}) opened a new connection to "
+                     f"{' '.join(self.reached)}{extra}")
+
+    def share(self) -> Check:
+        if not self.reached:
+            return Check("share", "skip", "no address was verified")
+        pinned = (f"peer id pinned by {self.net.identity_path}" if self.net.identity_path else
+                  "the /p2p/ id is this check's own: a node prints its address at start, or pin it with "
+                  "--identity-path")
+        return Check("share", "ok", f"--initial-peers {self.reached[0]}  ({pinned})")
+
+    async def close(self) -> None:
+        if self.node is not None:
+            await self.node.shutdown()
+        if self.ours is not None:
+            await self.ours.shutdown()
+
+
 async def run_checks(net: NetConfig, *, timeout: float = 15.0,
                      report: Callable[[Check], None] = lambda c: None) -> list[Check]:
     """Run the checks in order, calling ``report`` on each as it completes; return them all.
 
-    ``net`` must be valid (``listen_maddrs(net)`` raises NetError for bad addresses). Every
-    daemon started here is shut down before returning.
+    ``net`` must be valid (:func:`check_config`). Every daemon started here is shut down before
+    returning. Without a working p2pd the other checks are skipped.
     """
-    from hivemind.dht.node import DHTNode
-    from hivemind.p2p import P2P, PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
+    # hivemind's callbacks can fail after a check already gave up on them: not worth a traceback
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: logger.debug("%s", context))
+    doctor = _Doctor(net, timeout)
     checks: list[Check] = []
 
     def add(check: Check) -> Check:
@@ -88,132 +226,21 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
         report(check)
         return check
 
-    host, announce = listen_maddrs(net)
-    ours: Optional[Any] = None
-    node: Optional[Any] = None
     try:
-        # 1. p2pd
-        binary = importlib.resources.files("hivemind.hivemind_cli") / "p2pd"
-        if not os.access(str(binary), os.X_OK):
-            add(Check("p2pd", "FAIL", f"{binary} is missing or not executable",
-                      "reinstall hivemind: pip install --force-reinstall --no-deps hivemind==1.1.12"))
+        if add(await doctor.p2pd()).status == "FAIL":
             for name in ("listen", "bootstrap", "dial-back", "share"):
                 add(Check(name, "skip", "needs p2pd"))
             return checks
-        try:
-            t0 = time.monotonic()
-            p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=timeout)
-            await p2p.shutdown()
-            add(Check("p2pd", "ok", f"{binary} starts ({(time.monotonic() - t0) * 1e3:.0f} ms)"))
-        except Exception as e:
-            add(Check("p2pd", "FAIL", f"{binary} does not start: {short_error(e)}",
-                      "reinstall hivemind (pip install --force-reinstall --no-deps hivemind==1.1.12); on an "
-                      "unusual platform build p2pd with Go (HIVEMIND_BUILDGO=1)"))
-            for name in ("listen", "bootstrap", "dial-back", "share"):
-                add(Check(name, "skip", "needs p2pd"))
-            return checks
-
-        # 2. listen
-        ours_maddrs: list[str] = []
-        try:
-            ours = await P2P.create(host_maddrs=host, announce_maddrs=announce or None,
-                                    identity_path=net.identity_path, startup_timeout=timeout)
-            ours_maddrs = [str(m) for m in await ours.get_visible_maddrs() if not _is_unspecified(m)]
-            add(Check("listen", "ok", f"listening on {' '.join(host)}; announcing {' '.join(ours_maddrs)}"))
-        except Exception as e:
-            add(Check("listen", "FAIL", f"cannot listen on {' '.join(host)}",
-                      explain_start_error(e, net, host)))
-
-        # 3. bootstrap
-        helper = None
-        if not net.initial_peers:
-            add(Check("bootstrap", "skip", "no --initial-peers given"))
-        else:
-            t0 = time.monotonic()
-            try:
-                probe_host, _ = listen_maddrs(NetConfig(initial_peers=net.initial_peers))
-                node = await asyncio.wait_for(DHTNode.create(
-                    initial_peers=net.initial_peers, client_mode=True, host_maddrs=probe_host,
-                    startup_timeout=timeout), timeout)
-                peer_ids = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in net.initial_peers]
-                pings = await asyncio.gather(*(asyncio.wait_for(node.protocol.call_ping(p), timeout)
-                                               for p in peer_ids), return_exceptions=True)
-                alive = [p for p, r in zip(peer_ids, pings) if r is not None and not isinstance(r, BaseException)]
-                await asyncio.wait_for(node.get(run_key(net.run_id, "metrics"), latest=True), timeout)
-                helper = alive[0] if alive else None
-                ms = (time.monotonic() - t0) * 1e3
-                dead = [m for m, p in zip(net.initial_peers, peer_ids) if p not in alive]
-                if not alive:
-                    add(Check("bootstrap", "FAIL", "connected, but no initial peer answers DHT pings",
-                              "the address belongs to a node that is not a DHT server (a client-mode peer?); "
-                              "use the address printed by `opendiloco-stream bootstrap`"))
-                elif dead:
-                    add(Check("bootstrap", "warn", f"{len(alive)}/{len(peer_ids)} initial peers answer; "
-                              f"not: {' '.join(dead)}", "drop or refresh the dead addresses"))
-                else:
-                    add(Check("bootstrap", "ok", f"{len(alive)}/{len(peer_ids)} initial peers answer; DHT "
-                              f"lookup of run '{net.run_id}' done in {ms:.0f} ms"))
-            except Exception as e:
-                host_, port_ = _host_port(net.initial_peers[0])
-                reason = short_error(e) if not isinstance(e, asyncio.TimeoutError) else f"no answer in {timeout:g} s"
-                add(Check("bootstrap", "FAIL", f"cannot reach {' '.join(net.initial_peers)} ({reason})",
-                          f"check that the bootstrap node runs and that this is the address it printed at its "
-                          f"current start (its /p2p/ id changes unless it uses --identity-path); test the port "
-                          f"from here with `nc -vz {host_} {port_}`"))
-
-        # 4. dial-back
-        reached: list[str] = []
-        if not ours_maddrs:
-            add(Check("dial-back", "skip", "nothing is listening (see listen)"))
-        else:
-            local_only = helper is None
-            results: dict[str, Optional[str]] = {}
-            where = ""
-            if helper is not None:
-                bound = timeout * math.ceil(len(ours_maddrs) / 2) + 5
-                try:
-                    results = await request_dialback(node.p2p, helper, ours_maddrs, bound)
-                    where = f"the bootstrap ({helper})"
-                except (LookupError, TimeoutError) as e:
-                    local_only, where = True, str(e)
-            if local_only:
-                results = {m: await probe_dial(m, timeout) for m in ours_maddrs}
-            reached = [m for m, err in results.items() if err is None]
-            failed = "; ".join(f"{m}: {err}" for m, err in results.items() if err is not None)
-            if not reached:
-                add(Check("dial-back", "FAIL", f"no announced address could be dialed ({failed})", _reach_fix(net)))
-            elif local_only:
-                why = where or "no bootstrap to ask"
-                add(Check("dial-back", "warn", f"dialed from THIS machine only ({why}): {' '.join(reached)} "
-                          f"accepts connections; reachability from other machines is not verified",
-                          "run the bootstrap with `opendiloco-stream bootstrap` (it answers dial-back "
-                          "requests) or run doctor from another machine against your address"))
-            else:
-                extra = f" (not: {failed})" if failed else ""
-                add(Check("dial-back", "ok", f"{where} opened a new connection to {' '.join(reached)}{extra}"))
-
-        # 5. share
-        if reached:
-            pinned = (f"peer id pinned by {net.identity_path}" if net.identity_path else
-                      "the /p2p/ id is this check's own: a node prints its address at start, or pin it with "
-                      "--identity-path")
-            add(Check("share", "ok", f"--initial-peers {reached[0]}  ({pinned})"))
-        else:
-            add(Check("share", "skip", "no address was verified"))
+        add(await doctor.listen())
+        add(await doctor.bootstrap())
+        add(await doctor.dial_back())
+        add(doctor.share())
         return checks
     finally:
-        if node is not None:
-            await node.shutdown()
-        if ours is not None:
-            await ours.shutdown()
+        await doctor.close()
 
 
 def check_config(net: NetConfig) -> None:
     """Validate ``net`` up front (bad addresses, run id) so the command can exit 2 before any check."""
-    from opendiloco_stream.net.dht import check_run_id
-
     check_run_id(net.run_id)
     listen_maddrs(net)
-
-
-__all__ = ["Check", "run_checks", "check_config", "NetError"]

@@ -85,6 +85,20 @@ def net_config_from_args(args: argparse.Namespace, **updates: Any) -> NetConfig:
     return net.model_copy(update=updates) if updates else net
 
 
+class _ShutdownNoise(logging.Filter):
+    """Drops p2pd's complaint about its control socket closing, logged on every Ctrl+C."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "use of closed network connection" not in record.getMessage()
+
+
 def quiet_hivemind(verbose: bool = False, level: Optional[int] = None) -> None:
     """hivemind logs INFO to stderr by default; commands show warnings only unless --verbose."""
-    logging.getLogger("hivemind").setLevel(level if level is not None else logging.DEBUG if verbose else logging.WARNING)
+    from hivemind.utils.logging import get_logger
+
+    hivemind_logger = get_logger("hivemind")  # also installs hivemind's handler, which we filter
+    hivemind_logger.setLevel(level if level is not None else logging.DEBUG if verbose else logging.WARNING)
+    if not verbose:
+        for handler in hivemind_logger.handlers:
+            if not any(isinstance(f, _ShutdownNoise) for f in handler.filters):
+                handler.addFilter(_ShutdownNoise())

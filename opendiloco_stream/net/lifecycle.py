@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from types import FrameType
@@ -46,15 +45,11 @@ def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for child, parent in _ppid_map().items():
         children.setdefault(parent, []).append(child)
-    out, frontier = [], [pid]
+    out, seen, frontier = [], {pid}, [pid]
     while frontier:
-        nxt = []
-        for p in frontier:
-            for c in children.get(p, ()):
-                if c not in out:
-                    out.append(c)
-                    nxt.append(c)
-        frontier = nxt
+        frontier = [c for p in frontier for c in children.get(p, ()) if c not in seen]
+        seen.update(frontier)
+        out.extend(frontier)
     return out
 
 

@@ -65,44 +65,70 @@ class MetricsSchema(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+def metrics_validators(run_id: str, private_key: Any = None) -> list:
+    """The record validators of a run's metrics (schema + signature), for a DHT or a DHTNode."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.schema import SchemaValidator
+
+    return [SchemaValidator(MetricsSchema, prefix=run_prefix(run_id)), RSASignatureValidator(private_key)]
+
+
 def install_validators(dht: Any, run_id: str, private_key: Any = None) -> bytes:
     """Install the run's metrics validators on ``dht``; return the public key used as this node's subkey.
 
-    Writers and readers call it identically. A DHT signs with the first RSA key it was given (hivemind
+    Writers and readers call it identically: a reader without them cannot even decode the signed
+    records (its lookup of the key fails). A DHT signs with the first RSA key it was given (hivemind
     ignores later ones), so ``private_key`` only counts on the first call for a DHT; it defaults to
     hivemind's process-wide key. Tests running several nodes in one process pass distinct keys.
     """
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.dht.schema import SchemaValidator
     from hivemind.utils.crypto import RSAPrivateKey
 
     key = getattr(dht, "_ods_signing_key", None)
     if key is None:
         key = private_key if private_key is not None else RSAPrivateKey.process_wide()
         dht._ods_signing_key = key  # host-side record of the key the DHT process signs with
-    signer = RSASignatureValidator(key)
-    dht.add_validators([SchemaValidator(MetricsSchema, prefix=run_prefix(run_id)), signer])
-    return signer.local_public_key
+    validators = metrics_validators(run_id, key)
+    dht.add_validators(validators)
+    return validators[1].local_public_key
+
+
+_DEFAULTS: dict[str, Any] = dict(step=0, bytes_sent=0, bytes_received=0, rounds=0, failed_rounds=0,
+                                 tokens_per_s=0.0, loss=None, compute_utilization=None, mode=None)
+_warned: set[str] = set()
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if key in _INT_FIELDS:
+        return max(0, int(value))
+    if key not in _FLOAT_FIELDS:
+        return str(value)[:32]  # mode
+    value = float(value)
+    if not math.isfinite(value):  # NaN is not equal to itself: the schema check would reject the record
+        return _DEFAULTS[key]
+    if key == "compute_utilization":
+        return min(1.0, max(0.0, value))
+    return max(0.0, value) if key == "tokens_per_s" else value
 
 
 def to_record(values: dict[str, Any], *, name: str, peer_id: str, time: float) -> dict[str, Any]:
-    """A schema-exact record from loosely typed ``values`` (numpy/torch numbers, NaN, extra keys)."""
-    out: dict[str, Any] = {key: None for key in FIELDS}
-    out.update(rounds=0, failed_rounds=0, step=0, bytes_sent=0, bytes_received=0, tokens_per_s=0.0)
-    for key in FIELDS:
-        if values.get(key) is not None:
-            out[key] = values[key]
-    for key in _INT_FIELDS:
-        out[key] = max(0, int(out[key]))
-    for key in _FLOAT_FIELDS:
-        if out[key] is not None:
-            value = float(out[key])
-            # NaN is not equal to itself: the schema validator would reject the record
-            out[key] = value if math.isfinite(value) else None
-    if out["compute_utilization"] is not None:
-        out["compute_utilization"] = min(1.0, max(0.0, out["compute_utilization"]))
-    out["tokens_per_s"] = max(0.0, out["tokens_per_s"] or 0.0)
-    out["mode"] = None if out["mode"] is None else str(out["mode"])[:32]
+    """A schema-exact record from loosely typed ``values`` (numpy/torch numbers, NaN, extra keys).
+
+    Keys that are not :class:`PeerMetrics` fields are ignored; a value that cannot be converted
+    (e.g. a dict for ``rounds``) falls back to its default and is reported once as a warning,
+    instead of losing the whole record.
+    """
+    out = dict(_DEFAULTS)
+    for key in _DEFAULTS:
+        if values.get(key) is None:
+            continue
+        try:
+            out[key] = _coerce(key, values[key])
+        except (TypeError, ValueError):
+            if key not in _warned:
+                _warned.add(key)
+                kind = "an integer" if key in _INT_FIELDS else "a number" if key in _FLOAT_FIELDS else "a string"
+                logger.warning("metrics field %r must be %s, got %r: published as %r", key, kind,
+                               values[key], _DEFAULTS[key])
     out.update(name=str(name)[:64], peer_id=str(peer_id)[:128], time=float(time))
     return PeerMetrics(**out).dict()
 
@@ -143,12 +169,17 @@ class MetricsPublisher:
         with self._cv:
             return self._cv.wait_for(lambda: self._pending is None, timeout)
 
-    def close(self) -> None:
-        """Stop the thread (the last record stays on the DHT until it expires)."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Store what is queued (waiting at most ``timeout``), then stop the thread.
+
+        The last record stays on the DHT until it expires. A store still hanging after ``timeout``
+        is abandoned (the thread is a daemon), so a dead DHT never delays a shutdown for long.
+        """
+        self.flush(timeout)
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-        self._thread.join(self.store_timeout + 1.0)
+        self._thread.join(1.0)
 
     def __enter__(self) -> "MetricsPublisher":
         return self
@@ -175,7 +206,8 @@ class MetricsPublisher:
                                         subkey=self.public_key, return_future=True)
                 ok = bool(future.result(timeout=self.store_timeout))
             except Exception as e:  # a DHT hiccup must never reach the training loop
-                logger.debug("metrics store failed: %r", e)
+                # said once, then quietly retried (at the next publish or refresh)
+                logger.log(logging.DEBUG if self.failures else logging.WARNING, "metrics not published: %r", e)
             with self._cv:
                 self.published += ok
                 self.failures += not ok

@@ -269,17 +269,19 @@ class HivemindTransport(Transport):
         if mp.get_start_method() != "fork":
             raise RuntimeError("hivemind averagers need the 'fork' multiprocessing start method "
                                f"(this process uses {mp.get_start_method()!r})")
+        averagers = {}
         try:
-            for p, n in sorted(numels.items()):
+            for p, n in sorted(numels.items()):  # fork them all before starting our threads
                 timeouts = self.timeouts(n)
-                averager = self.averager_cls(
+                averagers[p] = (timeouts, self.averager_cls(
                     n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
-                    client_mode=self.client_mode, startup_timeout=self.startup_timeout)
-                self._lanes[p] = _Lane(p, averager, timeouts)
+                    client_mode=self.client_mode, startup_timeout=self.startup_timeout))
         except BaseException:
-            self.close()
+            for _, averager in averagers.values():
+                averager.close()
             raise
+        self._lanes = {p: _Lane(p, averager, timeouts) for p, (timeouts, averager) in averagers.items()}
         self._numels = numels
 
     def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> HivemindSyncHandle:

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import AsyncIterator, Optional
 
 import torch
@@ -77,10 +78,9 @@ class FragmentAverager(DecentralizedAverager):
 
     def _exit_with_parent(self) -> None:
         parent = self._parent_pid
-        while True:
-            threading.Event().wait(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
+        while os.getppid() == parent:  # no event tells us: poll (Linux's PDEATHSIG follows the forking thread)
+            time.sleep(1.0)
+        os._exit(0)
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
         if not self.client_mode:
@@ -88,6 +88,7 @@ class FragmentAverager(DecentralizedAverager):
         for future in list(self._running_groups.values()):
             if not future.done():
                 future.cancel()
+        await self._p2p.shutdown()  # closes our client of the p2p daemon and removes its socket file
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the averager process; SIGKILL it if it does not stop within ``timeout``."""

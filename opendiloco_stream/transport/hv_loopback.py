@@ -19,6 +19,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -90,6 +91,17 @@ class _Peer:
         return resolve(function)(self, **kwargs)
 
 
+def _send(conn, obj: Any) -> None:
+    # Plain pickle, not multiprocessing's: tensors travel by value instead of through torch's
+    # shared-memory manager (hivemind selects "file_system" sharing, whose manager daemon outlives
+    # the peer and holds its pipes open).
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transport_kwargs: dict, signal_event) -> None:
     global _SIGNAL
     os.setsid()  # our own process group: DHT, averagers and p2pd die with us when the parent kills it
@@ -107,18 +119,18 @@ def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transp
             dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers or None)
             transport = resolve(transport_cls)(dht, **transport_kwargs)
         except BaseException as e:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            _send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             return
-        conn.send(("ready", ([str(m) for m in dht.get_visible_maddrs()], str(dht.peer_id))))
+        _send(conn, ("ready", ([str(m) for m in dht.get_visible_maddrs()], str(dht.peer_id))))
         peer = _Peer(dht, transport)
         while True:
-            method, args, kwargs = conn.recv()
+            method, args, kwargs = _recv(conn)
             if method == "close":
                 break
             try:
-                conn.send(("ok", getattr(peer, method)(*args, **kwargs)))
+                _send(conn, ("ok", getattr(peer, method)(*args, **kwargs)))
             except BaseException as e:
-                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                _send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
@@ -130,7 +142,8 @@ def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transp
             dht.shutdown()
         logging.getLogger(__name__).info("peer %d closed: transport %.2fs, DHT %.2fs", index, t1 - t0,
                                          time.monotonic() - t1)
-        conn.send(("closed", None))
+        _send(conn, ("closed", None))
+
 
 
 class PeerError(RuntimeError):
@@ -150,12 +163,12 @@ class LoopbackPeer:
         return self.process.pid
 
     def send(self, method: str, *args, **kwargs) -> None:
-        self.conn.send((method, args, kwargs))
+        _send(self.conn, (method, args, kwargs))
 
     def recv(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"peer {self.index} did not answer within {timeout:.0f}s")
-        status, value = self.conn.recv()
+        status, value = _recv(self.conn)
         if status == "error":
             raise PeerError(f"peer {self.index}: {value}")
         return value

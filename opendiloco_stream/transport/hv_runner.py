@@ -30,7 +30,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hv_protocol import (
     CONTRIB, DONE, MISSING, OK, ABSTAINED, PROTOCOL_VERSION, REJECTED, RESULT, VERDICT, GroupLayout, ProtocolError,
-    check_chunk, chunk_numel_for, codec_alignment, codec_spec, combine_verdicts, norm_verdict, pack_frame,
+    check_chunk, chunk_numel_for, codec_alignment, combine_verdicts, norm_verdict, pack_frame,
     unpack_frame, weighted_mean,
 )
 from opendiloco_stream.transport.hv_timeouts import RoundTimeouts
@@ -129,26 +129,33 @@ class HvAllReduceRunner:
         """What goes on the wire for one chunk of this peer's tensor."""
         return self.codec.encode(chunk)
 
-    def _encode_chunk(self, lo: int, hi: int) -> tuple[bytes, torch.Tensor]:
+    def _encode_chunk(self, lo: int, hi: int) -> bytes:
+        """Encode one chunk of our tensor and record what it decodes to in ``sent`` (executor)."""
         payload = self.encode_contribution(self.tensor[lo:hi])
         try:
-            values = self.codec.decode(payload, numel=hi - lo)
-            self.sent[lo:hi] = values
-        except ValueError:  # only a faked sender gets here; what it sent is not a tensor
-            values = torch.full((hi - lo,), float("nan"))
-            self.sent[lo:hi] = values
-        return payload, values
+            self.sent[lo:hi] = self.codec.decode(payload, numel=hi - lo)
+        except ValueError:  # only a faked sender gets here: what it sent is not a tensor
+            self.sent[lo:hi] = float("nan")
+        return payload
 
-    def _accept(self, s: int, j: int, values: Optional[torch.Tensor], why: str) -> None:
+    def _check(self, payload: bytes, numel: int) -> tuple[Optional[torch.Tensor], str, float]:
+        """Validate one contribution chunk (executor): values (or None and why), squared norm."""
+        values, why = check_chunk(self.codec, payload, numel)
+        return values, why, float(values.double().square().sum()) if values is not None else 0.0
+
+    async def _take_contribution(self, s: int, j: int, payload: bytes, numel: int) -> None:
+        if self.status[s] != OK:
+            return  # already rejected (or abstaining): the rest of its stream is drained unread
+        values, why, sumsq = await self._in_executor(self._check, payload, numel)
         if self.status[s] != OK:
             return
         if values is None:
-            logger.info("fragment round %s: rejecting %s: %s", self.key, self._name(s), why)
+            logger.info("round %s: rejecting the contribution of %s: %s", self.key, self._name(s), why)
             self.status[s] = REJECTED
             self.decoded[s] = [None] * len(self.my_chunks)
             return
         self.decoded[s][j] = values
-        self.sumsq[s] += float(values.double().square().sum())
+        self.sumsq[s] += sumsq
 
     def _record_part(self, q: int, status: bytes, total_weight: float) -> None:
         seen = self.part_status.setdefault(q, (status, total_weight))
@@ -186,9 +193,7 @@ class HvAllReduceRunner:
                 frame = unpack_frame(msg.tensor_part.buffer)
                 if msg.code != averaging_pb2.PART_FOR_AVERAGING or frame.kind != CONTRIB or frame.chunk != j:
                     raise ProtocolError(f"expected contribution chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
-                if self.status[s] == OK:
-                    values, why = await self._in_executor(check_chunk, self.codec, frame.payload, hi - lo)
-                    self._accept(s, j, values, why)
+                await self._take_contribution(s, j, frame.payload, hi - lo)
             self.sender_done[s].set()
             if s in self.verdicts:
                 msg = await asyncio.wait_for(it.__anext__(), self._remaining())
@@ -196,7 +201,8 @@ class HvAllReduceRunner:
                 frame = unpack_frame(msg.tensor_part.buffer)
                 if frame.kind != VERDICT or len(frame.status) != len(self.peer_ids):
                     raise ProtocolError(f"expected a verdict, got frame kind {frame.kind}")
-                self.verdicts[s].set_result(frame.status)
+                if not self.verdicts[s].done():  # done: we already counted this peer as lost
+                    self.verdicts[s].set_result(frame.status)
             # Wait for the sender to finish writing (end of stream) before answering: closing the
             # stream while it still writes would break its pipe.
             try:
@@ -251,10 +257,9 @@ class HvAllReduceRunner:
     # ------------------------------------------------------------------ reducer: own part
     async def _contribute_locally(self) -> None:
         for j, (lo, hi) in enumerate(self.my_chunks):
-            payload, _ = await self._in_executor(self._encode_chunk, lo, hi)
-            if self.status[self.me] == OK:  # same checks as a remote contribution: our part is no exception
-                values, why = await self._in_executor(check_chunk, self.codec, payload, hi - lo)
-                self._accept(self.me, j, values, why)
+            payload = await self._in_executor(self._encode_chunk, lo, hi)
+            # the same checks as a remote contribution: our own part is no exception
+            await self._take_contribution(self.me, j, payload, hi - lo)
         self.sender_done[self.me].set()
 
     async def _reduce(self) -> None:
@@ -284,6 +289,8 @@ class HvAllReduceRunner:
                 if not fut.done():
                     fut.set_exception(failure)
                     fut.exception()  # mark retrieved: handlers may never look
+            if isinstance(e, asyncio.CancelledError):
+                raise
             raise failure
 
     def _reduce_chunk(self, values: Sequence[torch.Tensor], weights: Sequence[float], lo: int, hi: int) -> bytes:
@@ -294,7 +301,7 @@ class HvAllReduceRunner:
     # ------------------------------------------------------------------ sender side
     async def _contributions_for(self, q: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         for j, (lo, hi) in enumerate(self.layout.chunks[q]):
-            payload, _ = await self._in_executor(self._encode_chunk, lo, hi)
+            payload = await self._in_executor(self._encode_chunk, lo, hi)
             msg = _message(pack_frame(CONTRIB, j, payload), self.group_id)
             self.bytes_sent += msg.ByteSize()
             yield msg
@@ -311,7 +318,8 @@ class HvAllReduceRunner:
         stream = None
         try:
             stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
-            stream = await stub.rpc_aggregate_part(self._contributions_for(q))
+            stream = await asyncio.wait_for(stub.rpc_aggregate_part(self._contributions_for(q)),
+                                            min(self.t.next_chunk, self._remaining()))
             it = stream.__aiter__()
             for j, (lo, hi) in enumerate(self.layout.chunks[q]):
                 timeout = self._remaining() if j == 0 else min(self.t.next_chunk, self._remaining())
@@ -338,14 +346,22 @@ class HvAllReduceRunner:
         except RoundError:
             raise
         except StopAsyncIteration:
+            self._peer_unreachable(q, "ended its stream")
             raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} ended its results early") from None
         except asyncio.TimeoutError:
             raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} stalled") from None
         except Exception as e:
+            self._peer_unreachable(q, repr(e))
             raise RoundError("partial", f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
         finally:
             if stream is not None:
                 await stream.aclose()
+
+    def _peer_unreachable(self, q: int, why: str) -> None:
+        # All streams between two peers share one connection: if ours to q broke, q's to us is
+        # broken too (or will never open). Count q as lost now rather than after next_chunk.
+        if q in self.sender_done and q != self.me:
+            self._sender_lost(q, f"unreachable ({why})")
 
     def _take_result(self, payload: bytes, lo: int, hi: int) -> None:
         values = self.codec.decode(payload, numel=hi - lo)  # ValueError -> partial

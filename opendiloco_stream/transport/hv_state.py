@@ -164,17 +164,21 @@ class StateSharing:
 
     async def _start_serving(self) -> None:
         await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
+        await self._declare()  # joiners can find us as soon as set_provider returns
         self._declare_task = asyncio.ensure_future(self._declare_periodically())
+
+    async def _declare(self) -> None:
+        self._expiration = get_dht_time() + 2 * self.declare_period
+        try:
+            await self.dht.store(self.key, subkey=self._p2p.peer_id.to_bytes(), value=get_dht_time(),
+                                 expiration_time=self._expiration, return_future=True)
+        except Exception as e:
+            logger.debug("could not declare as state donor: %r", e)
 
     async def _declare_periodically(self) -> None:
         while True:
-            self._expiration = get_dht_time() + 2 * self.declare_period
-            try:
-                await self.dht.store(self.key, subkey=self._p2p.peer_id.to_bytes(), value=get_dht_time(),
-                                     expiration_time=self._expiration, return_future=True)
-            except Exception as e:
-                logger.debug("could not declare as state donor: %r", e)
             await asyncio.sleep(self.declare_period)
+            await self._declare()
 
     async def _stop_serving(self) -> None:
         self._declare_task.cancel()
@@ -268,7 +272,8 @@ class StateSharing:
         try:
             if self._declare_task is not None:
                 self._call(self._stop_serving(), timeout=5.0)
-            self._call(self._p2p.shutdown(), timeout=5.0)
+            self._call(self._p2p.shutdown(), timeout=5.0)  # also removes our client's socket file
+            self._call(self._loop.shutdown_default_executor(), timeout=5.0)
         except Exception as e:
             logger.debug("state sharing did not close cleanly: %r", e)
         finally:
@@ -277,3 +282,5 @@ class StateSharing:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()

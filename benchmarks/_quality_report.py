@@ -1,0 +1,188 @@
+"""Tables, plots and the printed report of ``benchmarks/quality.py`` (split out to keep it short).
+
+Works on the result JSON's structures: ``runs`` (one dict per trained run, with ``variant``,
+``seed``, ``summary``, ``eval_curve``) and the variant list of ``quality.variants()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+try:
+    from benchmarks._common import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_json
+except ImportError:  # run as a script: python benchmarks/quality.py
+    from _common import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_json
+
+SECOND_OUTER_LR = 0.4  # the outer-lr check's value (the Streaming DiLoCo paper's)
+
+
+# ---------------------------------------------------------------------------------------- tables
+def _runs_of(runs: list[dict], name: str) -> list[dict]:
+    return [r for r in runs if r["variant"] == name]
+
+
+def _paired_delta(runs: list[dict], name: str, ref: str) -> Optional[float]:
+    """Mean over shared seeds of eval_loss(name) - eval_loss(ref): same init and data, less noise."""
+    if name == ref:
+        return 0.0
+    ref_by_seed = {r["seed"]: r["summary"]["eval_loss"] for r in _runs_of(runs, ref)}
+    deltas = [r["summary"]["eval_loss"] - ref_by_seed[r["seed"]] for r in _runs_of(runs, name) if r["seed"] in ref_by_seed]
+    return sum(deltas) / len(deltas) if deltas else None
+
+
+def aggregate(runs: list[dict], variant_list: list) -> dict[str, dict[str, Any]]:
+    """Per variant: eval-loss statistics over seeds, deltas against the reference, bytes per token."""
+    out = {}
+    for v in variant_list:
+        rs = _runs_of(runs, v.name)
+        if not rs:
+            continue
+        s0 = rs[0]["summary"]
+        ref = v.reference
+        out[v.name] = {
+            "label": v.label, "group": v.group, "seeds": [r["seed"] for r in rs],
+            "eval_loss": mean_spread([r["summary"]["eval_loss"] for r in rs]),
+            "train_loss": mean_spread([r["summary"]["train_loss"] for r in rs]),
+            "delta_vs_ref": _paired_delta(runs, v.name, ref), "reference": ref,
+            "bytes_per_token": s0["bytes_sent_launched"] / max(1, s0["tokens"]),
+            "bytes_sent_per_worker": s0["bytes_sent_per_worker"], "peak_bytes_per_sync": s0["peak_bytes_per_sync"],
+            "bits_per_value": s0["bits_per_value"], "codec": s0["codec"], "mode": s0["mode"],
+            "fragments": s0["fragments"], "inner_steps": s0["inner_steps"], "overlap_steps": s0["overlap_steps"],
+            "local_only_steps": s0["local_only_steps"], "tokens": s0["tokens"],
+            "wall_time_s": mean_spread([r["summary"]["wall_time_s"] for r in rs])["mean"],
+        }
+    return out
+
+
+def _spread(st: dict[str, float]) -> str:
+    if st["n"] <= 1:
+        return "— (1 seed)"
+    return f"{st['min']:.4f}–{st['max']:.4f} (sd {st['std']:.4f}, n={st['n']})"
+
+
+def _delta(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:+.4f}"
+
+
+def mode_table(agg: dict[str, dict]) -> str:
+    rows = []
+    for name, a in agg.items():
+        if a["group"] != "mode":
+            continue
+        H = "1" if a["mode"] == "data-parallel" else str(a["inner_steps"])
+        rows.append([a["label"], H, a["fragments"], a["overlap_steps"], f"{a['eval_loss']['mean']:.4f}",
+                     _spread(a["eval_loss"]), _delta(a["delta_vs_ref"]), f"{a['train_loss']['mean']:.4f}",
+                     f"{a['bytes_per_token']:,.1f}", f"{a['wall_time_s']:.0f}"])
+    return markdown_table(["variant", "H", "P", "tau", "eval loss (mean)", "spread over seeds",
+                           "Δ vs streaming (paired)", "train loss", "bytes sent / token / worker",
+                           "wall s"], rows, align="lrrrrlrrrr")
+
+
+def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:
+    rows = []
+    for name, a in agg.items():
+        if name != "eager" and a["group"] != "codec":
+            continue
+        ef = "yes" if name.endswith("-ef") else "no"
+        rows.append([a["codec"], ef, f"{a['bits_per_value']:.2f}", f"{a['eval_loss']['mean']:.4f}",
+                     _spread(a["eval_loss"]), _delta(_paired_delta(runs, name, "eager")), f"{a['bytes_per_token']:,.2f}",
+                     a["local_only_steps"]])
+    return markdown_table(["codec (eager)", "error feedback", "bits / value", "eval loss", "spread over seeds",
+                           "Δ vs fp32 (paired)", "bytes sent / token / worker", "local-only outer steps"], rows,
+                          align="llrrlrrr")
+
+
+def outer_lr_table(agg: dict[str, dict], runs: list[dict]) -> str:
+    """streaming / eager / naive-delayed at the default outer lr and at SECOND_OUTER_LR, shared seeds."""
+    lr, rows = SECOND_OUTER_LR, []
+    for mode in ("streaming", "eager", "naive-delayed"):
+        other = f"{mode}-olr{lr}"
+        if other not in agg:
+            continue
+        seeds = set(agg[other]["seeds"])
+        base = [r["summary"]["eval_loss"] for r in _runs_of(runs, mode) if r["seed"] in seeds]
+        base_ref = [r["summary"]["eval_loss"] for r in _runs_of(runs, "streaming") if r["seed"] in seeds]
+        rows.append([mode, f"{sum(base) / len(base):.4f}" if base else "—",
+                     _delta(sum(base) / len(base) - sum(base_ref) / len(base_ref)) if base and base_ref else "—",
+                     f"{agg[other]['eval_loss']['mean']:.4f}", _delta(agg[other]["delta_vs_ref"]),
+                     ",".join(str(x) for x in sorted(seeds))])
+    return markdown_table(["mode (P=2, fp32)", "eval loss, outer lr 0.7", "Δ vs streaming",
+                           f"eval loss, outer lr {lr}", "Δ vs streaming", "seeds"], rows, align="lrrrrl")
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _curves(runs: list[dict], names: list[str], labels: dict[str, str], seeds: Optional[set[int]] = None):
+    series, bands = {}, {}
+    for name in names:
+        rs = [r for r in _runs_of(runs, name) if seeds is None or r["seed"] in seeds]
+        if not rs:
+            continue
+        steps = [s for s, _ in rs[0]["eval_curve"] if s > 0]  # step 0 (init) squashes the y axis
+        ys = [[dict(map(tuple, r["eval_curve"]))[s] for s in steps] for r in rs]
+        mean = [sum(col) / len(col) for col in zip(*ys)]
+        series[labels[name]] = (steps, mean)
+        if len(rs) > 1:
+            bands[labels[name]] = ([min(col) for col in zip(*ys)], [max(col) for col in zip(*ys)])
+    return series, bands
+
+
+def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list, preset: Any,
+               img_dir: Path, command: str) -> list[str]:
+    labels = {v.name: v.label for v in variant_list}
+    tokens_per_step = preset.batch_size * preset.seq_len
+    note = f"{command}  ({preset.workers} workers x {preset.steps} steps x {tokens_per_step} tokens)"
+    paths = []
+    modes = [v.name for v in variant_list if v.group == "mode"]
+    series, bands = _curves(runs, modes, labels)
+    if series:
+        paths.append(plot_lines(img_dir / "quality-modes-eval-loss.png", series, bands=bands, note=note,
+                                title="Eval loss at equal tokens: synchronization modes (fp32 on the wire)",
+                                xlabel="inner step (per worker)", ylabel="eval loss (mean over workers; band: seeds)"))
+    codecs = ["eager"] + [v.name for v in variant_list if v.group == "codec"]
+    labels["eager"] = "eager fp32"
+    series, bands = _curves(runs, codecs, labels)
+    if len(series) > 1:
+        paths.append(plot_lines(img_dir / "quality-codecs-eval-loss.png", series, bands=bands, note=note,
+                                title="Eval loss at equal tokens: wire codecs under eager",
+                                xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
+    lr_names = [v.name for v in variant_list if v.group == "outer-lr"]
+    if lr_names:
+        seeds = set.intersection(*[set(agg[n]["seeds"]) for n in lr_names if n in agg] or [set()])
+        base = ["streaming", "eager", "naive-delayed"]
+        lr_labels = {**{n: f"{n}, outer lr 0.7" for n in base},
+                     **{f"{n}-olr{SECOND_OUTER_LR}": f"{n}, outer lr {SECOND_OUTER_LR}" for n in base}}
+        series, _ = _curves(runs, [n for n in base + lr_names], lr_labels, seeds)
+        if len(series) > 1:
+            paths.append(plot_lines(img_dir / "quality-outer-lr-eval-loss.png", series, note=note,
+                                    title=f"Outer learning rate 0.7 vs {SECOND_OUTER_LR} (P={preset.fragments}, fp32, "
+                                          f"seed {','.join(map(str, sorted(seeds)))})",
+                                    xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
+    names = [n for n in agg if agg[n]["group"] != "outer-lr"]
+    paths.append(plot_bars(img_dir / "quality-bytes-per-token.png", [agg[n]["label"] for n in names],
+                           [agg[n]["bytes_per_token"] for n in names], log=True, annotate="{:,.1f}", note=note,
+                           title="Bytes each worker sends per training token",
+                           ylabel="bytes / token / worker (log)"))
+    return [relative(p) for p in paths]
+
+
+def report(payload: dict[str, Any], preset: Any, variant_list: list, out: Path, img_dir: Path,
+           no_plots: bool) -> int:
+    """Aggregate the runs, print the tables, write the JSON and the plots."""
+    command = payload["command"]
+    agg = aggregate(payload["runs"], variant_list)
+    payload["aggregate"] = agg
+    tables = {"modes": mode_table(agg), "codecs": codec_table(agg, payload["runs"]),
+              "outer_lr": outer_lr_table(agg, payload["runs"])}
+    payload["tables_markdown"] = tables
+    if not no_plots:
+        payload["plots"] = make_plots(payload["runs"], agg, variant_list, preset, img_dir, command)
+    write_json(out, payload)
+    tokens = preset.workers * preset.steps * preset.batch_size * preset.seq_len
+    print("\n" + "\n".join(payload.get("commands", [command])) + "\n")
+    print(f"{preset.workers} workers x {preset.steps} steps x batch {preset.batch_size} x seq "
+          f"{preset.seq_len} = {tokens:,} tokens per run; mode seeds {list(preset.mode_seeds)}, codec seeds "
+          f"{list(preset.codec_seeds)}; wall {payload['wall_time_s'] / 60:.1f} min\n")
+    print("\n\n".join(tables.values()) + "\n")
+    print(f"results: {relative(out)}" + ("" if no_plots else f"\nplots: {', '.join(payload['plots'])}"))
+    return 0

@@ -1,0 +1,127 @@
+"""Time and bytes per all-reduce round of the hivemind transport, 3 real peers on 127.0.0.1.
+
+    python benchmarks/transport_rounds.py --out runs/transport_rounds.json
+    python benchmarks/transport_rounds.py --codecs fp32 fp4-e3m0 --numels 1000000 --rounds 5
+
+For each codec: start 3 peers (``LoopbackSwarm``), declare one fragment per size, run one warm-up
+round and ``--rounds`` measured rounds per size. A round's time is the slowest peer's, from
+``all_reduce`` to the result (``target_group_size`` = 3, so matchmaking does not wait). Bytes are
+what each peer's transport counted on the wire (serialized messages), averaged over peers.
+
+Then (unless ``--no-kill``) the killed-peer scenario: a round of the largest fragment is started
+and one peer's whole process group is SIGKILLed mid-round (at 40% of a measured round time); we
+report how long after the kill the survivors got their failure, and how long the next round (two
+peers, after ``matchmaking_time`` since the target of 3 is no longer reachable) took.
+
+Loopback numbers measure CPU (encode, decode, reduce) and the p2p daemons, not a network: on a
+real link add bytes / rate. All peers share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from opendiloco_stream.transport.hv_loopback import LoopbackSwarm
+
+PEERS = 3
+
+
+def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float) -> list[dict]:
+    rows = []
+    kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0)
+    with LoopbackSwarm(PEERS, run_id=f"bench_{codec.replace('-', '_')}", transport_kwargs=kwargs) as swarm:
+        swarm.call_all("prepare", {f: n for f, n in enumerate(numels)}, timeout=300)
+        for fragment, numel in enumerate(numels):
+            times, sent, received = [], [], []
+            for rnd in range(rounds + 1):
+                per_peer = [dict(seed=1000 * rnd + i, numel=numel, weight=1.0 + i, return_tensors=False)
+                            for i in range(PEERS)]
+                results = swarm.call_all("all_reduce", (fragment, rnd), per_peer=per_peer, timeout=600)
+                failed = [r for r in results if not r["ok"]]
+                if failed:
+                    raise RuntimeError(f"{codec} numel={numel} round {rnd}: {failed[0]['reason']}: {failed[0]['message']}")
+                if len({r["sha256"] for r in results}) != 1:
+                    raise RuntimeError(f"{codec} numel={numel} round {rnd}: averages differ between peers")
+                if rnd == 0:
+                    continue  # warm-up: first-touch allocations, connections
+                times.append(max(r["elapsed_s"] for r in results))
+                sent.append(statistics.mean(r["bytes_sent"] for r in results))
+                received.append(statistics.mean(r["bytes_received"] for r in results))
+            rows.append(dict(codec=codec, numel=numel, peers=PEERS, rounds=rounds,
+                             round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
+                             bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
+                             wire_bits_per_element=8 * statistics.mean(sent) / numel))
+            print(_row(rows[-1]), flush=True)
+    return rows
+
+
+def measure_kill(numel: int, codec: str, matchmaking_time: float) -> dict:
+    kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0)
+    with LoopbackSwarm(PEERS, run_id="bench_kill", transport_kwargs=kwargs) as swarm:
+        swarm.call_all("prepare", {0: numel}, timeout=300)
+        args = [dict(seed=i, numel=numel, return_tensors=False) for i in range(PEERS)]
+        durations = []
+        for rnd in range(3):  # warm-up + a reference duration for the kill point
+            results = swarm.call_all("all_reduce", (0, rnd), per_peer=args, timeout=600)
+            assert all(r["ok"] for r in results), results
+            durations.append(max(r["elapsed_s"] for r in results))
+        round_s = statistics.median(durations[1:])
+        for peer, kw in zip(swarm.peers, args):
+            peer.send("all_reduce", (0, 3), **kw)
+        time.sleep(0.4 * round_s)  # a benchmark: aim for the middle of the round
+        killed_at = time.time()
+        swarm.peers[-1].kill()
+        survivors = [p.recv(600) for p in swarm.peers[:-1]]
+        out = dict(numel=numel, codec=codec, round_s=round_s, kill_after_s=0.4 * round_s,
+                   survivors=[dict(ok=r["ok"], reason=r.get("reason")) for r in survivors],
+                   failure_after_kill_s=max(r["finished_at"] for r in survivors) - killed_at)
+        t0 = time.monotonic()
+        results = swarm.call_all("all_reduce", (0, 4), per_peer=args[:-1], peers=swarm.peers[:-1], timeout=600)
+        out.update(next_round_ok=all(r["ok"] for r in results), next_round_group=results[0].get("group_size"),
+                   next_round_s=time.monotonic() - t0, matchmaking_time=matchmaking_time)
+        return out
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['codec']:>9} | {r['numel']:>10,} | {r['round_s_median']:8.3f} | {r['round_s_min']:6.3f}-{r['round_s_max']:6.3f} "
+            f"| {r['bytes_sent_per_peer'] / 2**20:9.2f} | {r['bytes_received_per_peer'] / 2**20:9.2f} "
+            f"| {r['wire_bits_per_element']:6.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--codecs", nargs="+", default=["fp32", "fp16", "int8", "fp4-e3m0"])
+    p.add_argument("--numels", nargs="+", type=int, default=[1_000_000, 10_000_000])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--matchmaking-time", type=float, default=3.0)
+    p.add_argument("--no-kill", action="store_true", help="skip the killed-peer scenario")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    print("| codec     | elements   | median s | min-max s     | sent MiB  | recv MiB  | bits/el |")
+    print("|-----------|------------|----------|---------------|-----------|-----------|---------|", flush=True)
+    rows = []
+    for codec in args.codecs:
+        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time)
+    report = dict(peers=PEERS, rows=rows)
+    if not args.no_kill:
+        kill = measure_kill(max(args.numels), "fp32", args.matchmaking_time)
+        report["kill"] = kill
+        print(f"\nkilled peer ({kill['numel']:,} fp32, round {kill['round_s']:.2f}s, kill at {kill['kill_after_s']:.2f}s): "
+              f"survivors {[s['reason'] or 'ok' for s in kill['survivors']]} {kill['failure_after_kill_s']:.2f}s after "
+              f"the kill; next round: group of {kill['next_round_group']} in {kill['next_round_s']:.2f}s "
+              f"(includes matchmaking_time {kill['matchmaking_time']}s)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
