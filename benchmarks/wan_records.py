@@ -115,7 +115,8 @@ def aggregate(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
     ours = out["bytes_all_rounds_per_peer"]
     out["wire_agreement"] = out["iface_sync_payload_per_peer"] / ours if ours else math.nan
     tok_peer = mean(tokens)
-    out["bytes_per_token"] = out["bytes_per_peer"] / tok_peer if tok_peer else math.nan
+    # every round the schedule launched (tail included): what the method costs per token
+    out["bytes_per_token"] = ours / tok_peer if tok_peer else math.nan
     out["iface_bytes_per_token"] = out["iface_tx_bytes_per_peer"] / tok_peer if tok_peer else math.nan
     return out
 

@@ -150,7 +150,8 @@ def headline(records: list[dict[str, Any]]) -> list[str]:
         out.append(f"At {rate:g} Mbit/s, where DiLoCo blocking fp32 is network-bound, streaming eager {eager['codec']} "
                    f"runs at **{_pct(eager['compute_utilization'])}** compute utilization ({verdict}). All modes there:")
         out += [f"- {r['mode']} {r['codec']}: {_pct(r['compute_utilization'])} ({r['steps_done']} steps, "
-                f"blocked {r['wait_s']:.1f} s per peer)" for r in at]
+                f"blocked {r['wait_s']:.1f} s per peer)" + ("" if r["status"] == "ok" else f" - run {r['status']}")
+                for r in at]
         out.append("")
     return out
 
@@ -164,7 +165,7 @@ def bytes_per_token(records: list[dict[str, Any]]) -> list[str]:
             continue
         expected = eager["inner_steps"] * 32 / wire_bits("fp4-e3m0")
         out.append(f"- {rate:g} Mbit/s: data-parallel fp32 {dp['bytes_per_token']:.0f} B/token, streaming eager fp4 "
-                   f"{eager['bytes_per_token']:.2f} B/token (ours, consumed rounds): **{dp['bytes_per_token'] / eager['bytes_per_token']:.0f}x**; "
+                   f"{eager['bytes_per_token']:.2f} B/token (ours, every round launched): **{dp['bytes_per_token'] / eager['bytes_per_token']:.0f}x**; "
                    f"interface tx bytes per token: {dp['iface_bytes_per_token'] / eager['iface_bytes_per_token']:.0f}x; "
                    f"payload arithmetic H x 32 / {wire_bits('fp4-e3m0'):g} bits = {expected:.0f}x")
     return out

@@ -21,9 +21,9 @@ from opendiloco_stream.compression import get_codec
 from opendiloco_stream.transport.hv_averager import FragmentAverager
 from opendiloco_stream.transport.hv_loopback import LoopbackSwarm, make_tensor, peer_signal
 from opendiloco_stream.transport.hv_protocol import (
-    ABSTAINED, DONE, MISSING, OK, REJECTED, RESULT, GroupLayout, ProtocolError, check_chunk,
-    chunk_numel_for, codec_alignment, combine_verdicts, norm_verdict, pack_frame, round_group_bits, unpack_frame,
-    weighted_mean,
+    ABSTAINED, DONE, MISSING, OK, PROTOCOL_VERSION, REJECTED, RESULT, GroupLayout, GroupMismatch, ProtocolError,
+    check_chunk, chunk_numel_for, codec_alignment, combine_verdicts, judge_members, norm_verdict, pack_frame,
+    round_group_bits, unpack_frame, weighted_mean,
 )
 from opendiloco_stream.transport.hv_runner import HvAllReduceRunner, _message
 from opendiloco_stream.transport.hv_state import StateError, flatten_state, unflatten_state
@@ -103,6 +103,18 @@ def test_weighted_mean_is_deterministic_fp32():
     out = weighted_mean([x.clone() for x in xs], [1.0, 2.0, 3.0])
     assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=1e-6)
     assert torch.equal(out, weighted_mean([x.clone() for x in xs], [1.0, 2.0, 3.0]))
+
+
+def test_group_metadata_gives_weights_and_refuses_mismatched_peers():
+    def member(w, **kw):
+        return dict(dict(v=PROTOCOL_VERSION, w=w, spec=["fp4-e3m0", 64, "fp16"], numel=100, key=[0, 3]), **kw)
+
+    weights, status = judge_members([member(2.0), member(0), member(float("nan")), member(5)], 0,
+                                    [False, False, False, True])
+    assert weights == [2.0, 0.0, 0.0, 5.0] and status == [OK, ABSTAINED, REJECTED, ABSTAINED]
+    for other in (member(1.0, key=[0, 4]), member(1.0, numel=99), member(1.0, spec=["fp16", 0, ""]), member(1.0, v=0)):
+        with pytest.raises(GroupMismatch):
+            judge_members([member(1.0), other], 0, [False, False])
 
 
 def test_round_bits_separate_rounds():

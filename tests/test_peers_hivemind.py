@@ -91,8 +91,17 @@ def test_sigkilled_peer_costs_the_others_a_bounded_wait_and_they_keep_training(t
         # kill peer 2 right after it launched a round that the others are in too
         wait_for(lambda: sum(r["event"] == "sync" for r in records(tmp_path / "p2.jsonl")) >= 2, 240,
                  "peer 2's first syncs", peers)
+        tree = descendants(peers[2].pid)  # its DHT / averager processes and p2pd daemons
+        assert tree
         killed_at = time.monotonic()
         os.kill(peers[2].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(is_running(p) for p in tree):
+            time.sleep(0.2)
+        orphans = [p for p in tree if is_running(p)]
+        for p in orphans:  # clean up before failing
+            os.kill(p, signal.SIGKILL)
+        assert not orphans, "a SIGKILLed peer left processes behind"
         for p in peers[:2]:
             p.wait(timeout=300)
             assert p.returncode == 0, (tmp_path / "p0.log").read_text()[-3000:]

@@ -96,7 +96,7 @@ def test_cleanup_leftovers_removes_a_dead_runs_namespaces():
     live.create()
     try:
         removed = netns.cleanup_leftovers()
-        assert set(removed) == {stale.bridge, stale.ns("boot"), stale.ns("p0")}
+        assert {stale.bridge, stale.ns("boot"), stale.ns("p0")} <= set(removed)
         remaining = netns.our_namespaces()
         assert live.ns("p0") not in removed and live.ns("p0") in remaining
     finally:

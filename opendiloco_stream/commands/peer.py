@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.commands.local import prepare_data, print_summary
     from opendiloco_stream.compression import get_codec
     from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
-    from opendiloco_stream.net.lifecycle import GracefulShutdown
+    from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
     from opendiloco_stream.net.metrics import MetricsPublisher
     from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
 
@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_hivemind(args.verbose)
+    die_with_parent()  # a SIGKILLed peer must not orphan its DHT / averager processes and p2pd
     cfg = load_config(args.config, deep_update(overrides_from_args(args, TRANSPORT_FLAGS), net_overrides(args)))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -271,3 +272,43 @@ class GracefulShutdown:
                 os.close(fd)
             except OSError:
                 pass
+
+
+# ---------------------------------------------------------------------------------- die with parent
+_forking_from_main_thread = False
+_pdeathsig_installed = False
+
+
+def _before_fork() -> None:
+    global _forking_from_main_thread
+    _forking_from_main_thread = threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    # PR_SET_PDEATHSIG fires when the *thread* that forked exits: only safe for forks from the main
+    # thread, which lives as long as the process.
+    if not _forking_from_main_thread:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def die_with_parent() -> None:
+    """Make every Python process forked from now on (hivemind's DHT and averager processes) get
+    SIGTERM when this process dies, even by SIGKILL, so they can stop their p2pd and exit.
+
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); a no-op elsewhere. Call once, early, in the peer.
+    """
+    global _pdeathsig_installed
+    if _pdeathsig_installed or not sys.platform.startswith("linux"):
+        return
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    _pdeathsig_installed = True

@@ -129,6 +129,32 @@ def codec_spec(codec: Codec) -> list:
     return [codec.name, codec.block_size if codec.is_blockwise else 0, codec.scale_dtype if codec.is_blockwise else ""]
 
 
+class GroupMismatch(ValueError):
+    """Peers of one group disagree on protocol, codec, fragment size or round: nothing to average."""
+
+
+def judge_members(users: Sequence, me: int, is_aux: Sequence[bool]) -> tuple[list[float], list[int]]:
+    """From the metadata every member gathered (``dict(v, w, spec, numel, key)``): weights and
+    initial statuses (REJECTED for an invalid weight, ABSTAINED for weight 0 or auxiliary peers).
+
+    Raises ``GroupMismatch`` if a member runs another protocol version, codec, size or round.
+    """
+    mine = users[me]
+    weights, status = [], []
+    for i, user in enumerate(users):
+        if not isinstance(user, dict) or user.get("v") != PROTOCOL_VERSION:
+            raise GroupMismatch(f"member {i} speaks another protocol version: {user!r:.80}")
+        for field in ("spec", "numel", "key"):
+            if user.get(field) != mine[field]:
+                raise GroupMismatch(f"member {i} has {field}={user.get(field)!r}, this peer {mine[field]!r}: "
+                                    "peers of a run must share codec and fragments")
+        w = user.get("w")
+        valid = isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+        weights.append(float(w) if valid else 0.0)
+        status.append(REJECTED if not valid else ABSTAINED if (is_aux[i] or w == 0) else OK)
+    return weights, status
+
+
 def check_chunk(codec: Codec, payload: bytes, numel: int) -> tuple[Optional[torch.Tensor], str]:
     """Decode one contribution chunk; ``(tensor, "")`` if usable, else ``(None, why)``.
 

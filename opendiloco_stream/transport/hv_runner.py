@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import AsyncIterator, Optional, Sequence
 
 import torch
@@ -29,8 +28,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hv_protocol import (
-    CONTRIB, DONE, MISSING, OK, ABSTAINED, PROTOCOL_VERSION, REJECTED, RESULT, VERDICT, GroupLayout, ProtocolError,
-    check_chunk, chunk_numel_for, codec_alignment, combine_verdicts, norm_verdict, pack_frame,
+    CONTRIB, DONE, MISSING, OK, ABSTAINED, REJECTED, RESULT, VERDICT, GroupLayout, GroupMismatch, ProtocolError,
+    check_chunk, chunk_numel_for, codec_alignment, combine_verdicts, judge_members, norm_verdict, pack_frame,
     unpack_frame, weighted_mean,
 )
 from opendiloco_stream.transport.hv_timeouts import RoundTimeouts
@@ -77,21 +76,11 @@ class HvAllReduceRunner:
             _bandwidth, mode, user = MSGPackSerializer.loads(blob)
             self.modes.append(AveragingMode(mode))
             users.append(MSGPackSerializer.loads(user))
-        mine = users[self.me]
-        self.key = mine["key"]
-        self.weights, status = [], []
-        for i, user in enumerate(users):
-            if not isinstance(user, dict) or user.get("v") != PROTOCOL_VERSION:
-                raise RoundError("rejected", f"peer {self.peer_ids[i]} speaks another protocol version: {user!r:.80}")
-            for field in ("spec", "numel", "key"):
-                if user.get(field) != mine[field]:
-                    raise RoundError("rejected", f"peer {self.peer_ids[i]} has {field}={user.get(field)!r}, "
-                                     f"this peer {mine[field]!r}: peers of a run must share codec and fragments")
-            w = user.get("w")
-            valid = isinstance(w, (int, float)) and math.isfinite(w) and w >= 0
-            self.weights.append(float(w) if valid else 0.0)
-            aux = self.modes[i] == AveragingMode.AUX
-            status.append(REJECTED if not valid else ABSTAINED if (aux or w == 0) else OK)
+        self.key = users[self.me]["key"]
+        try:
+            self.weights, status = judge_members(users, self.me, [m == AveragingMode.AUX for m in self.modes])
+        except GroupMismatch as e:
+            raise RoundError("rejected", f"round {self.key}: {e}") from None
         self.is_reducer = [m == AveragingMode.NODE for m in self.modes]
         self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
         align = codec_alignment(codec)
