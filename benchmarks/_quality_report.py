@@ -80,17 +80,18 @@ def mode_table(agg: dict[str, dict]) -> str:
 
 
 def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:
+    """Codec rows grouped by mode, each group led by its fp32 run (the mode comparison's)."""
     rows = []
-    for name, a in agg.items():
-        if name != "eager" and a["group"] != "codec":
-            continue
-        ef = "yes" if name.endswith("-ef") else "no"
-        rows.append([a["codec"], ef, f"{a['bits_per_value']:.2f}", f"{a['eval_loss']['mean']:.4f}",
-                     _spread(a["eval_loss"]), _delta(_paired_delta(runs, name, "eager")), f"{a['bytes_per_token']:,.2f}",
-                     a["local_only_steps"]])
-    return markdown_table(["codec (eager)", "error feedback", "bits / value", "eval loss", "spread over seeds",
-                           "Δ vs fp32 (paired)", "bytes sent / token / worker", "local-only outer steps"], rows,
-                          align="llrrlrrr")
+    for ref in ("eager", "streaming"):
+        names = [n for n, a in agg.items() if a["group"] == "codec" and a["reference"] == ref]
+        for name in ([ref] if ref in agg and names else []) + names:
+            a = agg[name]
+            rows.append(["streaming (blocking)" if a["mode"] == "blocking" else a["mode"], a["codec"], "yes" if name.endswith("-ef") else "no", f"{a['bits_per_value']:.2f}",
+                         f"{a['eval_loss']['mean']:.4f}", _spread(a["eval_loss"]), _delta(_paired_delta(runs, name, ref)),
+                         f"{a['bytes_per_token']:,.2f}", a["local_only_steps"]])
+    return markdown_table(["mode", "codec", "error feedback", "bits / value", "eval loss", "spread over seeds",
+                           "Δ vs fp32, same mode (paired)", "bytes sent / token / worker", "local-only outer steps"],
+                          rows, align="lllrrlrrr")
 
 
 def outer_lr_table(agg: dict[str, dict], runs: list[dict]) -> str:
@@ -139,7 +140,7 @@ def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list, prese
         paths.append(plot_lines(img_dir / "quality-modes-eval-loss.png", series, bands=bands, note=note,
                                 title="Eval loss at equal tokens: synchronization modes (fp32 on the wire)",
                                 xlabel="inner step (per worker)", ylabel="eval loss (mean over workers; band: seeds)"))
-    codecs = ["eager"] + [v.name for v in variant_list if v.group == "codec"]
+    codecs = ["eager"] + [v.name for v in variant_list if v.group == "codec" and v.reference == "eager"]
     labels["eager"] = "eager fp32"
     series, bands = _curves(runs, codecs, labels)
     if len(series) > 1:
@@ -158,7 +159,7 @@ def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list, prese
                                     title=f"Outer learning rate 0.7 vs {SECOND_OUTER_LR} (P={preset.fragments}, fp32, "
                                           f"seed {','.join(map(str, sorted(seeds)))})",
                                     xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
-    names = [n for n in agg if agg[n]["group"] != "outer-lr"]
+    names = [n for n, a in agg.items() if a["group"] == "mode" or (a["group"] == "codec" and a["reference"] == "eager")]
     paths.append(plot_bars(img_dir / "quality-bytes-per-token.png", [agg[n]["label"] for n in names],
                            [agg[n]["bytes_per_token"] for n in names], log=True, annotate="{:,.1f}", note=note,
                            title="Bytes each worker sends per training token",

@@ -12,7 +12,8 @@ Three groups of runs (defaults otherwise: outer SGD lr 0.7, Nesterov momentum 0.
   ``streaming-tau1`` (overlap mode, tau = 1, alpha = 0.5), ``eager`` and ``naive-delayed``
   (one-outer-step overlap).
 * codecs under ``eager`` (the package default, ``codec_seeds``): fp32 (the ``eager`` run), fp16,
-  int8, fp4-e3m0, fp4-e2m1, each lossy one with and without error feedback (EF on fp32 is a no-op).
+  int8, fp4-e3m0, fp4-e2m1, each lossy one with and without error feedback (EF on fp32 is a no-op);
+  and the two 4-bit codecs under blocking ``streaming``, where the outer step is not delayed.
 * outer lr 0.4 (the Streaming DiLoCo paper's value, ``codec_seeds``): ``streaming``, ``eager`` and
   ``naive-delayed`` again, to see how much of the gap between them is the outer step size.
 
@@ -96,7 +97,8 @@ LOSSY_CODECS = ("fp16", "int8", "fp4-e3m0", "fp4-e2m1")
 
 
 def variants(preset: Preset) -> list[Variant]:
-    """The mode comparison, then the codec grid (whose fp32 row is the ``eager`` mode run)."""
+    """The mode comparison, the codec grid (fp32 rows: the ``eager`` and ``streaming`` mode runs),
+    the outer-lr check."""
     P = preset.fragments
     out = [
         Variant("data-parallel", "mode", "data-parallel (every step)", {"mode": "data-parallel", "num_fragments": 1}),
@@ -110,6 +112,8 @@ def variants(preset: Preset) -> list[Variant]:
         for ef in (False, True):
             out.append(Variant(f"eager-{codec}" + ("-ef" if ef else ""), "codec", f"eager {codec}" + (" + EF" if ef else ""),
                                {"mode": "eager", "codec": codec, "error_feedback": ef}, reference="eager"))
+    for codec in ("fp4-e3m0", "fp4-e2m1"):  # the same 4-bit codecs where the outer step is not delayed
+        out.append(Variant(f"streaming-{codec}", "codec", f"streaming {codec}", {"mode": "blocking", "codec": codec}))
     lr = SECOND_OUTER_LR
     for mode in ("streaming", "eager", "naive-delayed"):
         out.append(Variant(f"{mode}-olr{lr}", "outer-lr", f"{mode} (P={P}), outer lr {lr}",

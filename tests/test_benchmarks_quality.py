@@ -42,6 +42,7 @@ def test_quality_smoke_runs_every_variant_at_equal_tokens(quality):
     expected = {"data-parallel", "diloco", "streaming", "streaming-tau1", "eager", "naive-delayed"}
     expected |= {f"eager-{c}{ef}" for c in ("fp16", "int8", "fp4-e3m0", "fp4-e2m1") for ef in ("", "-ef")}
     expected |= {f"{m}-olr0.4" for m in ("streaming", "eager", "naive-delayed")}
+    expected |= {"streaming-fp4-e3m0", "streaming-fp4-e2m1"}
     assert names == expected
     tokens = {r["summary"]["tokens"] for r in result["runs"]}
     assert len(tokens) == 1, tokens  # equal tokens across modes is the point of the comparison

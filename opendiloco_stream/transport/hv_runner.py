@@ -235,6 +235,7 @@ class HvAllReduceRunner:
         verdict = self.verdicts.get(s)
         if verdict is not None and not verdict.done():
             verdict.set_exception(RoundError("partial", f"reducer {self._name(s)} {why} before sending its verdict"))
+            verdict.exception()  # retrieved: our reduction may have stopped waiting already
 
     async def _watch_for_absent_senders(self) -> None:
         """A sender that never opens its stream within next_chunk is missing (it may be dead)."""
