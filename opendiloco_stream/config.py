@@ -133,6 +133,9 @@ class NetConfig(_Strict):
     request_timeout: float = Field(3.0, gt=0)
     allreduce_timeout: Optional[float] = Field(None, gt=0, description="derived from link and schedule if unset")
     next_chunk_timeout: Optional[float] = Field(None, gt=0, description="derived from link if unset")
+    window_s: Optional[float] = Field(None, gt=0, description="seconds a round may take before its result "
+                                      "is needed (H x step time under eager, tau x step time under overlap); "
+                                      "clips the derived all-reduce timeout")
     metrics_expiration: float = Field(60.0, gt=0)
     target_group_size: Optional[int] = Field(None, ge=1)
 

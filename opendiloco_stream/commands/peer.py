@@ -31,6 +31,7 @@ TRANSPORT_FLAGS: dict[str, tuple[str, str]] = {
     "matchmaking_time": ("net", "matchmaking_time"),
     "allreduce_timeout": ("net", "allreduce_timeout"),
     "target_group_size": ("net", "target_group_size"),
+    "window_s": ("net", "window_s"),
 }
 
 SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
@@ -43,6 +44,8 @@ def add_transport_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matchmaking-time", type=float, help="seconds a round waits for its group to form")
     g.add_argument("--allreduce-timeout", type=float, help="bound on one all-reduce (default: from the link rate)")
     g.add_argument("--target-group-size", type=int, help="expected number of peers (groups form at once when reached)")
+    g.add_argument("--window-s", type=float, help="time a round may take before its result is needed (H x step "
+                   "time under eager); bounds the derived all-reduce timeout")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +87,7 @@ def build_transport(cfg, dht):
         stochastic=d.stochastic_rounding, target_group_size=n.target_group_size,
         matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
         allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout,
-        link_mbit=n.link_mbit, client_mode=n.client_mode)
+        link_mbit=n.link_mbit, client_mode=n.client_mode, window_s=n.window_s)
 
 
 def run(args: argparse.Namespace) -> int:
