@@ -80,14 +80,18 @@ def mode_table(agg: dict[str, dict]) -> str:
 
 
 def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:
-    """Codec rows grouped by mode, each group led by its fp32 run (the mode comparison's)."""
+    """Codec rows grouped by mode, each group led by its fp32 run (the mode comparison's), all
+    restricted to the codec grid's seeds so that the rows compare like for like."""
     rows = []
     for ref in ("eager", "streaming"):
         names = [n for n, a in agg.items() if a["group"] == "codec" and a["reference"] == ref]
+        seeds = {s for n in names for s in agg[n]["seeds"]}
         for name in ([ref] if ref in agg and names else []) + names:
             a = agg[name]
-            rows.append(["streaming (blocking)" if a["mode"] == "blocking" else a["mode"], a["codec"], "yes" if name.endswith("-ef") else "no", f"{a['bits_per_value']:.2f}",
-                         f"{a['eval_loss']['mean']:.4f}", _spread(a["eval_loss"]), _delta(_paired_delta(runs, name, ref)),
+            loss = mean_spread([r["summary"]["eval_loss"] for r in _runs_of(runs, name) if r["seed"] in seeds])
+            rows.append(["streaming (blocking)" if a["mode"] == "blocking" else a["mode"], a["codec"],
+                         "yes" if name.endswith("-ef") else "no", f"{a['bits_per_value']:.2f}",
+                         f"{loss['mean']:.4f}", _spread(loss), _delta(_paired_delta(runs, name, ref)),
                          f"{a['bytes_per_token']:,.2f}", a["local_only_steps"]])
     return markdown_table(["mode", "codec", "error feedback", "bits / value", "eval loss", "spread over seeds",
                            "Δ vs fp32, same mode (paired)", "bytes sent / token / worker", "local-only outer steps"],
@@ -142,10 +146,12 @@ def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list, prese
                                 xlabel="inner step (per worker)", ylabel="eval loss (mean over workers; band: seeds)"))
     codecs = ["eager"] + [v.name for v in variant_list if v.group == "codec" and v.reference == "eager"]
     labels["eager"] = "eager fp32"
-    series, bands = _curves(runs, codecs, labels)
+    seeds = {s for n in codecs[1:] if n in agg for s in agg[n]["seeds"]}
+    series, bands = _curves(runs, codecs, labels, seeds)
     if len(series) > 1:
         paths.append(plot_lines(img_dir / "quality-codecs-eval-loss.png", series, bands=bands, note=note,
-                                title="Eval loss at equal tokens: wire codecs under eager",
+                                title=f"Eval loss at equal tokens: wire codecs under eager (seed "
+                                      f"{','.join(map(str, sorted(seeds)))})",
                                 xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
     lr_names = [v.name for v in variant_list if v.group == "outer-lr"]
     if lr_names:

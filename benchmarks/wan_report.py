@@ -149,9 +149,10 @@ def headline(records: list[dict[str, Any]]) -> list[str]:
         verdict = ">= 95%" if eager["compute_utilization"] >= 0.95 else "below 95%"
         out.append(f"At {rate:g} Mbit/s, where DiLoCo blocking fp32 is network-bound, streaming eager {eager['codec']} "
                    f"runs at **{_pct(eager['compute_utilization'])}** compute utilization ({verdict}). All modes there:")
-        out += [f"- {r['mode']} {r['codec']}: {_pct(r['compute_utilization'])} ({r['steps_done']} steps, "
-                f"blocked {r['wait_s']:.1f} s per peer)" + ("" if r["status"] == "ok" else f" - run {r['status']}")
-                for r in at]
+        out += [f"- {r['mode']} {r['codec']}: {_pct(r['compute_utilization'])} (peers "
+                f"{' / '.join(_pct(p.get('compute_utilization', math.nan)) for p in r['per_peer'])}; {r['steps_done']} "
+                f"steps; blocked {r['wait_s']:.1f} s per peer; peers up to {r.get('max_step_lag', 0):.0f} steps apart)"
+                + ("" if r["status"] == "ok" else f" - run {r['status']}") for r in at]
         out.append("")
     return out
 
