@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
-from opendiloco_stream.net.lifecycle import descendants, is_running
+from opendiloco_stream.net.lifecycle import descendants, wait_gone
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -95,10 +95,7 @@ def test_sigkilled_peer_costs_the_others_a_bounded_wait_and_they_keep_training(t
         assert tree
         killed_at = time.monotonic()
         os.kill(peers[2].pid, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(is_running(p) for p in tree):
-            time.sleep(0.2)
-        orphans = [p for p in tree if is_running(p)]
+        orphans = wait_gone(tree, timeout=20)
         for p in orphans:  # clean up before failing
             os.kill(p, signal.SIGKILL)
         assert not orphans, "a SIGKILLed peer left processes behind"
@@ -164,10 +161,7 @@ def test_sigint_stops_a_peer_cleanly_with_no_leftover_processes(tmp_path):
         peer.send_signal(signal.SIGINT)
         peer.wait(timeout=60)
         assert peer.returncode == 0, (tmp_path / "p0.log").read_text()[-3000:]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(is_running(p) for p in tree):
-            time.sleep(0.2)
-        assert not [p for p in tree if is_running(p)], "leftover child processes"
+        assert not wait_gone(tree, timeout=10), "leftover child processes"
         recs = records(tmp_path / "p0.jsonl")
         assert any(r["event"] == "stopped" for r in recs) and recs[-1]["event"] == "summary"
     finally:
