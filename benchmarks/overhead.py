@@ -1,24 +1,22 @@
 """What the DiLoCo wrapper and the wire codecs cost in compute, with no network in the way.
 
-1. Training-loop throughput (tokens/s) of one worker, three ways, on the same model, data and
-   seed:
-
-   * ``plain``: the body of ``train_worker`` (opendiloco_stream/train/loop.py) mirrored here
-     without ``StreamingDiLoCo`` (same forward, backward, clip, AdamW, scheduler, per-step record);
-   * ``eager-fp4-e3m0`` and ``blocking-fp32``: ``train_worker`` itself, wrapped, over a
-     ``LocalSwarm`` of one worker. With one worker the swarm still encodes the outer gradient,
-     decodes it, encodes the "average" and decodes it again at every fragment sync, so this is
-     the wrapper's real compute cost (outer-gradient math, outer optimizer, copies, codec).
-
-   Variants run interleaved (plain, wrapped, wrapped, plain, ...) so that load from other
-   processes hits all of them alike; the first ``warmup`` steps of each run are excluded; the
-   table gives the median over repeats. The wrapped runs also report the time spent inside
-   ``diloco.step()`` (the per-step ``sync_s`` records) as a share of the loop, a direct measure
-   that does not depend on the noise between runs.
+1. Training-loop throughput (tokens/s) of one worker, on the same model, data and seed, three
+   ways: ``plain`` (no wrapper), ``eager-fp4-e3m0`` and ``blocking-fp32`` (with ``StreamingDiLoCo``
+   over a ``LocalSwarm`` of one worker). The loop is ``train_worker``'s body (loop.py) mirrored as
+   a generator (``loop_steps``), so that the three loops can run *step-interleaved*: one inner step
+   of each in turn, so load from other processes on a shared machine falls on all of them alike.
+   ``mirror_check`` verifies that the mirrored wrapped loop reproduces ``train_worker``'s losses.
+   With one worker the swarm still encodes the outer gradient, decodes it, encodes the "average"
+   and decodes it again at every fragment sync, so this is the wrapper's real compute cost
+   (outer-gradient math, outer optimizer, copies, codec). The first ``warmup`` steps are dropped;
+   the table gives medians over repeats, the overhead paired per repeat, and the time spent
+   inside ``diloco.step()`` as a share of the loop.
 
 2. Codec throughput: encode, decode and encode+decode of a 16M-element fp32 tensor (64 MiB,
    outer-gradient-like values) for every codec, against ``torch.clone()`` and ``Tensor.copy_`` of
    the same tensor (a plain memory copy). Best of ``repeats`` timings, after one warm-up call.
+
+Everything runs on one torch thread by default (``--threads``).
 
 Usage (from the repository root)::
 
@@ -34,7 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,29 +79,42 @@ LOOP_VARIANTS: dict[str, Optional[dict[str, Any]]] = {
 }
 
 
-def make_config(preset: Preset, diloco: Optional[dict[str, Any]]) -> RunConfig:
+def make_config(preset: Preset, diloco: Optional[dict[str, Any]], steps: Optional[int] = None) -> RunConfig:
     return load_config(overrides={
         "diloco": {"inner_steps": preset.inner_steps, "num_fragments": preset.fragments, **(diloco or {})},
         "model": {"name": "tiny", "seq_len": preset.seq_len},
         "data": {"dataset": "builtin", "max_val_batches": 1},
-        "train": {"steps": preset.steps, "batch_size": preset.batch_size, "eval_every": 0, "seed": 0,
+        "train": {"steps": steps or preset.steps, "batch_size": preset.batch_size, "eval_every": 0, "seed": 0,
                   "device": "cpu"},
     }, environ={})
 
 
-def plain_loop(cfg: RunConfig, train_source, val: torch.Tensor, vocab_size: int,
-               emit: Callable[[dict[str, Any]], None], on_step: Callable[[int, float], None]) -> None:
-    """``train_worker``'s body for rank 0 of 1 without the wrapper; keep in step with loop.py."""
-    from opendiloco_stream.train.loop import evaluate, lr_factor
-    from opendiloco_stream.train.models import build_model
+def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]]:
+    """``train_worker``'s body (rank 0 of 1) as a generator, one inner step per ``next()``.
 
-    tc, device = cfg.train, cfg.train.device
+    ``wrapped``: with ``StreamingDiLoCo`` over a one-worker LocalSwarm, exactly as train_worker
+    builds it; otherwise the same loop without it. Keep in step with loop.py: ``mirror_check``
+    compares this loop's losses with train_worker's.
+    """
+    from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
+    from opendiloco_stream.train.loop import evaluate, lr_factor
+    from opendiloco_stream.train.models import build_model, transformer_blocks
+    from opendiloco_stream.transport.local import LocalSwarm
+
+    train_source, val, vocab_size = data
+    tc, device, d = cfg.train, cfg.train.device, cfg.diloco
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
                         dtype=dtype).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
+    diloco = None
+    if wrapped:
+        swarm = LocalSwarm(num_workers=1, codec=d.codec, block_size=d.codec_block_size,
+                           scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding, seed=tc.seed,
+                           timeout=d.sync_timeout)
+        diloco = StreamingDiLoCo(model, opt, transport=swarm.transport(0), config=d, blocks=transformer_blocks(model))
     evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     batches = train_source.batches(0, 1, tc.batch_size)
     for step in range(tc.steps):
@@ -119,70 +130,79 @@ def plain_loop(cfg: RunConfig, train_source, val: torch.Tensor, vocab_size: int,
         opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         tokens = batch[:, 1:].numel()
-        t2 = time.perf_counter()  # where train_worker calls diloco.step()
+        if diloco is not None:
+            diloco.step(tokens=tokens)
+        t2 = time.perf_counter()
         loss_value = loss.item()
-        emit({"event": "step", "rank": 0, "step": step + 1, "loss": round(loss_value, 5),
-              "lr": sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
-              "sync_s": round(t2 - t1, 5)})
-        on_step(0, loss_value)
+        record = {"event": "step", "rank": 0, "step": step + 1, "loss": round(loss_value, 5),  # as train_worker
+                  "lr": sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
+                  "sync_s": round(t2 - t1, 5)}
+        t3 = time.perf_counter()
+        yield {**record, "loss": loss_value, "step_s": t3 - t0, "sync_s": t2 - t1}
+    if diloco is not None:
+        diloco.close()
 
 
-def time_loop(name: str, preset: Preset, data) -> dict[str, Any]:
-    """One run of a loop variant: tokens/s after warm-up, and the time spent in ``diloco.step()``."""
+def mirror_check(preset: Preset, data, steps: int) -> dict[str, Any]:
+    """Losses of ``loop_steps(wrapped=True)`` against ``train_worker`` itself on the same config."""
     from opendiloco_stream.train.loop import train_worker
     from opendiloco_stream.transport.local import LocalSwarm
 
-    cfg = make_config(preset, LOOP_VARIANTS[name])
-    train_source, val, vocab_size = data
-    stamps: list[float] = []
+    cfg = make_config(preset, LOOP_VARIANTS["eager-fp4-e3m0"], steps=steps)
     records: list[dict[str, Any]] = []
-    on_step = lambda rank, loss: stamps.append(time.perf_counter())  # noqa: E731
-    if LOOP_VARIANTS[name] is None:
-        plain_loop(cfg, train_source, val, vocab_size, records.append, on_step)
-    else:
-        d = cfg.diloco
-        swarm = LocalSwarm(num_workers=1, codec=d.codec, block_size=d.codec_block_size,
-                           scale_dtype=d.codec_scale_dtype, seed=0, timeout=d.sync_timeout)
-        train_worker(0, 1, cfg, swarm.transport(0), train_source, val, vocab_size, records.append, on_step=on_step)
-    steps = [r for r in records if r.get("event") == "step"][preset.warmup:]
-    timed = len(stamps) - preset.warmup
-    loop_s = stamps[-1] - stamps[preset.warmup - 1]
-    tokens = sum(r["tokens"] for r in steps)
-    return {"variant": name, "timed_steps": timed, "loop_s": loop_s, "tokens": tokens,
-            "tokens_per_s": tokens / loop_s, "wrapper_s": sum(r["sync_s"] for r in steps),
-            "wrapper_share": sum(r["sync_s"] for r in steps) / loop_s}
+    d = cfg.diloco
+    swarm = LocalSwarm(num_workers=1, codec=d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype,
+                       stochastic=d.stochastic_rounding, seed=cfg.train.seed, timeout=d.sync_timeout)
+    train_worker(0, 1, cfg, swarm.transport(0), *data, records.append)
+    reference = [r["loss"] for r in records if r.get("event") == "step"]
+    mirrored = [round(r["loss"], 5) for r in loop_steps(cfg, data, wrapped=True)]
+    return {"steps": steps, "max_abs_loss_diff": max(abs(a - b) for a, b in zip(reference, mirrored)),
+            "same_length": len(reference) == len(mirrored)}
 
 
 def loop_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run the variants' loops step-interleaved: one step of each in turn (rotating the order), so
+    that load from other processes falls on all of them alike; warm-up steps are dropped."""
     from opendiloco_stream.commands.local import prepare_data
 
     data = prepare_data(make_config(preset, None))
+    names = list(LOOP_VARIANTS)
     runs = []
     for rep in range(preset.repeats):
-        # alternate the order so that neither variant always runs first after a slow neighbour
-        order = list(LOOP_VARIANTS) if rep % 2 == 0 else list(reversed(LOOP_VARIANTS))
-        for name in order:
-            r = time_loop(name, preset, data)
-            r["repeat"] = rep
-            runs.append(r)
-            progress(f"loop {name} repeat {rep}: {r['tokens_per_s']:,.0f} tokens/s, "
-                     f"wrapper {100 * r['wrapper_share']:.2f}% of the loop")
+        loops = {n: loop_steps(make_config(preset, LOOP_VARIANTS[n]), data, wrapped=LOOP_VARIANTS[n] is not None)
+                 for n in names}
+        steps: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+        for i in range(preset.steps):
+            for n in names[i % len(names):] + names[:i % len(names)]:
+                steps[n].append(next(loops[n]))
+        for n in names:
+            for _ in loops[n]:  # run the generator to its end (closes the wrapper)
+                pass
+            timed = steps[n][preset.warmup:]
+            loop_s = sum(r["step_s"] for r in timed)
+            tokens = sum(r["tokens"] for r in timed)
+            sync_s = sum(r["sync_s"] for r in timed)
+            runs.append({"variant": n, "repeat": rep, "timed_steps": len(timed), "loop_s": loop_s, "tokens": tokens,
+                         "tokens_per_s": tokens / loop_s, "wrapper_s": sync_s, "wrapper_share": sync_s / loop_s})
+        progress(f"loop repeat {rep}: " + ", ".join(f"{r['variant']} {r['tokens_per_s']:,.0f} tokens/s"
+                                                    for r in runs if r["repeat"] == rep))
     summary = {}
-    plain = [r["tokens_per_s"] for r in runs if r["variant"] == "plain"]
-    for name in LOOP_VARIANTS:
-        tps = [r["tokens_per_s"] for r in runs if r["variant"] == name]
-        # paired: each wrapped run against the plain run of the same repeat
-        paired = [100 * (1 - w["tokens_per_s"] / p["tokens_per_s"])
-                  for w in runs if w["variant"] == name
-                  for p in runs if p["variant"] == "plain" and p["repeat"] == w["repeat"]]
+    for name in names:
+        mine = [r for r in runs if r["variant"] == name]
+        tps = [r["tokens_per_s"] for r in mine]
+        # paired: each wrapped run against the plain run it was interleaved with
+        paired = [100 * (1 - r["tokens_per_s"] / p["tokens_per_s"])
+                  for r in mine for p in runs if p["variant"] == "plain" and p["repeat"] == r["repeat"]]
         summary[name] = {
             "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-            "overhead_pct_vs_median": 100 * (1 - statistics.median(tps) / statistics.median(plain)),
             "overhead_pct_paired_median": statistics.median(paired),
-            "wrapper_share_pct_median": 100 * statistics.median(
-                [r["wrapper_share"] for r in runs if r["variant"] == name]),
+            "overhead_pct_paired_min": min(paired), "overhead_pct_paired_max": max(paired),
+            "wrapper_share_pct_median": 100 * statistics.median([r["wrapper_share"] for r in mine]),
         }
-    return {"runs": runs, "summary": summary}
+    check = mirror_check(preset, data, steps=min(preset.steps, 2 * preset.inner_steps + 2))
+    progress(f"mirror check: max |loss(loop_steps) - loss(train_worker)| = {check['max_abs_loss_diff']:.2e} "
+             f"over {check['steps']} steps")
+    return {"runs": runs, "summary": summary, "mirror_check": check}
 
 
 def _best_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -224,16 +244,17 @@ def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str
     return {"numel": x.numel(), "input_bytes": nbytes, "memcpy": rows, "codecs": codecs}
 
 
-def loop_table(loop: dict[str, Any], preset: Preset) -> str:
+def loop_table(loop: dict[str, Any]) -> str:
     rows = []
     for name, s in loop["summary"].items():
         wrapped = name != "plain"
         rows.append([name, f"{s['tokens_per_s_median']:,.0f}",
                      f"{s['tokens_per_s_min']:,.0f}–{s['tokens_per_s_max']:,.0f}",
-                     f"{s['overhead_pct_paired_median']:+.2f}%" if wrapped else "—",
+                     f"{s['overhead_pct_paired_median']:+.2f}% ({s['overhead_pct_paired_min']:+.2f}…"
+                     f"{s['overhead_pct_paired_max']:+.2f})" if wrapped else "—",
                      f"{s['wrapper_share_pct_median']:.2f}%" if wrapped else "—"])
     return markdown_table(["loop (1 worker)", "tokens/s (median)", "range over repeats",
-                           "tokens/s overhead vs plain (paired median)", "time in diloco.step()"], rows,
+                           "tokens/s overhead vs plain: median (range)", "time in diloco.step()"], rows,
                           align="lrrrr")
 
 
@@ -285,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tables = {}
     if not args.skip_loop:
         payload["loop"] = loop_benchmark(preset, progress)
-        tables["loop"] = loop_table(payload["loop"], preset)
+        tables["loop"] = loop_table(payload["loop"])
     if not args.skip_codecs:
         payload["codecs"] = codec_benchmark(preset, progress)
         tables["codecs"] = codec_table(payload["codecs"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -179,8 +180,11 @@ def stop(procs: list[subprocess.Popen], topo: netns.Topology, nodes: list[str]) 
 
 
 def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, progress: bool,
-            other_bps: float = 0.0, matchmaking_s: float = 10.0) -> dict[str, Any]:
-    """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed)."""
+            other_bps: float = 0.0, matchmaking_s: float = 10.0, pin: Optional[list[int]] = None) -> dict[str, Any]:
+    """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed).
+
+    ``pin``: CPUs to pin the peers to, round-robin (peer r and every process it starts on one CPU).
+    """
     from tqdm import tqdm
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -199,9 +203,11 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
         before = {n: topo.counters(n) for n in nodes}
         t0 = time.monotonic()
         for r in range(spec.peers):
-            procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", peer_argv(topo, spec, r, run_id, addrs, workdir, matchmaking_s)),
-                                          cwd=REPO, stdout=open(workdir / f"peer-{r}.log", "w"),
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            argv = peer_argv(topo, spec, r, run_id, addrs, workdir, matchmaking_s)
+            if pin:
+                argv = ["taskset", "-c", str(pin[r % len(pin)]), *argv]  # its DHT, averagers and p2pd inherit it
+            procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", argv), cwd=REPO, start_new_session=True,
+                                          stdout=open(workdir / f"peer-{r}.log", "w"), stderr=subprocess.STDOUT))
         deadline = t0 + timeout
         while any(p.poll() is None for p in procs[1:]):
             if time.monotonic() > deadline:
@@ -232,7 +238,7 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
     rec = make_record(spec, metrics, iface, status, error, time.monotonic() - t0, workdir, other_bps)
     # a loaded machine slows compute unevenly: the peers drift apart (eager never re-aligns them)
     rec.update(max_step_lag=max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
-               boot_iface=iface["boot"], matchmaking_s=matchmaking_s)
+               boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin)
     return rec
 
 
@@ -273,6 +279,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dp-min-steps", type=int, default=5)
     p.add_argument("--step-time-guess", type=float, default=0.35, help="s per inner step for the time bounds")
     p.add_argument("--run-timeout", type=float, help="seconds per run (default: derived from the expected traffic)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin peer r (and its helper processes) to CPU r mod #CPUs")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the no-sync run that measures traffic other than syncs")
     p.add_argument("--out", help="write the JSON list of runs here (updated after every run)")
@@ -320,6 +328,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{len(specs)} runs, {args.peers} peers, rates {args.rates} Mbit/s; metrics and logs in {root}", file=sys.stderr)
     records: list[dict[str, Any]] = []
     other_bps = 0.0
+    # one CPU per peer, like one machine per peer: unpinned, a peer waiting in matchmaking (whose DHT
+    # polling costs CPU) slows the others down, and under eager the gap between peers then feeds itself
+    pin = sorted(os.sched_getaffinity(0)) if args.pin and shutil.which("taskset") else None
     with netns.Topology(peers=args.peers) as topo:
         for rate in args.rates:
             topo.shape(rate)
@@ -329,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for spec in [s for s in specs if s.link_mbit == rate]:
                 timeout = args.run_timeout or 120 + 3 * (expected_network_s(spec) + spec.steps * args.step_time_guess)
                 rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, other_bps,
-                              args.matchmaking_time)
+                              args.matchmaking_time, pin)
                 if spec.label == "idle" and rec["status"] == "ok":
                     # TCP payload a peer sends when it never syncs (DHT upkeep, metrics), per second of run
                     other_bps = wr.mean([p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"]]) / rec["elapsed_s"]

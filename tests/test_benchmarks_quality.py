@@ -108,6 +108,9 @@ def test_overhead_smoke_measures_loops_and_every_codec(tmp_path):
     assert all(s["tokens_per_s_median"] > 0 for s in summary.values())
     # the wrapped loops spend measurable time in diloco.step(); the plain loop has none
     assert summary["eager-fp4-e3m0"]["wrapper_share_pct_median"] > 0
+    # the benchmark's mirrored loop is train_worker's body: same losses, step for step
+    check = result["loop"]["mirror_check"]
+    assert check["same_length"] and check["max_abs_loss_diff"] == 0.0, check
     runs = result["loop"]["runs"]
     assert {r["timed_steps"] for r in runs} == {result["preset"]["steps"] - result["preset"]["warmup"]}
     codecs = result["codecs"]["codecs"]
