@@ -14,7 +14,13 @@ try:
 except ImportError:  # run as a script: python benchmarks/quality.py
     from _common import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_json
 
-SECOND_OUTER_LR = 0.4  # the outer-lr check's value (the Streaming DiLoCo paper's)
+#: the outer-optimizer checks: suffix -> (DiLoCoConfig overrides, words). Defaults: lr 0.7, momentum 0.9.
+#: lr 0.4 is the Streaming DiLoCo paper's value; momentum 0 removes the outer momentum entirely.
+OUTER_CHECKS: dict[str, tuple[dict[str, float], str]] = {
+    "olr0.4": ({"outer_lr": 0.4}, "outer lr 0.4"),
+    "mom0": ({"outer_momentum": 0.0}, "outer momentum 0"),
+}
+OUTER_MODES = ("streaming", "eager", "naive-delayed")
 
 
 # ---------------------------------------------------------------------------------------- tables
@@ -73,10 +79,10 @@ def mode_table(agg: dict[str, dict]) -> str:
         H = "1" if a["mode"] == "data-parallel" else str(a["inner_steps"])
         rows.append([a["label"], H, a["fragments"], a["overlap_steps"], f"{a['eval_loss']['mean']:.4f}",
                      _spread(a["eval_loss"]), _delta(a["delta_vs_ref"]), f"{a['train_loss']['mean']:.4f}",
-                     f"{a['bytes_per_token']:,.1f}", f"{a['wall_time_s']:.0f}"])
+                     f"{a['bytes_per_token']:,.1f}", f"{a['peak_bytes_per_sync'] / 1e6:.2f}"])
     return markdown_table(["variant", "H", "P", "tau", "eval loss (mean)", "spread over seeds",
                            "Δ vs streaming (paired)", "train loss", "bytes sent / token / worker",
-                           "wall s"], rows, align="lrrrrlrrrr")
+                           "peak MB sent / sync / worker"], rows, align="lrrrrlrrrr")
 
 
 def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:
@@ -98,22 +104,28 @@ def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:
                           rows, align="lllrrlrrr")
 
 
-def outer_lr_table(agg: dict[str, dict], runs: list[dict]) -> str:
-    """streaming / eager / naive-delayed at the default outer lr and at SECOND_OUTER_LR, shared seeds."""
-    lr, rows = SECOND_OUTER_LR, []
-    for mode in ("streaming", "eager", "naive-delayed"):
-        other = f"{mode}-olr{lr}"
-        if other not in agg:
-            continue
-        seeds = set(agg[other]["seeds"])
-        base = [r["summary"]["eval_loss"] for r in _runs_of(runs, mode) if r["seed"] in seeds]
-        base_ref = [r["summary"]["eval_loss"] for r in _runs_of(runs, "streaming") if r["seed"] in seeds]
-        rows.append([mode, f"{sum(base) / len(base):.4f}" if base else "—",
-                     _delta(sum(base) / len(base) - sum(base_ref) / len(base_ref)) if base and base_ref else "—",
-                     f"{agg[other]['eval_loss']['mean']:.4f}", _delta(agg[other]["delta_vs_ref"]),
-                     ",".join(str(x) for x in sorted(seeds))])
-    return markdown_table(["mode (P=2, fp32)", "eval loss, outer lr 0.7", "Δ vs streaming",
-                           f"eval loss, outer lr {lr}", "Δ vs streaming", "seeds"], rows, align="lrrrrl")
+def outer_table(agg: dict[str, dict], runs: list[dict]) -> str:
+    """streaming / eager / naive-delayed at the default outer optimizer and under each check, on
+    the checks' seeds, each with its delta against streaming under the same setting."""
+    checks = [c for c in OUTER_CHECKS if f"streaming-{c}" in agg]
+    seeds = {s for c in checks for m in OUTER_MODES for s in agg.get(f"{m}-{c}", {}).get("seeds", [])}
+
+    def loss(name: str) -> Optional[float]:
+        xs = [r["summary"]["eval_loss"] for r in _runs_of(runs, name) if r["seed"] in seeds]
+        return sum(xs) / len(xs) if xs else None
+
+    rows = []
+    for mode in OUTER_MODES:
+        row = [mode]
+        for suffix in [""] + [f"-{c}" for c in checks]:
+            x, ref = loss(mode + suffix), loss("streaming" + suffix)
+            row += ["—" if x is None else f"{x:.4f}", _delta(None if x is None or ref is None else x - ref)]
+        rows.append(row)
+    headers = ["mode (P=2, fp32)", "default: lr 0.7, momentum 0.9", "Δ vs streaming"]
+    for c in checks:
+        headers += [OUTER_CHECKS[c][1], "Δ vs streaming"]
+    return markdown_table(headers, rows, align="l" + "r" * (len(headers) - 1)) + \
+        f"\n\nSeeds: {', '.join(map(str, sorted(seeds)))}."
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -153,18 +165,17 @@ def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list, prese
                                 title=f"Eval loss at equal tokens: wire codecs under eager (seed "
                                       f"{','.join(map(str, sorted(seeds)))})",
                                 xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
-    lr_names = [v.name for v in variant_list if v.group == "outer-lr"]
-    if lr_names:
-        seeds = set.intersection(*[set(agg[n]["seeds"]) for n in lr_names if n in agg] or [set()])
-        base = ["streaming", "eager", "naive-delayed"]
-        lr_labels = {**{n: f"{n}, outer lr 0.7" for n in base},
-                     **{f"{n}-olr{SECOND_OUTER_LR}": f"{n}, outer lr {SECOND_OUTER_LR}" for n in base}}
-        series, _ = _curves(runs, [n for n in base + lr_names], lr_labels, seeds)
-        if len(series) > 1:
-            paths.append(plot_lines(img_dir / "quality-outer-lr-eval-loss.png", series, note=note,
-                                    title=f"Outer learning rate 0.7 vs {SECOND_OUTER_LR} (P={preset.fragments}, fp32, "
-                                          f"seed {','.join(map(str, sorted(seeds)))})",
-                                    xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
+    for check, (_, words) in OUTER_CHECKS.items():
+        names = [f"{m}-{check}" for m in OUTER_MODES if f"{m}-{check}" in agg]
+        if not names:
+            continue
+        seeds = set.intersection(*[set(agg[n]["seeds"]) for n in names])
+        check_labels = {**{m: f"{m}, default" for m in OUTER_MODES}, **{f"{m}-{check}": f"{m}, {words}" for m in OUTER_MODES}}
+        series, _ = _curves(runs, list(OUTER_MODES) + names, check_labels, seeds)
+        paths.append(plot_lines(img_dir / f"quality-outer-{check}-eval-loss.png", series, note=note,
+                                title=f"Default outer step (lr 0.7, momentum 0.9) vs {words}, seed "
+                                      f"{','.join(map(str, sorted(seeds)))}",
+                                xlabel="inner step (per worker)", ylabel="eval loss (mean over workers)"))
     names = [n for n, a in agg.items() if a["group"] == "mode" or (a["group"] == "codec" and a["reference"] == "eager")]
     paths.append(plot_bars(img_dir / "quality-bytes-per-token.png", [agg[n]["label"] for n in names],
                            [agg[n]["bytes_per_token"] for n in names], log=True, annotate="{:,.1f}", note=note,
@@ -180,7 +191,7 @@ def report(payload: dict[str, Any], preset: Any, variant_list: list, out: Path, 
     agg = aggregate(payload["runs"], variant_list)
     payload["aggregate"] = agg
     tables = {"modes": mode_table(agg), "codecs": codec_table(agg, payload["runs"]),
-              "outer_lr": outer_lr_table(agg, payload["runs"])}
+              "outer": outer_table(agg, payload["runs"])}
     payload["tables_markdown"] = tables
     if not no_plots:
         payload["plots"] = make_plots(payload["runs"], agg, variant_list, preset, img_dir, command)

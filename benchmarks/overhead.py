@@ -14,7 +14,8 @@
 
 2. Codec throughput: encode, decode and encode+decode of a 16M-element fp32 tensor (64 MiB,
    outer-gradient-like values) for every codec, against ``torch.clone()`` and ``Tensor.copy_`` of
-   the same tensor (a plain memory copy). Best of ``repeats`` timings, after one warm-up call.
+   the same tensor (a plain memory copy). Best of ``repeats`` timings after one warm-up call, the
+   operations timed in turn within each repeat.
 
 Everything runs on one torch thread by default (``--threads``).
 
@@ -68,7 +69,7 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset(steps=60, warmup=10, repeats=2, seq_len=128, batch_size=8, inner_steps=25, fragments=2,
                     codec_numel=1 << 24, codec_repeats=2),
     "full": Preset(steps=150, warmup=10, repeats=3, seq_len=128, batch_size=8, inner_steps=25, fragments=2,
-                   codec_numel=1 << 24, codec_repeats=5),
+                   codec_numel=1 << 24, codec_repeats=9),
 }
 
 #: loop variants: name -> DiLoCoConfig overrides (None: no wrapper)
@@ -205,14 +206,18 @@ def loop_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str,
     return {"runs": runs, "summary": summary, "mirror_check": check}
 
 
-def _best_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up: allocator, lazy tables
-    times = []
+def _best_times(ops: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Best time of each op over ``repeats`` rounds; every round times each op once, in turn, so a
+    burst of load from other processes cannot spoil all the samples of one op."""
+    for fn in ops.values():
+        fn()  # warm-up: allocator, lazy tables
+    times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in ops.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -221,18 +226,22 @@ def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str
     x = torch.randn(preset.codec_numel, generator=gen) * 1e-3  # outer gradients are small numbers
     nbytes = x.numel() * x.element_size()
     dst = torch.empty_like(x)
-    R = preset.codec_repeats
-    copy_s = _best_time(lambda: dst.copy_(x), R)
-    clone_s = _best_time(lambda: x.clone(), R)
+    ops: dict[str, Callable[[], Any]] = {"copy_": lambda: dst.copy_(x), "clone": lambda: x.clone()}
+    payloads = {}
+    for name in CODEC_NAMES:
+        codec = get_codec(name)
+        payloads[name] = payload = codec.encode(x)
+        ops[f"{name}/encode"] = lambda codec=codec: codec.encode(x)
+        ops[f"{name}/decode"] = lambda codec=codec, payload=payload: codec.decode(payload)
+    best = _best_times(ops, preset.codec_repeats)
+    copy_s, clone_s = best["copy_"], best["clone"]
     rows = {"copy_": {"seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9},
             "clone": {"seconds": clone_s, "gb_per_s": nbytes / clone_s / 1e9}}
     progress(f"memcpy: copy_ {nbytes / copy_s / 1e9:.2f} GB/s, clone {nbytes / clone_s / 1e9:.2f} GB/s")
     codecs = {}
     for name in CODEC_NAMES:
-        codec = get_codec(name)
-        payload = codec.encode(x)
-        enc_s = _best_time(lambda: codec.encode(x), R)
-        dec_s = _best_time(lambda: codec.decode(payload), R)
+        codec, payload = get_codec(name), payloads[name]
+        enc_s, dec_s = best[f"{name}/encode"], best[f"{name}/decode"]
         err = float((codec.decode(payload) - x).norm() / x.norm())
         codecs[name] = {
             "encode_s": enc_s, "decode_s": dec_s, "encode_gb_per_s": nbytes / enc_s / 1e9,
@@ -241,7 +250,8 @@ def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str
             "bits_per_value": 8 * len(payload) / x.numel(), "relative_error": err,
         }
         progress(f"codec {name}: encode {nbytes / enc_s / 1e9:.2f} GB/s, decode {nbytes / dec_s / 1e9:.2f} GB/s")
-    return {"numel": x.numel(), "input_bytes": nbytes, "memcpy": rows, "codecs": codecs}
+    return {"numel": x.numel(), "input_bytes": nbytes, "repeats": preset.codec_repeats, "memcpy": rows,
+            "codecs": codecs}
 
 
 def loop_table(loop: dict[str, Any]) -> str:
@@ -317,7 +327,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 img_dir / "overhead-codec-throughput.png", names, [c["codecs"][n]["roundtrip_gb_per_s"] for n in names],
                 log=True, annotate="{:.2f}", reference=("memcpy (copy_)", c["memcpy"]["copy_"]["gb_per_s"]),
                 title=f"Codec encode+decode throughput, {c['numel'] / 2**20:.0f}M fp32 values, "
-                      f"{torch.get_num_threads()} CPU threads",
+                      f"{torch.get_num_threads()} CPU thread" + ("s" if torch.get_num_threads() > 1 else ""),
                 ylabel="GB/s of fp32 input (log)", note=command))]
     payload["tables_markdown"] = tables
     write_json(out, payload)

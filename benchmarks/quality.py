@@ -14,8 +14,9 @@ Three groups of runs (defaults otherwise: outer SGD lr 0.7, Nesterov momentum 0.
 * codecs under ``eager`` (the package default, ``codec_seeds``): fp32 (the ``eager`` run), fp16,
   int8, fp4-e3m0, fp4-e2m1, each lossy one with and without error feedback (EF on fp32 is a no-op);
   and the two 4-bit codecs under blocking ``streaming``, where the outer step is not delayed.
-* outer lr 0.4 (the Streaming DiLoCo paper's value, ``codec_seeds``): ``streaming``, ``eager`` and
-  ``naive-delayed`` again, to see how much of the gap between them is the outer step size.
+* outer-optimizer checks (``codec_seeds``): ``streaming``, ``eager`` and ``naive-delayed`` again
+  with outer lr 0.4 (the Streaming DiLoCo paper's value) and with outer momentum 0, to see what
+  the gap between them comes from. Diagnostics, not tuning: the tables above use the defaults.
 
 Usage (from the repository root)::
 
@@ -45,10 +46,10 @@ import torch
 
 try:
     from benchmarks._common import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
-    from benchmarks._quality_report import SECOND_OUTER_LR, report
+    from benchmarks._quality_report import OUTER_CHECKS, OUTER_MODES, report
 except ImportError:  # run as a script: python benchmarks/quality.py
     from _common import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
-    from _quality_report import SECOND_OUTER_LR, report
+    from _quality_report import OUTER_CHECKS, OUTER_MODES, report
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
 from opendiloco_stream.compression import get_codec
@@ -87,7 +88,7 @@ class Variant:
     """One configuration to train: ``diloco`` holds DiLoCoConfig overrides on top of the preset."""
 
     name: str
-    group: str  # "mode", "codec" or "outer-lr"
+    group: str  # "mode", "codec" or "outer"
     label: str
     diloco: dict[str, Any] = field(default_factory=dict)
     reference: str = "streaming"  # the variant that "delta" columns subtract
@@ -98,7 +99,7 @@ LOSSY_CODECS = ("fp16", "int8", "fp4-e3m0", "fp4-e2m1")
 
 def variants(preset: Preset) -> list[Variant]:
     """The mode comparison, the codec grid (fp32 rows: the ``eager`` and ``streaming`` mode runs),
-    the outer-lr check."""
+    the outer-optimizer checks."""
     P = preset.fragments
     out = [
         Variant("data-parallel", "mode", "data-parallel (every step)", {"mode": "data-parallel", "num_fragments": 1}),
@@ -114,11 +115,11 @@ def variants(preset: Preset) -> list[Variant]:
                                {"mode": "eager", "codec": codec, "error_feedback": ef}, reference="eager"))
     for codec in ("fp4-e3m0", "fp4-e2m1"):  # the same 4-bit codecs where the outer step is not delayed
         out.append(Variant(f"streaming-{codec}", "codec", f"streaming {codec}", {"mode": "blocking", "codec": codec}))
-    lr = SECOND_OUTER_LR
-    for mode in ("streaming", "eager", "naive-delayed"):
-        out.append(Variant(f"{mode}-olr{lr}", "outer-lr", f"{mode} (P={P}), outer lr {lr}",
-                           {"mode": "blocking" if mode == "streaming" else mode, "outer_lr": lr},
-                           reference=f"streaming-olr{lr}"))
+    for check, (overrides, words) in OUTER_CHECKS.items():
+        for mode in OUTER_MODES:
+            out.append(Variant(f"{mode}-{check}", "outer", f"{mode} (P={P}), {words}",
+                               {"mode": "blocking" if mode == "streaming" else mode, **overrides},
+                               reference=f"streaming-{check}"))
     return out
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
 import wan_records as wr  # noqa: E402
 import wan_report  # noqa: E402
+from wan_report import CODEC_BITS, wire_bits  # noqa: E402
 from _common import command_line, environment, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,8 +49,6 @@ MODES = {  # benchmark label -> (trainer mode, fragments: "P" = --fragments, tau
     "streaming-tau1": ("overlap", "P", 1),
     "streaming-eager": ("eager", "P", 0),
 }
-CODEC_BITS = {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "fp8-e4m3": 8.0,
-              "fp4-e3m0": 4.0, "fp4-e2m1": 4.0}
 TINY_PARAMS = 870_272  # measured: `peer --model tiny` summary "params" (byte vocabulary)
 GRACE_S = 20.0
 
@@ -74,12 +73,6 @@ class RunSpec:
 
 
 # ---------------------------------------------------------------------------------------- plan
-
-
-def wire_bits(codec: str, block: int = 64) -> float:
-    """Bits per value on the wire, block scales included (fp16 scale per ``block`` for <= 8 bits)."""
-    bits = CODEC_BITS[codec]
-    return bits + (16.0 / block if bits <= 8 and codec != "fp16" else 0.0)
 
 
 def payload_per_sync(spec: RunSpec, params: int = TINY_PARAMS) -> float:
@@ -237,6 +230,8 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
     metrics = [read_jsonl(workdir / f"peer-{r}.jsonl") for r in range(spec.peers)]
     rec = make_record(spec, metrics, iface, status, error, time.monotonic() - t0, workdir, other_bps)
     # a loaded machine slows compute unevenly: the peers drift apart (eager never re-aligns them)
+    started = [next((x["t"] for x in series if x["steps"][r] > 0), None) for r in range(spec.peers)]
+    rec["start_skew_s"] = max(started) - min(started) if None not in started else None  # 0.5 s resolution
     rec.update(max_step_lag=max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
                boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin)
     return rec
@@ -360,3 +355,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print("interrupted: namespaces and processes removed", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as e:
+        if e.code == 128 + 15:  # SIGTERM, raised by netns.Topology's handler after the teardown
+            print("terminated: namespaces and processes removed", file=sys.stderr)
+        raise

@@ -64,7 +64,10 @@ def peer_figures(recs: list[dict[str, Any]], mode: str, iface: dict[str, int], t
                          "syncs_ok": sum(1 for x in syncs if x.get("ok")),
                          "syncs_failed": sum(1 for x in syncs if not x.get("ok")),
                          "failure_reasons": sorted({x.get("reason", "?") for x in syncs if not x.get("ok")}),
-                         "wait_s": sum(x.get("wait_s", 0.0) for x in syncs), "iface": dict(iface), "tail": tail}
+                         "wait_s": sum(x.get("wait_s", 0.0) for x in syncs), "iface": dict(iface), "tail": tail,
+                         # per successful round: [fragment, round, wait_s, bytes_sent] (for the latency estimate)
+                         "round_waits": [[x["fragment"], x["round"], x["wait_s"], x["bytes_sent"]]
+                                         for x in syncs if x.get("ok")]}
     if summary is not None:
         # the trainer's utilization is compute / training-loop wall time (evals excluded); data-parallel's
         # all-reduce runs inside opt.step, so its wait is moved from compute to communication

@@ -64,7 +64,8 @@ def one_line(rec: dict[str, Any]) -> str:
 
 
 def control_fit(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Least squares ``iface sync payload = a * ours + c * rounds`` (per peer) over the clean runs.
+    """Least squares ``iface sync payload = a * ours + c * rounds`` (per peer) over the clean runs,
+    relative to each run's payload.
 
     ``a`` checks our payload accounting against the kernel's counters (1.0 = exact); ``c`` is what
     a round costs on the wire besides its payload (matchmaking, DHT lookups, stream set-up, verdicts).
@@ -75,19 +76,38 @@ def control_fit(records: list[dict[str, Any]]) -> dict[str, float]:
             for r in runs(records) if clean(r)]
     if len(rows) < 2:
         return {"a": math.nan, "c_bytes_per_round": math.nan, "runs": len(rows)}
-    (a, c), *_ = np.linalg.lstsq(np.array([[b, n] for b, n, _ in rows]), np.array([w for *_, w in rows]), rcond=None)
+    # each row divided by its payload: every run counts the same, not only the largest ones (data-parallel)
+    X = np.array([[1.0, n / b] for b, n, _ in rows])
+    y = np.array([w / b for b, _, w in rows])
+    (a, c), *_ = np.linalg.lstsq(X, y, rcond=None)
     return {"a": float(a), "c_bytes_per_round": float(c), "runs": len(rows)}
 
 
 def round_latency(records: list[dict[str, Any]], rate: float) -> float:
-    """Median time a blocking round takes beyond moving its payload at the measured link rate."""
+    """Median time a blocking round takes beyond moving its payload at the measured link rate.
+
+    Per round, the peer that waited least (the last to arrive waits only for the network); the
+    first round of each fragment is skipped, as it also absorbs the peers' different start-up times.
+    """
     lats = []
     for r in runs(records):
-        if r["link_mbit"] == rate and r["mode"] in ("diloco", "streaming") and clean(r):
+        if r["link_mbit"] != rate or r["mode"] not in ("diloco", "streaming") or not clean(r):
+            continue
+        link_bps = r["link_measured_mbit"] * 1e6
+        if all("round_waits" in p for p in r["per_peer"]):
+            waits: dict[tuple[int, int], list[float]] = {}
+            for p in r["per_peer"]:
+                for frag, k, wait, sent in p["round_waits"]:
+                    waits.setdefault((frag, k), []).append(wait - sent * 8 / link_bps)
+            lats += [min(v) for (frag, k), v in waits.items() if k > 0]
+        else:  # older records: whole-run averages, first rounds included
             n = rounds_per_peer(r)
-            lats.append(r["wait_s"] / n - r["bytes_per_peer"] / n * 8 / (r["link_measured_mbit"] * 1e6))
+            lats.append(r["wait_s"] / n - r["bytes_per_peer"] / n * 8 / link_bps)
+    if not lats:
+        return 0.0
     lats.sort()
-    return max(0.0, lats[len(lats) // 2]) if lats else 0.0
+    mid = len(lats) // 2
+    return max(0.0, lats[mid] if len(lats) % 2 else (lats[mid - 1] + lats[mid]) / 2)
 
 
 def simulate_argv(r: dict[str, Any], latency_s: float) -> list[str]:

@@ -41,7 +41,7 @@ def test_quality_smoke_runs_every_variant_at_equal_tokens(quality):
     names = {r["variant"] for r in result["runs"]}
     expected = {"data-parallel", "diloco", "streaming", "streaming-tau1", "eager", "naive-delayed"}
     expected |= {f"eager-{c}{ef}" for c in ("fp16", "int8", "fp4-e3m0", "fp4-e2m1") for ef in ("", "-ef")}
-    expected |= {f"{m}-olr0.4" for m in ("streaming", "eager", "naive-delayed")}
+    expected |= {f"{m}-{c}" for m in ("streaming", "eager", "naive-delayed") for c in ("olr0.4", "mom0")}
     expected |= {"streaming-fp4-e3m0", "streaming-fp4-e2m1"}
     assert names == expected
     tokens = {r["summary"]["tokens"] for r in result["runs"]}
@@ -69,8 +69,8 @@ def test_quality_bytes_per_token_count_rounds_still_in_flight(quality):
 
 def test_quality_smoke_writes_plots(quality):
     result, _, out_dir = quality
-    names = ["quality-modes-eval-loss.png", "quality-codecs-eval-loss.png", "quality-outer-lr-eval-loss.png",
-             "quality-bytes-per-token.png"]
+    names = ["quality-modes-eval-loss.png", "quality-codecs-eval-loss.png", "quality-outer-olr0.4-eval-loss.png",
+             "quality-outer-mom0-eval-loss.png", "quality-bytes-per-token.png"]
     for name in names:
         assert_png(out_dir / name)
     assert sorted(Path(p).name for p in result["plots"]) == sorted(names)
