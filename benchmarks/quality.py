@@ -16,7 +16,7 @@ Three groups of runs (defaults otherwise: outer SGD lr 0.7, Nesterov momentum 0.
   and the two 4-bit codecs under blocking ``streaming``, where the outer step is not delayed.
 * outer-optimizer checks (``codec_seeds``): ``streaming``, ``eager`` and ``naive-delayed`` again
   with outer lr 0.4 (the Streaming DiLoCo paper's value) and with outer momentum 0, to see what
-  the gap between them comes from. Diagnostics, not tuning: the tables above use the defaults.
+  the gap between them comes from. Diagnostics, not tuning: the other groups use the defaults.
 
 Usage (from the repository root)::
 
@@ -223,14 +223,18 @@ def _seeds(text: Optional[str], default: tuple[int, ...]) -> tuple[int, ...]:
     try:
         return tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
-        raise SystemExit(f"error: seeds must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"seeds must be comma-separated integers, got {text!r}") from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     preset = PRESETS[args.preset]
-    preset = Preset(**{**asdict(preset), "mode_seeds": _seeds(args.seeds, preset.mode_seeds),
-                       "codec_seeds": _seeds(args.codec_seeds, preset.codec_seeds)})
+    try:
+        preset = Preset(**{**asdict(preset), "mode_seeds": _seeds(args.seeds, preset.mode_seeds),
+                           "codec_seeds": _seeds(args.codec_seeds, preset.codec_seeds)})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     variant_list = variants(preset)
     if args.only:
         wanted = {s.strip() for s in args.only.split(",") if s.strip()}
