@@ -14,13 +14,14 @@ V="$VENV/bin/python"
 "$V" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! "$V" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing torch==2.13.0" >&2
-  "$V" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-  "$V" -c "import torch" || { echo "[setup] torch install failed" >&2; exit 1; }
+  "$V" -m pip install -q "torch==2.13.0" >"$VENV/pip-torch.log" 2>&1 || true
+  "$V" -c "import torch" 2>/dev/null || { cat "$VENV/pip-torch.log" >&2; echo "[setup] torch install failed" >&2; exit 1; }
 fi
 if ! "$V" -c "import opendiloco_stream, hivemind, transformers, datasets, pytest, pytest_timeout, matplotlib" >/dev/null 2>&1; then
   echo "[setup] installing opendiloco-stream (editable) and its dependencies" >&2
-  # (grep drops pip's notes about this machine's optional local package mirrors)
-  "$V" -m pip install -q -e ".[test,bench]" 2>&1 | grep -v -e "^WARNING: Location" -e "BuildBackendWarning" >&2 || true
-  "$V" -c "import opendiloco_stream, hivemind" || { echo "[setup] package install failed" >&2; exit 1; }
+  # pip's output goes to a log (shown only on failure): it is long and mostly build warnings
+  "$V" -m pip install -q -e ".[test,bench]" >"$VENV/pip-install.log" 2>&1 || true
+  "$V" -c "import opendiloco_stream, hivemind, pytest_timeout" 2>/dev/null || {
+    cat "$VENV/pip-install.log" >&2; echo "[setup] package install failed" >&2; exit 1; }
 fi
 echo "[setup] ready: $("$V" -c 'import torch, hivemind; print("torch", torch.__version__, "/ hivemind", hivemind.__version__)')" >&2
