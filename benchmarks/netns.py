@@ -35,6 +35,8 @@ import time
 from types import FrameType
 from typing import Optional
 
+from opendiloco_stream.net.lifecycle import is_running
+
 PREFIX = "odsw"
 SUBNET = "10.77.0"
 IFACE = "wan0"
@@ -113,13 +115,7 @@ def kill_namespace_processes(namespaces: list[str], timeout: float = 5.0) -> int
     return len(pids)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+_alive = is_running  # /proc state, zombies count as gone
 
 
 def delete_namespaces(namespaces: list[str]) -> None:
