@@ -126,17 +126,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def start_bootstrap(topo: netns.Topology, workdir: Path, run_id: str, timeout: float = 60.0) -> tuple[subprocess.Popen, list[str]]:
+def start_bootstrap(topo: netns.Topology, workdir: Path, run_id: str,
+                    timeout: float = 60.0) -> tuple[subprocess.Popen, list[str]]:
+    """Start the bootstrap node in its namespace; return it and the multiaddrs it wrote to its address file."""
     addr_file = workdir / "bootstrap.addrs"
     argv = [PYTHON, "-m", "opendiloco_stream", "bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
             "--host-maddrs", f"/ip4/{topo.ip('boot')}/tcp/0"]
-    proc = subprocess.Popen(topo.exec_argv("boot", argv), cwd=REPO, stdout=open(workdir / "bootstrap.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with open(workdir / "bootstrap.log", "w") as log:
+        proc = subprocess.Popen(topo.exec_argv("boot", argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if addr_file.exists() and addr_file.read_text().strip():  # written atomically by the bootstrap
             return proc, addr_file.read_text().split()
         time.sleep(0.1)
+    proc.kill()  # with its p2pd, if any: stop() also empties the namespace
+    proc.wait(10)
     raise RuntimeError(f"bootstrap did not come up in {timeout:g} s: {(workdir / 'bootstrap.log').read_text()[-800:]}")
 
 
@@ -199,8 +204,9 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
             argv = peer_argv(topo, spec, r, run_id, addrs, workdir, matchmaking_s)
             if pin:
                 argv = ["taskset", "-c", str(pin[r % len(pin)]), *argv]  # its DHT, averagers and p2pd inherit it
-            procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", argv), cwd=REPO, start_new_session=True,
-                                          stdout=open(workdir / f"peer-{r}.log", "w"), stderr=subprocess.STDOUT))
+            with open(workdir / f"peer-{r}.log", "w") as log:  # the child keeps its own copy of the fd
+                procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", argv), cwd=REPO, start_new_session=True,
+                                              stdout=log, stderr=subprocess.STDOUT))
         deadline = t0 + timeout
         while any(p.poll() is None for p in procs[1:]):
             if time.monotonic() > deadline:
@@ -255,7 +261,8 @@ def make_record(spec: RunSpec, metrics: list[list[dict]], iface: dict[str, dict[
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Needs root and `ip netns` (exits 0 with the reason otherwise).")
     p.add_argument("--quick", action="store_true", help="one link rate (5 Mbit/s), fp32 for every mode + eager fp4")
     p.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 5,20,100)")
@@ -320,7 +327,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     specs = plan(args)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="ods-wan-"))
     env = {**environment(), "command": command_line(argv)}
-    print(f"{len(specs)} runs, {args.peers} peers, rates {args.rates} Mbit/s; metrics and logs in {root}", file=sys.stderr)
+    print(f"{len(specs)} runs, {args.peers} peers, rates {args.rates} Mbit/s; metrics and logs in {root}",
+          file=sys.stderr)
     records: list[dict[str, Any]] = []
     other_bps = 0.0
     # one CPU per peer, like one machine per peer: unpinned, a peer waiting in matchmaking (whose DHT

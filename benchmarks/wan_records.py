@@ -99,9 +99,12 @@ def aggregate(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
         "compute_utilization": mean([p.get("compute_utilization") for p in per_peer]),
         "tokens_per_s": sum(p.get("tokens_per_s", math.nan) for p in per_peer) if per_peer else math.nan,
         "step_time_s": mean([p["step_time_s"] for p in per_peer]),
-        "bytes_per_peer": mean([p["bytes_sent"] for p in per_peer]),
-        "bytes_received_per_peer": mean([p["bytes_received"] for p in per_peer]),
+        # what went on the wire by our accounting: every round launched (tail included)
+        "bytes_per_peer": mean([p["bytes_sent_all_rounds"] for p in per_peer]),
         "bytes_all_rounds_per_peer": mean([p["bytes_sent_all_rounds"] for p in per_peer]),
+        # the trainer summary's figure: consumed rounds only
+        "bytes_consumed_per_peer": mean([p["bytes_sent"] for p in per_peer]),
+        "bytes_received_per_peer": mean([p["bytes_received"] for p in per_peer]),
         "peak_bytes_per_sync": max((p.get("peak_bytes_per_sync", 0) for p in per_peer), default=0),
         "wait_s": mean([p["wait_s"] for p in per_peer]),
         "eval_loss": mean([p.get("eval_loss") for p in per_peer]),

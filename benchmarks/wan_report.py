@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import markdown_table, plot_bars, plot_lines  # noqa: E402
+from _common import markdown_table, plot_bars  # noqa: E402
 from wan_records import clean, mean, rounds_per_peer  # noqa: E402
 
 LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
@@ -185,9 +185,11 @@ def bytes_per_token(records: list[dict[str, Any]]) -> list[str]:
         if dp is None or eager is None:
             continue
         expected = eager["inner_steps"] * 32 / wire_bits("fp4-e3m0")
+        ours = dp["bytes_per_token"] / eager["bytes_per_token"]
+        iface = dp["iface_bytes_per_token"] / eager["iface_bytes_per_token"]
         out.append(f"- {rate:g} Mbit/s: data-parallel fp32 {dp['bytes_per_token']:.0f} B/token, streaming eager fp4 "
-                   f"{eager['bytes_per_token']:.2f} B/token (ours, every round launched): **{dp['bytes_per_token'] / eager['bytes_per_token']:.0f}x**; "
-                   f"interface tx bytes per token: {dp['iface_bytes_per_token'] / eager['iface_bytes_per_token']:.0f}x; "
+                   f"{eager['bytes_per_token']:.2f} B/token (ours, every round launched): **{ours:.0f}x**; "
+                   f"interface tx bytes per token: {iface:.0f}x; "
                    f"payload arithmetic H x 32 / {wire_bits('fp4-e3m0'):g} bits = {expected:.0f}x")
     return out
 
@@ -202,9 +204,10 @@ def accounting(records: list[dict[str, Any]], fit: dict[str, float]) -> list[str
     for r in runs(records):
         if clean(r):
             n = rounds_per_peer(r)
+            corrected = (r["iface_sync_payload_per_peer"] - fit["c_bytes_per_round"] * n) / r["bytes_all_rounds_per_peer"]
             rows.append([f"{r['link_mbit']:g}", r["mode"], r["codec"], _mb(r["bytes_all_rounds_per_peer"]),
                          _mb(r["iface_sync_payload_per_peer"]), f"{r['wire_agreement']:.3f}", f"{n:g}",
-                         f"{(r['iface_sync_payload_per_peer'] - fit['c_bytes_per_round'] * n) / r['bytes_all_rounds_per_peer']:.3f}"])
+                         f"{corrected:.3f}"])
     head = ["Mbit/s", "mode", "codec", "ours MB (all rounds)", "iface sync payload MB", "iface / ours", "rounds/peer",
             "(iface - c x rounds) / ours"]
     return out + [markdown_table(head, rows)]
@@ -240,22 +243,53 @@ def finish(records: list[dict[str, Any]], report: Optional[str], plots: Optional
 
 
 def draw(records: list[dict[str, Any]], prefix: str) -> None:
+    """``<prefix>-utilization.png`` (fp32 for every mode | each streaming mode at fp4) and
+    ``<prefix>-bytes-per-token.png`` (every run at the slowest link)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     ok = [r for r in runs(records) if r["status"] == "ok"]
-    series = {}
-    for mode in LABELS:
-        for codec in sorted({r["codec"] for r in ok if r["mode"] == mode}, key=lambda c: -wire_bits(c)):
-            pts = sorted((r["link_mbit"], r["compute_utilization"] * 100) for r in ok if r["mode"] == mode and r["codec"] == codec)
-            series[f"{mode} {codec}"] = ([x for x, _ in pts], [y for _, y in pts])
-    if series:
-        plot_lines(f"{prefix}-utilization.png", series, title="Compute utilization, 2 peers behind tc tbf links",
-                   xlabel="link rate per peer, each way (Mbit/s)", ylabel="compute utilization (%)", ylim=(0, 105),
-                   note="benchmarks/wan.py; data-parallel runs fewer steps (see table)")
-    rate = min((r["link_mbit"] for r in ok), default=None)
+    if not ok:
+        return
+    rate = min(r["link_mbit"] for r in ok)
     at = [r for r in ok if r["link_mbit"] == rate]
-    if at:
-        plot_bars(f"{prefix}-bytes-per-token.png", [f"{r['mode']} {r['codec']}" for r in at],
-                  [r["bytes_per_token"] for r in at], title=f"Bytes sent per peer per token at {rate:g} Mbit/s (ours)",
-                  ylabel="bytes / token (log)", log=True, note="benchmarks/wan.py")
+    plot_bars(f"{prefix}-bytes-per-token.png", [f"{r['mode']} {r['codec']}" for r in at],
+              [r["bytes_per_token"] for r in at],
+              title=f"Bytes sent per peer per token (ours, every round) at {rate:g} Mbit/s",
+              ylabel="bytes / token (log scale)", log=True, note="benchmarks/wan.py")
+    if len({r["link_mbit"] for r in ok}) == 1:  # one link: bars, not lines
+        plot_bars(f"{prefix}-utilization.png", [f"{r['mode']} {r['codec']}" for r in at],
+                  [r["compute_utilization"] * 100 for r in at], annotate="{:.1f}%", reference=("95%", 95.0),
+                  title=f"Measured compute utilization at {rate:g} Mbit/s, {at[0]['peers']} peers",
+                  ylabel="compute utilization (%)", note="benchmarks/wan.py; data-parallel runs fewer steps")
+        return
+    panels = [("fp32, every mode", [(m, "fp32") for m in LABELS]),
+              ("fp4-e3m0 streaming (eager fp32 for reference)",
+               [(m, "fp4-e3m0") for m in LABELS[2:]] + [("streaming-eager", "fp32")])]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3), dpi=120, sharey=True)
+    for ax, (title, lines) in zip(axes, panels):
+        for mode, codec in lines:
+            pts = sorted((r["link_mbit"], r["compute_utilization"] * 100) for r in ok
+                         if r["mode"] == mode and r["codec"] == codec)
+            if pts:
+                style = "--" if (mode, codec) == ("streaming-eager", "fp32") and "fp4" in title else "-"
+                ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=f"{mode} {codec}")
+        ax.set_xscale("log")
+        ax.set_xticks(sorted({r["link_mbit"] for r in ok}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("link rate per peer, each way (Mbit/s, tc tbf)")
+        ax.legend(fontsize=7, loc="best")
+    axes[0].set_ylabel("compute utilization (%)")
+    fig.suptitle(f"Measured compute utilization, {ok[0]['peers']} peers in network namespaces", fontsize=11)
+    fig.text(0.01, 0.01, "benchmarks/wan.py; data-parallel runs fewer steps (see the table)", fontsize=7, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(f"{prefix}-utilization.png")
+    plt.close(fig)
 
 
 def _nan(x: Any, key: str = "") -> Any:
