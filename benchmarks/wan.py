@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from opendiloco_stream.train.loop import read_metrics
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
 import wan_records as wr  # noqa: E402
@@ -114,16 +116,7 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
 # ---------------------------------------------------------------------------------------- one run
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by a kill
-    return out
+read_jsonl = read_metrics  # tolerant of a line cut by a kill
 
 
 def start_bootstrap(topo: netns.Topology, workdir: Path, run_id: str,

@@ -5,7 +5,6 @@ Every process is started by PID in its own session and killed (whole tree) in a 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,22 +17,11 @@ import pytest
 
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 from opendiloco_stream.net.lifecycle import descendants, wait_gone
+from opendiloco_stream.train.loop import read_metrics as records
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 SMALL = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
-
-
-def records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return out
 
 
 def start_peer(tmp: Path, name: str, addrs: list[str], *flags: str, env=None) -> subprocess.Popen:

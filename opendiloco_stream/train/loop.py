@@ -51,6 +51,21 @@ class MetricsWriter:
             self._fh = None
 
 
+def read_metrics(path: "str | Path") -> list[dict[str, Any]]:
+    """The records of a JSON-lines metrics file; a missing file is empty and a cut last line
+    (a peer still writing, or killed mid-line) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
 def lr_factor(step: int, warmup: int, total: int, final: float = 0.1) -> float:
     """Linear warm-up to 1, then cosine decay to ``final`` at ``total``."""
     if warmup > 0 and step < warmup:
