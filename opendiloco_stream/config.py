@@ -94,6 +94,10 @@ class DataConfig(_Strict):
     dataset_config: Optional[str] = None
     text_field: str = "text"
     tokenizer: Optional[str] = Field(None, description="local HF tokenizer path; byte-level when unset")
+    streaming: Optional[bool] = Field(None, description="read the dataset on the fly (datasets streaming=True), "
+                                      "position kept in checkpoints; default: on for hub names, off for local files")
+    shard: str = Field("auto", description="this peer's data shard 'R/W' (e.g. '0/3'); 'auto' picks one of 64 "
+                       "from the peer id")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     max_val_batches: int = Field(8, ge=1)
 
@@ -113,6 +117,8 @@ class TrainConfig(_Strict):
     checkpoint_dir: Optional[str] = Field(None, description="where worker-<rank>.pt checkpoints go")
     checkpoint_every: int = Field(0, ge=0, description="save every N inner steps (0: only at the end)")
     resume: bool = Field(False, description="continue from checkpoint_dir if a checkpoint is there")
+    tensorboard_dir: Optional[str] = Field(None, description="also log to TensorBoard here (needs the tensorboard package)")
+    wandb_project: Optional[str] = Field(None, description="also log to this Weights & Biases project (needs wandb)")
 
 
 class NetConfig(_Strict):
@@ -137,6 +143,8 @@ class NetConfig(_Strict):
                                       "is needed (H x step time under eager, tau x step time under overlap); "
                                       "clips the derived all-reduce timeout")
     metrics_expiration: float = Field(60.0, gt=0)
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="serve Prometheus metrics on "
+                                        "http://0.0.0.0:PORT/metrics (0: a free port)")
     target_group_size: Optional[int] = Field(None, ge=1)
 
 

@@ -53,7 +53,8 @@ def prepare_data(cfg):
         tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
         train_source, val = data_mod.build_datasets(
             cfg.data.dataset, tokenizer=tokenizer, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction,
-            dataset_config=cfg.data.dataset_config, text_field=cfg.data.text_field, seed=cfg.train.seed)
+            dataset_config=cfg.data.dataset_config, text_field=cfg.data.text_field, seed=cfg.train.seed,
+            streaming=cfg.data.streaming)
     except data_mod.DataError as e:
         raise UsageError(str(e)) from None
     return train_source, val, tokenizer.vocab_size

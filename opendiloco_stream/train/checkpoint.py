@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,10 +21,14 @@ def checkpoint_path(directory: str, rank: int) -> Path:
     return Path(directory) / FILENAME.format(rank=rank)
 
 
-def save_checkpoint(path: Path, *, model, optimizer, scheduler, diloco, step: int) -> None:
+def save_checkpoint(path: Path, *, model, optimizer, scheduler, diloco, step: int,
+                    data: Optional[dict] = None) -> None:
+    """``data``: the data position (``StreamBatches.position()`` for a streamed dataset); in-memory
+    sources need none, their position is the step."""
     state: dict[str, Any] = {
         "format": 1,
         "step": step,
+        "data": data if data is not None else {"kind": "windows", "batches": step},
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -38,8 +43,22 @@ def save_checkpoint(path: Path, *, model, optimizer, scheduler, diloco, step: in
     os.replace(tmp, path)
 
 
+@dataclass
+class Restored:
+    """What a checkpoint says about where to continue."""
+
+    step: int
+    data: Optional[dict]  # the data position recorded with it (None in checkpoints that predate it)
+
+
 def load_checkpoint(path: Path, *, model, optimizer, scheduler, diloco) -> Optional[int]:
     """Restore everything from ``path``; return the step to continue from (None if no file)."""
+    restored = restore_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, diloco=diloco)
+    return None if restored is None else restored.step
+
+
+def restore_checkpoint(path: Path, *, model, optimizer, scheduler, diloco) -> Optional[Restored]:
+    """Restore everything from ``path``; return the step and data position (None if no file)."""
     if not path.is_file():
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
@@ -50,4 +69,4 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, diloco) -> Optio
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
-    return int(state["step"])
+    return Restored(step=int(state["step"]), data=state.get("data"))

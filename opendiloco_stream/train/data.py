@@ -9,7 +9,9 @@ Sources (``build_datasets(dataset=...)``):
   ``datasets``' ``text`` / ``json`` / ``parquet`` builders (field ``text_field``; ``.txt`` files
   yield one document per blank-line separated paragraph);
 * anything else is a hub dataset name, streamed with ``datasets.load_dataset(name, config,
-  streaming=True)``; at most ``max_tokens`` training tokens are read (default 50 M).
+  streaming=True)`` and tokenized on the fly as training reads it (``train/streaming_data.py``;
+  ``streaming=True`` does the same for local files). With ``streaming=False`` a hub dataset is read
+  into memory instead, at most ``max_tokens`` training tokens (default 50 M).
 
 For non-builtin sources, documents go to validation on a hash of their text. Documents are
 tokenized, each followed by EOS, concatenated, and cut into non-overlapping windows of
@@ -217,6 +219,7 @@ def build_datasets(
     seed: int = 0,
     max_val_windows: int = 64,
     max_tokens: Optional[int] = None,
+    streaming: Optional[bool] = None,
 ) -> tuple[TrainSource, torch.Tensor]:
     """Return ``(train source, validation int64 tensor [N_val, seq_len + 1])``; see the module doc.
 
@@ -229,6 +232,15 @@ def build_datasets(
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    if streaming is None:  # hub names stream by default; local files are small enough to load
+        streaming = dataset != "builtin" and not Path(dataset).expanduser().exists()
+    if streaming:
+        if dataset == "builtin":
+            raise DataError("the built-in corpus is not streamed: set data.streaming = false or pass --dataset NAME")
+        from opendiloco_stream.train.streaming_data import build_streaming
+
+        return build_streaming(dataset, tokenizer, seq_len, val_fraction=val_fraction, dataset_config=dataset_config,
+                               text_field=text_field, max_val_windows=max_val_windows)
     dtype = _token_dtype(tokenizer.vocab_size)
     if dataset == "builtin":
         train_docs, val_docs = _builtin_docs(tokenizer, val_fraction)

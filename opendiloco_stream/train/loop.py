@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
 from opendiloco_stream.config import RunConfig
-from opendiloco_stream.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
 from opendiloco_stream.train.models import build_model, transformer_blocks
 from opendiloco_stream.transport.base import Transport
 
@@ -126,12 +126,14 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
                              on_event=lambda rec: emit({**rec, "rank": rank}))
     report = WorkerReport(rank=rank, params=sum(p.numel() for p in model.parameters()),
                           outer_gradient_numel=sum(f.numel for f in diloco.fragments))
-    start_step = 0
+    start_step, data_position = 0, None
     ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir else None
     if ckpt is not None and tc.resume:
-        resumed = load_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco)
+        resumed = restore_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco)
         if resumed is not None:
-            start_step = resumed
+            start_step = resumed.step
+            if resumed.data is not None and resumed.data.get("kind") == "stream":
+                data_position = resumed.data
             join_running = False
             emit({"event": "resumed", "rank": rank, "step": start_step, "path": str(ckpt)})
     if join_running:
@@ -146,7 +148,13 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     report.eval_loss_initial = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial})
     wall_start, eval_s = time.perf_counter(), 0.0  # utilization counts the training loop, not evals
-    batches = train_source.batches(rank, world_size, tc.batch_size, start_step=start_step)
+    if data_position is not None:  # a streamed dataset resumes at the recorded position, not by re-reading
+        batches = train_source.batches(rank, world_size, tc.batch_size, position=data_position)
+    else:
+        batches = train_source.batches(rank, world_size, tc.batch_size, start_step=start_step)
+
+    def position() -> Optional[dict]:
+        return batches.position() if hasattr(batches, "position") else None
     recent: list[float] = []
     for step in range(start_step, tc.steps):
         t0 = time.perf_counter()
@@ -179,7 +187,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             eval_s += time.perf_counter() - e0
             emit({"event": "eval", "rank": rank, "step": step + 1, "eval_loss": ev})
         if ckpt is not None and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
-            save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco, step=step + 1)
+            save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco, step=step + 1,
+                            data=position())
         if should_stop is not None and should_stop():
             emit({"event": "stopped", "rank": rank, "step": step + 1})
             break
@@ -188,7 +197,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     report.wall_s = time.perf_counter() - wall_start - eval_s
     if ckpt is not None:
         save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco,
-                        step=start_step + report.steps)
+                        step=start_step + report.steps, data=position())
     report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "eval_loss": report.eval_loss})
     report.train_loss = float(sum(recent) / max(1, len(recent)))
