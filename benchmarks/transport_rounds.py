@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from opendiloco_stream.transport.hv_loopback import LoopbackSwarm
+from hv_loopback import LoopbackSwarm  # benchmarks/hv_loopback.py, next to this script
 
 PEERS = 3
 

@@ -18,17 +18,19 @@ import pytest
 import torch
 
 from opendiloco_stream.compression import get_codec
-from opendiloco_stream.transport.hv_averager import FragmentAverager
-from opendiloco_stream.transport.hv_loopback import LoopbackSwarm, make_tensor, peer_signal
-from opendiloco_stream.transport.hv_protocol import (
-    ABSTAINED, DONE, MISSING, OK, PROTOCOL_VERSION, REJECTED, RESULT, GroupLayout, GroupMismatch, ProtocolError,
-    check_chunk, chunk_numel_for, codec_alignment, combine_verdicts, judge_members, norm_verdict, pack_frame,
-    round_group_bits, unpack_frame, weighted_mean,
-)
-from opendiloco_stream.transport.hv_runner import HvAllReduceRunner, _message
-from opendiloco_stream.transport.hv_state import StateError, flatten_state, unflatten_state
-from opendiloco_stream.transport.hv_timeouts import BACKSTOP_S, GRACE_S, derive_timeouts
+from hv_loopback import LoopbackSwarm, make_tensor, peer_signal  # benchmarks/ (on sys.path: conftest.py)
 from opendiloco_stream.transport.hivemind import HivemindTransport
+from opendiloco_stream.transport.hivemind.averager import FragmentAverager
+from opendiloco_stream.transport.hivemind.protocol import (
+    DONE, RESULT, ProtocolError, pack_frame, round_group_bits, unpack_frame,
+)
+from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, _message
+from opendiloco_stream.transport.hivemind.state import StateError, flatten_state, unflatten_state
+from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, GRACE_S, derive_timeouts
+from opendiloco_stream.transport.reduce import (
+    ABSTAINED, MISSING, OK, PROTOCOL_VERSION, REJECTED, GroupLayout, GroupMismatch, check_chunk, chunk_numel_for,
+    codec_alignment, combine_verdicts, judge_members, norm_verdict, weighted_mean,
+)
 
 MODULE = __name__  # peers import the fakes below as f"{MODULE}:..."
 

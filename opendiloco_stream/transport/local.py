@@ -1,11 +1,14 @@
-"""In-process transport: M simulated peers as threads, deterministic, with real wire encoding.
+"""In-process transport: M simulated peers as threads, deterministic, reducing exactly as the wire does.
 
-``LocalSwarm(num_workers=M)`` plays the group. Each round's tensor is split into M contiguous parts;
-worker j reduces part j (as in a butterfly all-reduce): every contribution to a part is encoded
-with the codec as it would go on the wire, the reducer decodes them, averages in fp32 in rank
-order (deterministic), encodes the average once, and every worker, itself included, decodes those
-same bytes. Byte counts are what the wire would carry: a worker sends its M-1 foreign parts and its
-reduced part to M-1 peers, and receives the mirror image.
+``LocalSwarm(num_workers=M)`` plays the group. Each round runs the reduction core of every
+transport (``transport/reduce.py``): the tensor is cut into M parts on codec blocks (worker j
+reduces part j, as in a butterfly all-reduce), every contribution is encoded with the codec as it
+would go on the wire and checked by its reducer (format, size, finite values, norm within
+``norm_bound`` x the median), the weighted fp32 mean of the accepted contributions is taken in rank
+order and encoded once, and every worker, itself included, decodes those same bytes. Given the
+same group order, a round's average is bit-identical to the hivemind transport's. Byte counts are
+the encoded payloads the wire would carry: a worker sends its M-1 foreign parts and its reduced
+part to M-1 peers, and receives the mirror image.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from opendiloco_stream.compression import NonFiniteError, get_codec
+from opendiloco_stream.compression import get_codec
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
+from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
 
 
 class _Round:
@@ -37,16 +41,19 @@ class LocalSwarm:
         num_workers: M.
         codec, block_size, scale_dtype, stochastic, seed: the wire codec (see compression).
         timeout: bound on any wait for the other workers (seconds).
+        chunk_bytes, norm_bound: as in ``HivemindTransport`` (chunks of a part; the norm check).
     """
 
     def __init__(self, num_workers: int, codec: str = "fp32", block_size: int = 64, scale_dtype: str = "fp16",
-                 stochastic: bool = False, seed: int = 0, timeout: float = 300.0):
+                 stochastic: bool = False, seed: int = 0, timeout: float = 300.0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, norm_bound: Optional[float] = DEFAULT_NORM_BOUND):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.num_workers = num_workers
         self.codec_args = dict(name=codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic)
         self.seed = seed
         self.timeout = timeout
+        self.chunk_bytes, self.norm_bound = int(chunk_bytes), norm_bound
         self._rounds: dict[Hashable, _Round] = {}
         self._cond = threading.Condition()
         self._aborted: Optional[str] = None
@@ -103,60 +110,20 @@ class LocalSwarm:
             return rnd
 
     def _reduce(self, key: Hashable, rnd: _Round) -> dict[int, SyncResult]:
-        M = self.num_workers
         ranks = sorted(rnd.contributions)
-        numel = rnd.contributions[ranks[0]][0].numel()
-        for r in ranks:
-            if rnd.contributions[r][0].numel() != numel:
-                raise SyncFailed(f"round {key}: contributions differ in size", key=key, reason="rejected")
-        bounds = [numel * j // M for j in range(M + 1)]
-        seed = hash((self.seed, key)) & 0x7FFFFFFF
+        seed = hash((self.seed, key)) & 0x7FFFFFFF  # stochastic rounding: reproducible per round
         codec = get_codec(**self.codec_args, seed=seed)
-        sent_parts: dict[int, list[torch.Tensor]] = {r: [] for r in ranks}
-        avg_parts: list[torch.Tensor] = []
-        nbytes_contrib = [[0] * M for _ in range(M)]  # [sender][part]
-        nbytes_avg = [0] * M
-        accepted: list[set[int]] = []
-        for j in range(M):  # worker j reduces part j
-            lo, hi = bounds[j], bounds[j + 1]
-            total = torch.zeros(hi - lo, dtype=torch.float32)
-            wsum = 0.0
-            ok = set()
-            for r in ranks:
-                part, w = rnd.contributions[r][0][lo:hi], rnd.contributions[r][1]
-                try:
-                    payload = codec.encode(part)
-                except NonFiniteError:
-                    sent_parts[r].append(torch.full_like(part, float("nan")))
-                    continue
-                nbytes_contrib[r][j] = len(payload)
-                decoded = codec.decode(payload)
-                sent_parts[r].append(decoded)
-                total += decoded * w  # fixed rank order: deterministic
-                wsum += w
-                ok.add(r)
-            if wsum <= 0:
-                raise SyncFailed(f"round {key}: no valid contribution for part {j}", key=key, reason="rejected")
-            payload = codec.encode(total / wsum)
-            nbytes_avg[j] = len(payload)
-            avg_parts.append(codec.decode(payload))
-            accepted.append(ok)
-        average = torch.cat(avg_parts)
-        in_all = set.intersection(*accepted)
-        total_w = sum(rnd.contributions[r][1] for r in in_all)
-        results = {}
-        for r in ranks:
-            sent_bytes = sum(nbytes_contrib[r][j] for j in range(M) if j != r) + nbytes_avg[r] * (M - 1)
-            recv_bytes = sum(nbytes_contrib[s][r] for s in ranks if s != r) + sum(
-                nbytes_avg[j] for j in range(M) if j != r)
-            included = r in in_all
-            results[r] = SyncResult(
-                average=average.clone(), group_size=len(in_all),
-                weight_share=(rnd.contributions[r][1] / total_w) if included else 0.0,
-                sent=torch.cat(sent_parts[r]), bytes_sent=sent_bytes, bytes_received=recv_bytes,
-                peers=[str(x) for x in sorted(in_all)], included_self=included,
-                rejected=M - len(in_all))
-        return results
+        try:
+            outcomes = reduce_in_process(codec, [rnd.contributions[r][0] for r in ranks],
+                                         [rnd.contributions[r][1] for r in ranks], key,
+                                         chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound)
+        except RoundRefused as e:
+            raise SyncFailed(str(e), key=key, reason="rejected") from None
+        return {r: SyncResult(
+            average=o.average, group_size=o.summary.group_size, weight_share=o.summary.weight_share, sent=o.sent,
+            bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
+            peers=[str(ranks[s]) for s in o.summary.accepted], included_self=o.summary.included_self,
+            rejected=o.summary.rejected) for r, o in zip(ranks, outcomes)}
 
     def _wait(self, rank: int, key: Hashable, rnd: _Round, timeout: Optional[float]) -> SyncResult:
         bound = self.timeout if timeout is None else min(timeout, self.timeout)

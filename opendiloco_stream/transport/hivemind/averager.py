@@ -33,8 +33,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from opendiloco_stream.compression import Codec
-from opendiloco_stream.transport.hv_runner import HvAllReduceRunner, RoundError
-from opendiloco_stream.transport.hv_timeouts import BACKSTOP_S, RoundTimeouts
+from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
+from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, RoundTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class FragmentAverager(DecentralizedAverager):
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's matchmaking, but the leader keeps the stream open until the follower closes it:
-        otherwise BEGIN_ALLREDUCE is sometimes lost in flight (see hv_protocol, "Closing") and the
+        otherwise BEGIN_ALLREDUCE is sometimes lost in flight (see protocol.py, "Closing") and the
         follower misses a group the others run with it."""
         async for response in self._matchmaking.rpc_join_group(request, context):
             yield response

@@ -125,7 +125,7 @@ class _StateServicer(ServicerBase):
             for part in split_for_streaming(serialized, PART_BYTES):
                 yield averaging_pb2.DownloadData(tensor_part=part)
         # Keep the stream open until the joiner closes it (which cancels us): closing first may
-        # drop the last parts in flight (see hv_protocol, "Closing").
+        # drop the last parts in flight (see protocol.py, "Closing").
         await asyncio.sleep(self._sharing.chunk_timeout)
 
 

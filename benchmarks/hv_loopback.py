@@ -1,4 +1,5 @@
-"""N real hivemind peers on 127.0.0.1, each in its own process: for tests and benchmarks.
+"""N real hivemind peers on 127.0.0.1, each in its own process: support for tests and benchmarks
+(not part of the installed package; tests find it through tests/conftest.py).
 
     with LoopbackSwarm(3, transport_kwargs=dict(codec="fp4-e3m0", target_group_size=3)) as swarm:
         swarm.call_all("prepare", {0: 1000})

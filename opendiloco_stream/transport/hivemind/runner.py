@@ -2,8 +2,8 @@
 
 Replaces hivemind's ``AllReduceRunner`` (which returns ``avg - decoded(part)`` deltas, so peers end
 with different results under lossy codecs, and silently keeps local values for parts whose reducer
-failed). The protocol is described in ``hv_protocol``; this module moves its frames over hivemind's
-P2P streams: each sender opens one ``rpc_aggregate_part`` stream per remote reducer, sends its
+failed). The reduction itself is ``transport/reduce.py`` (shared with ``LocalSwarm``); this module
+moves it over hivemind's P2P streams in the frames of ``protocol.py``: each sender opens one ``rpc_aggregate_part`` stream per remote reducer, sends its
 contribution chunks and (if it reduces a part itself) its verdict on it, then reads the averaged
 chunks back on the same stream.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
@@ -27,12 +27,14 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from opendiloco_stream.compression import Codec
-from opendiloco_stream.transport.hv_protocol import (
-    CONTRIB, DONE, MISSING, OK, ABSTAINED, REJECTED, RESULT, VERDICT, GroupLayout, GroupMismatch, ProtocolError,
-    check_chunk, chunk_numel_for, codec_alignment, combine_verdicts, judge_members, norm_verdict, pack_frame,
-    unpack_frame, weighted_mean,
+from opendiloco_stream.transport.hivemind.protocol import (
+    CONTRIB, DONE, RESULT, VERDICT, ProtocolError, pack_frame, unpack_frame,
 )
-from opendiloco_stream.transport.hv_timeouts import RoundTimeouts
+from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
+from opendiloco_stream.transport.reduce import (
+    MISSING, OK, GroupLayout, GroupMismatch, PartReducer, combine_verdicts, judge_members,
+    summarize_verdict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def _error(code: int = averaging_pb2.INTERNAL_ERROR) -> averaging_pb2.AveragingD
 
 
 class HvAllReduceRunner:
-    """Reduce-scatter, verdict exchange and all-gather of one group (see ``hv_protocol``).
+    """Reduce-scatter, verdict exchange and all-gather of one group (see ``transport/reduce.py``).
 
     ``run()`` returns the round's metadata (group size, weight share, bytes...) and leaves the
     average in ``self.result`` and what this peer sent, ``deQ(Q(tensor))``, in ``self.sent``.
@@ -83,16 +85,13 @@ class HvAllReduceRunner:
             raise RoundError("rejected", f"round {self.key}: {e}") from None
         self.is_reducer = [m == AveragingMode.NODE for m in self.modes]
         self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
-        align = codec_alignment(codec)
-        self.layout = GroupLayout.build(tensor.numel(), self.is_reducer, align, chunk_numel_for(codec, chunk_bytes, align))
+        self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, chunk_bytes)
         self.my_chunks = self.layout.chunks[self.me]
         self.result = torch.empty(tensor.numel(), dtype=torch.float32)
         self.sent = torch.empty(tensor.numel(), dtype=torch.float32)
         self.bytes_sent = self.bytes_received = 0
         # reducer state: decoded contributions to my part, their squared norms, per-sender status
-        self.status = status
-        self.decoded: list[list[Optional[torch.Tensor]]] = [[None] * len(self.my_chunks) for _ in range(n)]
-        self.sumsq = [0.0] * n
+        self.part = PartReducer(codec, self.my_chunks, status, norm_bound)
         self.sender_done = {s: asyncio.Event() for s in self.senders}
         self.connected: set[int] = set()
         self.verdicts = {r: asyncio.get_event_loop().create_future() for r in range(n) if self.is_reducer[r] and r != self.me}
@@ -127,24 +126,13 @@ class HvAllReduceRunner:
             self.sent[lo:hi] = float("nan")
         return payload
 
-    def _check(self, payload: bytes, numel: int) -> tuple[Optional[torch.Tensor], str, float]:
-        """Validate one contribution chunk (executor): values (or None and why), squared norm."""
-        values, why = check_chunk(self.codec, payload, numel)
-        return values, why, float(values.double().square().sum()) if values is not None else 0.0
-
-    async def _take_contribution(self, s: int, j: int, payload: bytes, numel: int) -> None:
-        if self.status[s] != OK:
+    async def _take_contribution(self, s: int, j: int, payload: bytes) -> None:
+        if self.part.status[s] != OK:
             return  # already rejected (or abstaining): the rest of its stream is drained unread
-        values, why, sumsq = await self._in_executor(self._check, payload, numel)
-        if self.status[s] != OK:
-            return
-        if values is None:
+        checked = await self._in_executor(self.part.check, j, payload)
+        why = self.part.accept(s, j, checked)  # ignored if s was dropped meanwhile
+        if why:
             logger.info("round %s: rejecting the contribution of %s: %s", self.key, self._name(s), why)
-            self.status[s] = REJECTED
-            self.decoded[s] = [None] * len(self.my_chunks)
-            return
-        self.decoded[s][j] = values
-        self.sumsq[s] += sumsq
 
     def _record_part(self, q: int, status: bytes, total_weight: float) -> None:
         seen = self.part_status.setdefault(q, (status, total_weight))
@@ -176,13 +164,13 @@ class HvAllReduceRunner:
                      ) -> AsyncIterator[averaging_pb2.AveragingData]:
         it = stream.__aiter__()
         try:
-            for j, (lo, hi) in enumerate(self.my_chunks):
+            for j in range(len(self.my_chunks)):
                 msg = await asyncio.wait_for(it.__anext__(), min(self.t.next_chunk, self._remaining()))
                 self.bytes_received += msg.ByteSize()
                 frame = unpack_frame(msg.tensor_part.buffer)
                 if msg.code != averaging_pb2.PART_FOR_AVERAGING or frame.kind != CONTRIB or frame.chunk != j:
                     raise ProtocolError(f"expected contribution chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
-                await self._take_contribution(s, j, frame.payload, hi - lo)
+                await self._take_contribution(s, j, frame.payload)
             self.sender_done[s].set()
             if s in self.verdicts:
                 msg = await asyncio.wait_for(it.__anext__(), self._remaining())
@@ -228,9 +216,7 @@ class HvAllReduceRunner:
     def _sender_lost(self, s: int, why: str) -> None:
         if not self.sender_done[s].is_set():
             logger.info("round %s: sender %s %s before its contribution was complete", self.key, self._name(s), why)
-            if self.status[s] in (OK, ABSTAINED):
-                self.status[s] = MISSING
-            self.decoded[s] = [None] * len(self.my_chunks)
+            self.part.drop(s, MISSING)
             self.sender_done[s].set()
         verdict = self.verdicts.get(s)
         if verdict is not None and not verdict.done():
@@ -249,27 +235,24 @@ class HvAllReduceRunner:
         for j, (lo, hi) in enumerate(self.my_chunks):
             payload = await self._in_executor(self._encode_chunk, lo, hi)
             # the same checks as a remote contribution: our own part is no exception
-            await self._take_contribution(self.me, j, payload, hi - lo)
+            await self._take_contribution(self.me, j, payload)
         self.sender_done[self.me].set()
 
     async def _reduce(self) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.sender_done.values())), self._remaining())
-            verdict = bytes(norm_verdict(self.status, self.sumsq, self.norm_bound))
+            verdict = self.part.verdict()
             self.my_verdict.set_result(verdict)
             others = [await asyncio.wait_for(asyncio.shield(self.verdicts[r]), self._remaining())
                       for r in sorted(self.verdicts)]
             final = combine_verdicts([verdict, *others])
-            accepted = [s for s in range(len(final)) if final[s] == OK]
-            total_weight = sum(self.weights[s] for s in accepted)
-            if not accepted or total_weight <= 0:
+            outcome = summarize_verdict(final, self.weights, self.me)
+            if not outcome.accepted or outcome.total_weight <= 0:
                 raise RoundError("rejected", f"round {self.key}: no valid contribution left")
+            total_weight = outcome.total_weight
             self.final.set_result((final, total_weight))
-            for j, (lo, hi) in enumerate(self.my_chunks):
-                values = [self.decoded[s][j] for s in accepted]
-                payload = await self._in_executor(self._reduce_chunk, values, [self.weights[s] for s in accepted], lo, hi)
-                for s in accepted:
-                    self.decoded[s][j] = None
+            for j in range(len(self.my_chunks)):
+                payload = await self._in_executor(self._reduce_chunk, j, final)
                 self.result_chunks[j].set_result(payload)
             self._record_part(self.me, final, total_weight)
         except BaseException as e:
@@ -283,9 +266,9 @@ class HvAllReduceRunner:
                 raise
             raise failure
 
-    def _reduce_chunk(self, values: Sequence[torch.Tensor], weights: Sequence[float], lo: int, hi: int) -> bytes:
-        payload = self.codec.encode(weighted_mean(values, weights))  # quantized ONCE, same bytes for everyone
-        self.result[lo:hi] = self.codec.decode(payload, numel=hi - lo)
+    def _reduce_chunk(self, j: int, final: bytes) -> bytes:
+        lo, hi = self.my_chunks[j]
+        payload, self.result[lo:hi] = self.part.reduce_chunk(j, final, self.weights)  # quantized ONCE, same bytes for all
         return payload
 
     # ------------------------------------------------------------------ sender side
@@ -389,13 +372,13 @@ class HvAllReduceRunner:
         if len(verdicts) != 1:
             raise RoundError("partial", f"round {self.key}: parts were averaged over different groups")
         final, total_weight = verdicts.pop()
-        accepted = [s for s in range(len(final)) if final[s] == OK]
-        included = final[self.me] == OK
+        outcome = summarize_verdict(final, self.weights, self.me)
         if not bool(torch.isfinite(self.result).all()):
             raise RoundError("partial", f"round {self.key}: the average holds non-finite values")
         return dict(
-            group_size=len(accepted), weight_share=self.weights[self.me] / total_weight if included else 0.0,
-            included_self=included, peers=[self._name(s) for s in accepted],
-            rejected=sum(1 for s in final if s == REJECTED), missing=sum(1 for s in final if s == MISSING),
+            group_size=outcome.group_size,
+            weight_share=self.weights[self.me] / total_weight if outcome.included_self else 0.0,
+            included_self=outcome.included_self, peers=[self._name(s) for s in outcome.accepted],
+            rejected=outcome.rejected, missing=outcome.missing,
             bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
         )

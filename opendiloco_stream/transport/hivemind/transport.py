@@ -16,14 +16,14 @@ Design (docs/architecture.md, "hivemind transport"):
   different rounds cannot meet. ``target_group_size`` peers start at once; otherwise the group
   forms with whoever is there after ``matchmaking_time`` (more peers than the target make several
   disjoint groups: set it to the swarm size).
-- Our all-reduce (``hv_runner``) replaces hivemind's: quantized contributions, fp32 reduction,
+- Our all-reduce (``runner.py``, over the shared core ``transport/reduce.py``) replaces hivemind's: quantized contributions, fp32 reduction,
   validation of every contribution, one quantization of each part's average sent as the same bytes
   to everyone (bit-identical results), verdicts exchanged so all parts average the same
   contributions, and any missing or inconsistent part fails the round (``reason="partial"``).
 - One worker thread per fragment runs the rounds of that fragment in order, so ``all_reduce``
   never blocks and the shared buffers are only touched between steps.
-- Timeouts (``hv_timeouts``): derived from ``link_mbit`` and ``window_s`` unless given.
-- Late joiners (``hv_state``): state served and downloaded by the host, not the averagers.
+- Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given.
+- Late joiners (``state.py``): state served and downloaded by the host, not the averagers.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
-from opendiloco_stream.transport.hv_averager import FragmentAverager
-from opendiloco_stream.transport.hv_protocol import PROTOCOL_VERSION, codec_spec, round_group_bits
-from opendiloco_stream.transport.hv_runner import RoundError
-from opendiloco_stream.transport.hv_state import StateSharing
-from opendiloco_stream.transport.hv_timeouts import RoundTimeouts, derive_timeouts
+from opendiloco_stream.transport.hivemind.averager import FragmentAverager
+from opendiloco_stream.transport.hivemind.protocol import round_group_bits
+from opendiloco_stream.transport.hivemind.runner import RoundError
+from opendiloco_stream.transport.hivemind.state import StateSharing
+from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
+from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, member_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +158,7 @@ class _Lane:
             handle.fail("closed", f"the averager of fragment {fragment} is gone")
             return
         self.averager.input_buffer.copy_(flat)
-        gather = dict(v=PROTOCOL_VERSION, w=float(weight), spec=codec_spec(self.averager.codec), numel=self.numel,
-                      key=[int(fragment), int(round_index)])
+        gather = member_metadata(self.averager.codec, self.numel, (fragment, round_index), weight)
         with self._pipe_lock:
             self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False).result(
                 timeout=self.timeouts.request)
@@ -215,7 +215,7 @@ class HivemindTransport(Transport):
         target_group_size: start a round as soon as this many peers are there; ``None`` waits
             ``matchmaking_time`` every round. Set it to the number of peers.
         matchmaking_time, request_timeout, allreduce_timeout, next_chunk_timeout, window_s,
-            link_mbit: the timeout hierarchy, see ``hv_timeouts``.
+            link_mbit: the timeout hierarchy, see ``timeouts.py``.
         client_mode: for peers that cannot accept connections: they send and receive but reduce
             no part and serve no state.
         chunk_bytes: encoded bytes per streamed chunk.
@@ -230,7 +230,8 @@ class HivemindTransport(Transport):
                  scale_dtype: str = "fp16", stochastic: bool = False, target_group_size: Optional[int] = None,
                  matchmaking_time: float = 5.0, request_timeout: float = 3.0, allreduce_timeout: Optional[float] = None,
                  next_chunk_timeout: Optional[float] = None, link_mbit: float = 100.0, client_mode: bool = False,
-                 window_s: Optional[float] = None, chunk_bytes: int = 1 << 20, norm_bound: Optional[float] = 10.0,
+                 window_s: Optional[float] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
                  state_timeout: float = 30.0, startup_timeout: float = 60.0):
         if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
             raise ValueError(f"run_id {run_id!r}: use letters, digits, '_' and '-' only")
