@@ -64,6 +64,7 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
     from tqdm import tqdm
 
     from opendiloco_stream.compression import get_codec
+    from opendiloco_stream.train.loggers import Fanout, build_loggers
     from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
     from opendiloco_stream.transport.local import LocalSwarm
 
@@ -74,6 +75,7 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
     swarm = LocalSwarm(num_workers=M, codec=d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype,
                        stochastic=d.stochastic_rounding, seed=cfg.train.seed, timeout=d.sync_timeout)
     writer = MetricsWriter(cfg.train.metrics_file)
+    emit = Fanout(writer.write, build_loggers(cfg))  # + TensorBoard / W&B when configured
     writer.write({"event": "config", "workers": M, "transport": "local", **cfg.model_dump(mode="json")})
     bar = tqdm(total=M * cfg.train.steps, desc=f"{d.mode} x{M}", unit="step", disable=args.no_progress,
                file=sys.stderr, dynamic_ncols=True)
@@ -89,9 +91,10 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
     start = time.perf_counter()
     try:
         reports = swarm.run(lambda rank: train_worker(rank, M, cfg, swarm.transport(rank), train_source, val,
-                                                      vocab_size, writer.write, on_step=on_step))
+                                                      vocab_size, emit, on_step=on_step))
     finally:
         bar.close()
+        emit.close()
     wall = time.perf_counter() - start
     codec = get_codec(d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype)
     summary = summarize(cfg, reports, wall, codec.encoded_size)
@@ -114,7 +117,9 @@ def print_summary(s: dict[str, Any]) -> None:
     rows = [
         ("mode", f"{s['mode']} (P={s['fragments']}, H={s['inner_steps']}, tau={s['overlap_steps']}, codec {s['codec']})"),
         ("workers x steps", f"{s['workers']} x {s['steps']}  ({s['tokens']:,} tokens)"),
-        ("eval loss", f"{s['eval_loss_initial']:.4f} -> {s['eval_loss']:.4f}"),
+        ("eval loss", f"{s['eval_loss_initial']:.4f} -> {s['eval_loss']:.4f}"
+                      + (f"  (before the in-flight rounds landed: {s['eval_loss_before_finish']:.4f})"
+                         if s.get("eval_loss_before_finish") == s.get("eval_loss_before_finish") else "")),
         ("train loss (last 20 steps)", f"{s['train_loss']:.4f}"),
         ("bytes sent per worker", _fmt_bytes(s["bytes_sent_per_worker"])),
         ("peak bytes per sync", f"{_fmt_bytes(s['peak_bytes_per_sync'])}  (whole outer gradient: "

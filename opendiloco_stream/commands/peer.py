@@ -32,6 +32,8 @@ TRANSPORT_FLAGS: dict[str, tuple[str, str]] = {
     "allreduce_timeout": ("net", "allreduce_timeout"),
     "target_group_size": ("net", "target_group_size"),
     "window_s": ("net", "window_s"),
+    "metrics_port": ("net", "metrics_port"),
+    "shard": ("data", "shard"),
 }
 
 SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
@@ -46,6 +48,8 @@ def add_transport_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-group-size", type=int, help="expected number of peers (groups form at once when reached)")
     g.add_argument("--window-s", type=float, help="time a round may take before its result is needed (H x step "
                    "time under eager); bounds the derived all-reduce timeout")
+    g.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (0: any free port)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_network_flags(p, config=False)
     add_transport_flags(p)
-    p.add_argument("--shard", default="auto", metavar="R/W",
-                   help="data shard of this peer, e.g. 0/3; 'auto' picks one of 64 from the peer id")
+    p.add_argument("--shard", metavar="R/W",
+                   help="data shard of this peer, e.g. 0/3; 'auto' (default) picks one of 64 from the peer id")
     p.add_argument("--no-join", action="store_true", help="do not download state from running peers")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true")
@@ -99,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
     from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
     from opendiloco_stream.net.metrics import MetricsPublisher
+    from opendiloco_stream.net.prometheus import PrometheusExporter
+    from opendiloco_stream.train.loggers import Fanout, build_loggers
     from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
 
     from opendiloco_stream.config import deep_update
@@ -114,13 +120,28 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     train_source, val, vocab_size = prepare_data(cfg)
+    sinks = build_loggers(cfg)
+    exporter = None
+    if cfg.net.metrics_port is not None:
+        try:
+            exporter = PrometheusExporter(cfg.net.metrics_port, labels={"run": cfg.net.run_id},
+                                          info={"mode": cfg.diloco.mode, "codec": cfg.diloco.codec,
+                                                "fragments": cfg.diloco.num_fragments,
+                                                "inner_steps": cfg.diloco.inner_steps, "model": cfg.model.name})
+        except OSError as e:
+            raise UsageError(f"--metrics-port {cfg.net.metrics_port}: cannot listen ({e.strerror}); "
+                             "pick another port or 0 for any free one") from None
+        sinks.append(exporter)
 
     with GracefulShutdown() as stop:
         dht = start_dht(cfg.net)
         transport = None
         try:
             peer_id = str(dht.peer_id)
-            rank, world = parse_shard(args.shard, peer_id)
+            rank, world = parse_shard(cfg.data.shard, peer_id)
+            if exporter is not None:
+                exporter.labels["peer"] = peer_id
+                print(f"prometheus metrics on {exporter.url}", file=sys.stderr, flush=True)
             print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}); "
                   f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
             transport = build_transport(cfg, dht)
@@ -140,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
                         "compute_utilization": min(1.0, live["compute_s"] / elapsed), "rounds": live["rounds"],
                         "failed_rounds": live["failed_rounds"], "mode": cfg.diloco.mode}
 
+            fanout = Fanout(writer.write, sinks)
+
             def emit(rec: dict[str, Any]) -> None:
-                writer.write(rec)
+                fanout(rec)
                 if rec.get("event") == "sync":
                     if rec.get("ok"):
                         live["rounds"] += 1
@@ -181,10 +204,12 @@ def run(args: argparse.Namespace) -> int:
             publisher.publish({**snapshot(), "compute_utilization": summary["compute_utilization"],
                                "tokens_per_s": summary["tokens_per_s"]})
             publisher.close(timeout=5.0)  # the final record reaches the DHT before it stops
-            writer.write(summary)
+            fanout(summary)
             writer.close()
             print_summary(summary)
         finally:
+            for sink in sinks:
+                sink.close()
             if transport is not None:
                 transport.close()
             stop_dht(dht)

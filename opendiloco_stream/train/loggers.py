@@ -1,0 +1,116 @@
+"""Optional experiment loggers fed with the metrics records: TensorBoard and Weights & Biases.
+
+Neither is a dependency. ``train.tensorboard_dir = "runs/tb"`` (``ODS_TRAIN__TENSORBOARD_DIR``)
+writes event files with ``torch.utils.tensorboard`` (needs ``pip install tensorboard``);
+``train.wandb_project = "diloco"`` logs to W&B (needs ``pip install wandb`` and a login). Asking
+for one that is not installed is a configuration error (one line, exit 2), before training starts.
+
+Scalars (the x axis is the inner step): ``train/loss``, ``train/lr``, ``eval/loss``,
+``sync/wait_s``, ``sync/group_size``, ``sync/bytes_sent``, ``sync/ok`` (1 or 0), and the summary's
+``summary/*`` numbers at the end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from typing import Any, Optional
+
+from opendiloco_stream.config import ConfigError, RunConfig
+
+
+def scalars(rec: dict[str, Any]) -> list[tuple[str, float, int]]:
+    """``(tag, value, step)`` of one metrics record."""
+    event, step = rec.get("event"), int(rec.get("step", 0) or 0)
+    if event == "step":
+        return [("train/loss", rec["loss"], step), ("train/lr", rec.get("lr", 0.0), step)]
+    if event == "eval":
+        return [("eval/loss", rec["eval_loss"], step)]
+    if event == "sync":
+        out = [("sync/ok", 1.0 if rec.get("ok") else 0.0, step), ("sync/wait_s", rec.get("wait_s", 0.0), step)]
+        if rec.get("ok"):
+            out += [("sync/group_size", rec.get("group_size", 0), step), ("sync/bytes_sent", rec.get("bytes_sent", 0), step)]
+        return out
+    if event == "summary":
+        return [(f"summary/{k}", v, int(rec.get("steps", 0))) for k, v in rec.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return []
+
+
+class TensorBoardLogger:
+    """Writes the scalars to TensorBoard event files (one directory per worker rank)."""
+
+    def __init__(self, log_dir: str, writer_factory=None):
+        if writer_factory is None:
+            from torch.utils.tensorboard import SummaryWriter as writer_factory
+        self._factory, self._dir, self._writers = writer_factory, log_dir, {}
+
+    def observe(self, rec: dict[str, Any]) -> None:
+        items = scalars(rec)
+        if not items:
+            return
+        rank = rec.get("rank", 0)
+        if rank not in self._writers:
+            self._writers[rank] = self._factory(log_dir=f"{self._dir}/worker-{rank}")
+        for tag, value, step in items:
+            self._writers[rank].add_scalar(tag, float(value), step)
+
+    def close(self) -> None:
+        for w in self._writers.values():
+            w.close()
+
+
+class WandbLogger:
+    """Logs the scalars of rank 0 (one run per process) to Weights & Biases."""
+
+    def __init__(self, project: str, config: dict[str, Any], wandb_module=None):
+        if wandb_module is None:
+            import wandb as wandb_module
+        self._wandb = wandb_module
+        self._run = wandb_module.init(project=project, config=config)
+
+    def observe(self, rec: dict[str, Any]) -> None:
+        if rec.get("rank", 0) != 0:
+            return
+        items = scalars(rec)
+        if items:
+            self._run.log({tag: float(v) for tag, v, _ in items}, step=items[0][2])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def build_loggers(cfg: RunConfig) -> list:
+    """The loggers the configuration asks for; ConfigError if one is not installed."""
+    out: list = []
+    if cfg.train.tensorboard_dir:
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("train.tensorboard_dir is set but tensorboard is not installed: "
+                              "pip install tensorboard (or unset it)")
+        out.append(TensorBoardLogger(cfg.train.tensorboard_dir))
+    if cfg.train.wandb_project:
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("train.wandb_project is set but wandb is not installed: pip install wandb (or unset it)")
+        out.append(WandbLogger(cfg.train.wandb_project, cfg.model_dump(mode="json")))
+    return out
+
+
+class Fanout:
+    """One ``emit`` callable over the JSON-lines writer and any number of sinks with ``observe``."""
+
+    def __init__(self, write, sinks: Optional[list] = None):
+        self.write, self.sinks = write, list(sinks or [])
+        self._lock = threading.Lock()  # workers of a local run emit from several threads
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        self.write(rec)
+        if self.sinks:
+            with self._lock:
+                for sink in self.sinks:
+                    sink.observe(rec)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
