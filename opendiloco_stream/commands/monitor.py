@@ -4,6 +4,8 @@ Joins as a client-mode DHT node (it accepts no requests and stores nothing) and 
 step, loss, tokens/s, MB sent, compute utilization, fragment rounds (failed) and how long ago it
 last published. Peers that stopped publishing disappear when their record expires
 (``net.metrics_expiration``). ``--once`` prints one table and exits; ``--json`` prints the records.
+``--html F`` also writes a self-contained page of loss and utilization curves over time (inline SVG,
+works offline); ``--html F --from-metrics *.jsonl`` draws it from peers' metrics files instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true", help="print once and exit")
     p.add_argument("--json", action="store_true", help="print the records as JSON (one list per refresh)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="bound on each DHT lookup")
+    p.add_argument("--html", metavar="F", help="also write a self-contained page of the swarm's loss and utilization "
+                   "curves to F at every refresh (continues the curves of an existing F)")
+    p.add_argument("--from-metrics", nargs="+", metavar="JSONL",
+                   help="with --html: draw the page from peers' --metrics-file records instead of the DHT, and exit")
     p.set_defaults(func=run)
 
 
@@ -61,9 +67,12 @@ def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.net.dht import start_dht, stop_dht
     from opendiloco_stream.net.lifecycle import GracefulShutdown
     from opendiloco_stream.net.metrics import install_validators, read_swarm_metrics
+    from opendiloco_stream.monitor_page import load_history, write_page
 
     if args.interval <= 0 or args.timeout <= 0:
         raise UsageError("--interval and --timeout must be > 0 seconds")
+    if args.from_metrics:
+        return _page_from_metrics(args)
     net = net_config_from_args(args, client_mode=True)
     if not net.initial_peers:
         raise UsageError("monitor needs --initial-peers (the address a bootstrap node or any peer printed)")
@@ -73,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
         dht = start_dht(net)
         try:
             install_validators(dht, net.run_id)
+            history = load_history(args.html, net.run_id) if args.html else None
             while not stop.requested:
                 try:
                     records = read_swarm_metrics(dht, net.run_id, timeout=args.timeout)
+                    if history is not None:
+                        history.add_records(records)
+                        write_page(args.html, history, refresh_s=None if args.once else max(2.0, args.interval))
                     if args.json:
                         out = json.dumps(records)
                     else:
@@ -92,4 +105,27 @@ def run(args: argparse.Namespace) -> int:
             if not args.verbose:
                 quiet_hivemind(level=60)
             stop_dht(dht)
+    if args.html:
+        print(f"wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def _page_from_metrics(args: argparse.Namespace) -> int:
+    """``monitor --html F --from-metrics a.jsonl b.jsonl``: the page of finished (or running) peers."""
+    from pathlib import Path
+
+    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.monitor_page import History, write_page
+
+    if not args.html:
+        raise UsageError("--from-metrics draws a page: add --html F")
+    history = History(args.run_id or "opendiloco")
+    for path in args.from_metrics:
+        if not Path(path).is_file():
+            raise UsageError(f"--from-metrics: {path} does not exist")
+        history.add_metrics_file(path)
+    if not any(history.series.values()):
+        raise UsageError("--from-metrics: no step records in " + ", ".join(args.from_metrics))
+    write_page(args.html, history)
+    print(f"wrote {args.html} ({len(history.series)} curve(s))", file=sys.stderr)
     return 0
