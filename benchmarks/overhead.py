@@ -97,7 +97,7 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
     builds it; otherwise the same loop without it. Keep in step with loop.py: ``mirror_check``
     compares this loop's losses with train_worker's.
     """
-    from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
+    from opendiloco_stream.algorithm.diloco import wrap
     from opendiloco_stream.train.loop import evaluate, lr_factor
     from opendiloco_stream.train.models import build_model, transformer_blocks
     from opendiloco_stream.transport.local import LocalSwarm
@@ -115,7 +115,7 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
         swarm = LocalSwarm(num_workers=1, codec=d.codec, block_size=d.codec_block_size,
                            scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding, seed=tc.seed,
                            timeout=d.sync_timeout)
-        diloco = StreamingDiLoCo(model, opt, transport=swarm.transport(0), config=d, blocks=transformer_blocks(model))
+        diloco = wrap(model, opt, transport=swarm.transport(0), config=d, blocks=transformer_blocks(model))
     evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     batches = train_source.batches(0, 1, tc.batch_size)
     for step in range(tc.steps):

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo
+    from opendiloco_stream import DiLoCoConfig, wrap   # StreamingDiLoCo or DataParallel by mode
     from opendiloco_stream.transport.local import LocalSwarm
 
 Imports are lazy so that torch-free parts (the simulator, the CLI's help) start fast.
@@ -10,7 +10,7 @@ Imports are lazy so that torch-free parts (the simulator, the CLI's help) start 
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["DiLoCoConfig", "StreamingDiLoCo", "RunConfig", "load_config"]
+__all__ = ["DiLoCoConfig", "StreamingDiLoCo", "DataParallel", "wrap", "RunConfig", "load_config"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -19,10 +19,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
-    if name == "StreamingDiLoCo":
-        from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
+    if name in ("StreamingDiLoCo", "wrap"):
+        from opendiloco_stream.algorithm import diloco
 
-        return StreamingDiLoCo
+        return getattr(diloco, name)
+    if name == "DataParallel":
+        from opendiloco_stream.algorithm.data_parallel import DataParallel
+
+        return DataParallel
     if name in ("DiLoCoConfig", "RunConfig", "load_config"):
         from opendiloco_stream import config
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo
+from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo, wrap
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
 from opendiloco_stream.transport.local import LocalSwarm
@@ -143,14 +143,114 @@ def test_blocking_golden():
     assert [(o[0], o[1]) for o in out] == [(-3.5, -3.5), (-3.5, -3.5)]
 
 
-def test_eager_golden():
+def test_eager_paper_golden():
     # round 0: no previous average -> local-only: theta_bar = [-1, 0]; launched avg_0 = 1, q_0 = [2, 0]
     # round 1: d = [4, 2]; est = 1 + (d - q_0) * 0.5 = [2, 2]; theta_bar = [-2, -1]; avg_1 = 3, q_1 = [4, 2]
     # round 2: d = [6, 0]; est = 3 + (d - q_1) * 0.5 = [4, 2]; theta_bar = [-4, -2]
-    out = run_scripted("eager", DISP, 6, inner_steps=2)
+    out = run_scripted("eager", DISP, 6, inner_steps=2, eager_rule="paper")
     assert [(o[0], o[1]) for o in out] == [(-4.0, -4.0), (-2.0, -2.0)]
     kinds = [e["estimate"] for e in out[0][2].events if e["event"] == "outer_step"]
     assert kinds == ["local-only", "eager", "eager"]
+
+
+class TwoScalarModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Scalar(), Scalar()])
+
+
+def run_scripted_blocks(displacement: list[list[list[float]]], steps: int, finish: bool = False,
+                        outer_lr: float = 0.5, outer_momentum: float = 0.0, **cfg) -> list[list[tuple[float, float]]]:
+    """M workers, one scalar per block (block b is fragment b under the strided rule); at inner step t
+    block b of worker r moves by -displacement[r][b][t-1]. Returns, per worker, per block, the pair
+    (outer parameter, local parameter) after ``steps`` steps (and ``finish()`` if asked)."""
+    M, B = len(displacement), len(displacement[0])
+    swarm = LocalSwarm(num_workers=M, codec="fp32", timeout=10)
+    config = DiLoCoConfig(outer_lr=outer_lr, outer_momentum=outer_momentum, codec="fp32", weighting="equal",
+                          num_fragments=B, **cfg)
+    out = [None] * M
+
+    def worker(rank):
+        model = ScalarModel() if B == 1 else TwoScalarModel()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        diloco = wrap(model, opt, transport=swarm.transport(rank), config=config)
+        for t in range(1, steps + 1):
+            with torch.no_grad():
+                for b in range(B):
+                    model.layers[b].w -= displacement[rank][b][t - 1]
+            diloco.step()
+        if finish:
+            diloco.finish()
+        out[rank] = [(diloco.outer_params[b][0].item(), model.layers[b].w.item()) for b in range(B)]
+        diloco.close()
+
+    swarm.run(worker)
+    return out
+
+
+# three workers, H = 2, P = 1: outer gradients per round [2, 0, 4], [4, 2, 0], [6, 0, 3]; averages 2, 2, 3
+DISP3 = [[[2, 0, 4, 0, 6, 0]], [[0, 0, 2, 0, 0, 0]], [[4, 0, 0, 0, 3, 0]]]
+
+
+def test_eager_corrected_golden_two_peers():
+    # theta_bar steps only with averages, one round late; the local start is a one-off step with d_k:
+    # round 0: start = 0 - 0.5 d_0 = [-1, 0]
+    # round 1: theta_bar = 0 - 0.5 avg_0 = -0.5; d_1 = [4, 2]; start = -0.5 - 0.5 d_1 = [-2.5, -1.5]
+    # round 2: theta_bar = -0.5 - 0.5 avg_1 = -2; d_2 = [6, 0]; start = -2 - 0.5 d_2 = [-5, -2]
+    out = run_scripted_blocks([[DISP[0]], [DISP[1]]], 6, inner_steps=2, mode="eager")
+    assert out == [[(-2.0, -5.0)], [(-2.0, -2.0)]]
+
+
+def test_eager_corrected_golden_three_peers():
+    # round 0: start = -0.5 [2, 0, 4] = [-1, 0, -2]
+    # round 1: theta_bar = -0.5 * 2 = -1; start = -1 - 0.5 [4, 2, 0] = [-3, -2, -1]
+    # round 2: theta_bar = -1 - 0.5 * 2 = -2; start = -2 - 0.5 [6, 0, 3] = [-5, -2, -3.5]
+    out = run_scripted_blocks(DISP3, 6, inner_steps=2, mode="eager")
+    assert out == [[(-2.0, -5.0)], [(-2.0, -2.0)], [(-2.0, -3.5)]]
+    # finish(): avg_2 = 3 lands: theta_bar = -3.5 on every peer, the blocking result (no drift since the restart)
+    assert run_scripted_blocks(DISP3, 6, finish=True, inner_steps=2, mode="eager") == [[(-3.5, -3.5)]] * 3
+    assert run_scripted_blocks(DISP3, 6, inner_steps=2, mode="blocking") == [[(-3.5, -3.5)]] * 3
+
+
+def test_eager_corrected_golden_three_peers_two_fragments():
+    # H = 2, P = 2: fragment 0 (block 0) syncs at t = 1, 3, 5 with the outer gradients of DISP3, so it
+    # ends as in the P = 1 case; fragment 1 (block 1) syncs at t = 2, 4, 6 with [6, 0, 3], [0, 6, 0],
+    # [2, 2, 2] (averages 3, 2, 2): start -0.5 [6, 0, 3] = [-3, 0, -1.5]; theta_bar -1.5,
+    # start -1.5 - 0.5 [0, 6, 0] = [-1.5, -4.5, -1.5]; theta_bar -2.5, start -2.5 - 1 = -3.5
+    disp = [[[2, 0, 4, 0, 6, 0], [0, 6, 0, 0, 0, 2]],
+            [[0, 0, 2, 0, 0, 0], [0, 0, 0, 6, 0, 2]],
+            [[4, 0, 0, 0, 3, 0], [0, 3, 0, 0, 0, 2]]]
+    out = run_scripted_blocks(disp, 6, inner_steps=2, mode="eager")
+    assert out == [[(-2.0, -5.0), (-2.5, -3.5)], [(-2.0, -2.0), (-2.5, -3.5)], [(-2.0, -3.5), (-2.5, -3.5)]]
+
+
+def test_eager_corrected_golden_with_nesterov_momentum():
+    # lr 0.5, Nesterov momentum 0.5; the look-ahead is the step the optimizer would take, not taken:
+    # round 0: buf' = d = [2, 0]; step d + 0.5 buf' = [3, 0]; start = [-1.5, 0]
+    # round 1: commit avg_0 = 1: buf = 1, step 1.5, theta_bar = -0.75; d = [4, 2]: buf' = 0.5 + d = [4.5, 2.5],
+    #          step d + 0.5 buf' = [6.25, 3.25]; start = -0.75 - 0.5 step = [-3.875, -2.375]
+    # round 2: commit avg_1 = 3: buf = 3.5, step 4.75, theta_bar = -3.125; d = [6, 0]: buf' = [7.75, 1.75],
+    #          step [9.875, 0.875]; start = [-8.0625, -3.5625]
+    out = run_scripted_blocks([[DISP[0]], [DISP[1]]], 6, inner_steps=2, mode="eager", outer_momentum=0.5)
+    assert out == [[(-3.125, -8.0625)], [(-3.125, -3.5625)]]
+    # finish(): avg_2 = 3 lands: buf = 1.75 + 3 = 4.75, step 5.375, theta_bar = -5.8125, as blocking
+    blocking = run_scripted_blocks([[DISP[0]], [DISP[1]]], 6, inner_steps=2, mode="blocking", outer_momentum=0.5)
+    finished = run_scripted_blocks([[DISP[0]], [DISP[1]]], 6, finish=True, inner_steps=2, mode="eager",
+                                   outer_momentum=0.5)
+    assert blocking == finished == [[(-5.8125, -5.8125)]] * 2
+
+
+def test_eager_corrected_estimates_golden():
+    # 'mixed': est = avg_{k-1} + (d_k - q_{k-1}) / 2; round 1: 1 + ([4, 2] - [2, 0]) / 2 = [2, 2],
+    # start -0.5 - 1 = -1.5; round 2: 3 + ([6, 0] - [4, 2]) / 2 = [4, 2], start -2 - [2, 1] = [-4, -3]
+    two = [[DISP[0]], [DISP[1]]]
+    assert run_scripted_blocks(two, 6, inner_steps=2, mode="eager", eager_estimate="mixed") == \
+        [[(-2.0, -4.0)], [(-2.0, -3.0)]]
+    # 'scaled': est = c d_k, c = <q_{k-1}, avg_{k-1}> / |q_{k-1}|^2 in [0, 1]; round 1: c = 2/4 and 0
+    # (nothing sent), est [2, 0], start [-1.5, -0.5]; round 2: c = 12/16 and min(1, 6/4), est [4.5, 0],
+    # start [-4.25, -2]
+    assert run_scripted_blocks(two, 6, inner_steps=2, mode="eager", eager_estimate="scaled") == \
+        [[(-2.0, -4.25)], [(-2.0, -2.0)]]
 
 
 def test_naive_delayed_golden():
@@ -208,12 +308,15 @@ def test_single_worker_with_unit_outer_lr_reproduces_local_training(mode):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {}), ("overlap", {"overlap_steps": 1}),
+@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {}), ("eager", {"eager_estimate": "mixed"}),
+                                        ("eager", {"eager_estimate": "scaled"}),
+                                        ("eager", {"eager_rule": "paper"}), ("overlap", {"overlap_steps": 1}),
                                         ("data-parallel", {})])
 def test_workers_fed_identical_data_behave_like_one(mode, extra):
-    """Blocking, overlap and data-parallel: M identical workers == one worker. Eager is not, by design
-    (the others' share of the estimate is one round stale, 1/M of it is fresh), but the M workers still
-    stay identical to each other."""
+    """Blocking, overlap, data-parallel and eager 'corrected' ('own' and 'scaled' estimates): M identical
+    workers == one worker (the estimate is exact when every peer sends the same outer gradient). Eager
+    'paper' and the 'mixed' estimate are not, by design (the others' share of its estimate is one round stale, 1/M of it is fresh), but
+    the M workers still stay identical to each other."""
     torch.manual_seed(2)
     data = [torch.randn(5, 8) for _ in range(3)]
     config = DiLoCoConfig(inner_steps=4, num_fragments=2, mode=mode, codec="fp32", **extra)
@@ -225,7 +328,7 @@ def test_workers_fed_identical_data_behave_like_one(mode, extra):
         def worker(rank):
             model = models[rank]
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            diloco = StreamingDiLoCo(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
+            diloco = wrap(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
             for i in range(16):
                 model(data[i % len(data)]).pow(2).mean().backward()
                 opt.step()
@@ -237,11 +340,13 @@ def test_workers_fed_identical_data_behave_like_one(mode, extra):
         return models
 
     (one,), three = run(1), run(3)
+    # the 'paper' rule and the 'mixed' estimate use last round's average for the others' part
+    paper = extra.get("eager_rule") == "paper" or extra.get("eager_estimate") == "mixed"
     for m in three:
-        reference = three[0] if mode == "eager" else one
+        reference = three[0] if paper else one
         for a, b in zip(m.parameters(), reference.parameters()):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    if mode == "eager":  # ...and differ from a single worker, or the test above proves nothing
+    if paper:  # ...and differ from a single worker, or the test above proves nothing
         assert any((a - b).abs().max() > 1e-4 for a, b in zip(three[0].parameters(), one.parameters()))
 
 

@@ -2,21 +2,20 @@
 
 The user's training loop stays vanilla; call ``diloco.step()`` once after every inner optimizer step::
 
-    diloco = StreamingDiLoCo(model, opt, transport=..., config=DiLoCoConfig(...))
+    diloco = wrap(model, opt, transport=..., config=DiLoCoConfig(...))
     for batch in data:
         loss(model, batch).backward(); opt.step(); opt.zero_grad()
         diloco.step(tokens=batch.numel())
     diloco.close()
 
-In ``data-parallel`` mode it instead averages gradients inside ``opt.step()`` (a pre-step hook), so
-the same loop runs the baseline. No networking here: everything goes through a Transport.
+``wrap`` returns a :class:`StreamingDiLoCo` (blocking, overlap, eager, naive-delayed) or, for the
+``data-parallel`` baseline, a :class:`~opendiloco_stream.algorithm.data_parallel.DataParallel`.
+No networking here: everything goes through a Transport. docs/algorithm.md states every rule.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -24,7 +23,10 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
-from opendiloco_stream.algorithm.outer import OuterOptimizer, eager_estimate, joiner_estimate, overlap_merge
+from opendiloco_stream.algorithm.outer import (OuterOptimizer, eager_estimate, joiner_estimate, overlap_merge,
+                                              projected_estimate)
+from opendiloco_stream.algorithm.sync_log import SyncLog
+from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
 
@@ -35,15 +37,15 @@ class _Pending:
 
     handle: SyncHandle
     round: int
-    launched_at: int        # inner step
-    apply_at: int           # inner step at which overlap mode applies it
+    launched_at: int          # inner step
+    apply_at: int             # inner step at which overlap mode applies it
     outer_grad: torch.Tensor  # fp32 d_k (what the local-only fallback uses)
     sent_input: torch.Tensor  # what was handed to the transport (d_k + residual under EF)
 
 
 @dataclass
 class _Previous:
-    """Round k-1's outcome as the eager / naive-delayed rules need it."""
+    """Round k-1's outcome as the 'paper' eager rule and naive-delayed need it."""
 
     average: torch.Tensor
     sent: Optional[torch.Tensor]
@@ -67,55 +69,144 @@ class _ResolvedHandle(SyncHandle):
         return self._result
 
 
+class FragmentState:
+    """Everything one fragment carries between its syncs.
+
+    ``outer`` are the fp32 outer parameters theta_bar_p with their outer optimizer. Under eager
+    'corrected' they step only with group averages, and ``start`` holds the point the local
+    parameters restarted from (theta_bar plus the one-off estimate step): outer gradients are
+    taken against it.
+    """
+
+    def __init__(self, fragment: fr.Fragment, offset: int, config: DiLoCoConfig):
+        self.fragment, self.offset = fragment, offset
+        self.index = fragment.index
+        self.outer = [p.detach().float().clone() for p in fragment.params]
+        self.opt = OuterOptimizer(self.outer, config.outer_lr, config.outer_momentum, config.outer_nesterov)
+        self.start: Optional[list[torch.Tensor]] = None
+        if config.mode == "eager" and config.eager_rule == "corrected":
+            self.start = [t.clone() for t in self.outer]
+        self.tokens = 0
+        self.pending: Optional[_Pending] = None
+        self.previous: Optional[_Previous] = None
+
+    def outer_grad(self) -> torch.Tensor:
+        """d = reference - theta_local, flat fp32 (old minus new); the reference is ``start`` if kept."""
+        ref = self.start if self.start is not None else self.outer
+        return torch.cat([(r - q.detach().float()).reshape(-1) for r, q in zip(ref, self.fragment.params)])
+
+    def set_local(self, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for q, v in zip(self.fragment.params, values):
+                q.copy_(v)
+
+    def restart_from(self, values: list[torch.Tensor]) -> None:
+        """Local parameters (and ``start``, if kept) <- values."""
+        if self.start is not None:
+            for s, v in zip(self.start, values):
+                s.copy_(v)
+        self.set_local(values)
+
+    # checkpoint / donor state
+    def state_dict(self, timeout: float) -> dict[str, Any]:
+        pend = None
+        if self.pending is not None:
+            pend = {"round": self.pending.round, "launched_at": self.pending.launched_at,
+                    "apply_at": self.pending.apply_at, "outer_grad": self.pending.outer_grad.clone(),
+                    "sent_input": self.pending.sent_input.clone(), "result": _result_state(self.pending.handle, timeout)}
+        return {"outer_params": [t.clone() for t in self.outer], "outer_opt": self.opt.state_dict(),
+                "start": None if self.start is None else [t.clone() for t in self.start],
+                "tokens": self.tokens, "pending": pend,
+                "previous": None if self.previous is None else dict(self.previous.__dict__)}
+
+    def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
+        with torch.no_grad():
+            for a, b in zip(self.outer, st["outer_params"]):
+                a.copy_(b)
+        self.opt.load_state_dict(st["outer_opt"])
+        self.tokens = 0 if joiner else int(st["tokens"])
+        self.pending = None
+        if st["pending"] is not None:
+            pend, res, result = st["pending"], st["pending"]["result"], None
+            if res is not None:
+                result = SyncResult(average=res["average"], group_size=res["group_size"], weight_share=res["share"],
+                                    sent=res["sent"], included_self=res["included_self"] and not joiner,
+                                    bytes_sent=0 if joiner else res["bytes_sent"],
+                                    bytes_received=0 if joiner else res["bytes_received"])
+            self.pending = _Pending(_ResolvedHandle((self.index, pend["round"]), result), pend["round"],
+                                    pend["launched_at"], pend["apply_at"], pend["outer_grad"], pend["sent_input"])
+        pr = st["previous"]
+        self.previous = None if pr is None else _Previous(**{**pr, "included_self": pr["included_self"] and not joiner})
+        if joiner:
+            # a joiner has not trained: it starts from the outer parameters
+            self.restart_from(self.outer)
+        elif self.start is not None and st.get("start") is not None:
+            for a, b in zip(self.start, st["start"]):
+                a.copy_(b)
+
+
+def _result_state(handle: SyncHandle, timeout: float) -> Optional[dict[str, Any]]:
+    try:
+        res = handle.wait(timeout=timeout)
+    except SyncFailed:
+        return None
+    return {"average": res.average.clone(), "sent": res.sent.clone(), "share": res.weight_share,
+            "group_size": res.group_size, "included_self": res.included_self,
+            "bytes_sent": res.bytes_sent, "bytes_received": res.bytes_received}
+
+
 class StreamingDiLoCo:
-    """Streaming DiLoCo over any Transport: blocking, tau-overlap, eager, naive-delayed or data-parallel.
+    """Streaming DiLoCo over any Transport: blocking, tau-overlap, eager or naive-delayed.
 
     Args:
         model: the local model (its parameters are the inner parameters theta_m).
         optimizer: the inner optimizer; its state stays local and is never reset.
         transport: one peer's view of the group (LocalSwarm.transport(rank), HivemindTransport...).
-        config: the algorithm's knobs (DiLoCoConfig).
+        config: the algorithm's knobs (DiLoCoConfig); ``data-parallel`` is :func:`wrap`'s job.
         blocks: the transformer blocks for the fragment partition; auto-detected if omitted.
         on_event: called with a dict for every consumed sync (the per-sync metrics record).
     """
 
+    waits_in_optimizer_step = False
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
                  config: DiLoCoConfig, blocks: Optional[list[nn.Module]] = None,
                  on_event: Optional[Callable[[dict[str, Any]], None]] = None):
+        if config.mode == "data-parallel":
+            raise ValueError("mode 'data-parallel' is the DataParallel wrapper: build it with "
+                             "opendiloco_stream.algorithm.wrap(...)")
         self.model, self.optimizer, self.transport, self.config = model, optimizer, transport, config
-        self.on_event = on_event
         self.step_count = 0  # t: inner steps taken
-        self.events: list[dict[str, Any]] = []
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "peak_bytes_per_sync": 0, "syncs": 0,
-                      "failed_syncs": 0, "local_only_steps": 0, "wait_s": 0.0, "rejected": 0}
+        self.log = SyncLog(on_event, config.record_digests)
+        self.error_feedback = ErrorFeedback() if config.error_feedback else None
         self._closed = False
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
         self._lock = threading.RLock()
-        H, P = config.inner_steps, config.num_fragments
-
-        if config.mode == "data-parallel":
-            self.fragments = [fr.Fragment(index=0, names=[n for n, p in model.named_parameters() if p.requires_grad],
-                                          params=[p for p in model.parameters() if p.requires_grad])]
-            self.offsets = [0]
-            self.transport.prepare({0: self.fragments[0].numel})
-            self._dp_hook = optimizer.register_step_pre_hook(self._average_gradients)
-            return
-
         if blocks is None:
             blocks = fr.find_blocks(model)
-        self.fragments = fr.partition(model, blocks, P, config.fragment_pattern)
-        self.offsets = fr.fragment_offsets(H, P)
-        self.transport.prepare({f.index: f.numel for f in self.fragments})
-        # theta_bar: fp32 outer parameters, one Nesterov SGD per fragment
-        self.outer_params = [[p.detach().float().clone() for p in f.params] for f in self.fragments]
-        self.outer_opts = [OuterOptimizer(ps, config.outer_lr, config.outer_momentum, config.outer_nesterov)
-                           for ps in self.outer_params]
-        self._tokens = [0] * P
-        self._pending: list[Optional[_Pending]] = [None] * P
-        self._previous: list[Optional[_Previous]] = [None] * P
-        self._residual: list[Optional[torch.Tensor]] = [None] * P  # error feedback
+        fragments = fr.partition(model, blocks, config.num_fragments, config.fragment_pattern)
+        offsets = fr.fragment_offsets(config.inner_steps, config.num_fragments)
+        self.frags = [FragmentState(f, o, config) for f, o in zip(fragments, offsets)]
+        self.transport.prepare({f.index: f.numel for f in fragments})
         self.transport.set_state_provider(self.state_dict)
+
+    @property
+    def fragments(self) -> list[fr.Fragment]:
+        return [f.fragment for f in self.frags]
+
+    @property
+    def outer_params(self) -> list[list[torch.Tensor]]:
+        """theta_bar per fragment (fp32)."""
+        return [f.outer for f in self.frags]
+
+    @property
+    def stats(self):
+        return self.log.stats
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.log.events
 
     # ------------------------------------------------------------------ the per-step entry point
     def step(self, tokens: Optional[int] = None) -> None:
@@ -123,167 +214,118 @@ class StreamingDiLoCo:
         if self._closed:
             raise RuntimeError("StreamingDiLoCo.step() after close()")
         with self._lock:
-            self._step(tokens)
+            self.step_count += 1
+            t, H = self.step_count, self.config.inner_steps
+            for f in self.frags:
+                f.tokens += int(tokens) if tokens else 0
+            if self.config.mode == "overlap":
+                for f in self.frags:
+                    if f.pending is not None and f.pending.apply_at == t:
+                        self._apply_overlap(f)
+            for f in self.frags:
+                if fr.syncs_at(t, f.offset, H):
+                    self._sync(f, fr.round_index(t, f.offset, H))
 
-    def _step(self, tokens: Optional[int]) -> None:
-        self.step_count += 1
-        t = self.step_count
-        if self.config.mode == "data-parallel":
-            return
-        for p in range(self.config.num_fragments):
-            self._tokens[p] += int(tokens) if tokens else 0
-        mode = self.config.mode
-        if mode == "overlap":
-            for p, pending in enumerate(self._pending):
-                if pending is not None and pending.apply_at == t:
-                    self._apply_overlap(p, pending)
-        for p, offset in enumerate(self.offsets):
-            if fr.syncs_at(t, offset, self.config.inner_steps):
-                self._sync(p, fr.round_index(t, offset, self.config.inner_steps))
-
-    # ------------------------------------------------------------------ per fragment
-    def _outer_grad(self, p: int) -> torch.Tensor:
-        """d = theta_bar - theta_local, flat fp32 (old minus new)."""
-        return torch.cat([(tb - q.detach().float()).reshape(-1)
-                          for tb, q in zip(self.outer_params[p], self.fragments[p].params)])
-
-    def _weight(self, p: int) -> float:
-        if self.config.weighting == "equal" or self._tokens[p] == 0:
-            return 1.0
-        return float(self._tokens[p])
-
-    def _launch(self, p: int, k: int, d: torch.Tensor) -> _Pending:
-        send = d
-        if self.config.error_feedback and self._residual[p] is not None:
-            send = d + self._residual[p]
-        handle = self.transport.all_reduce((p, k), send, weight=self._weight(p))
-        self._tokens[p] = 0
+    # ------------------------------------------------------------------ rounds
+    def _launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
+        send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
+        weight = 1.0 if self.config.weighting == "equal" or f.tokens == 0 else float(f.tokens)
+        handle = self.transport.all_reduce((f.index, k), send, weight=weight)
+        f.tokens = 0
         t = self.step_count
         return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)
 
-    def _wait(self, p: int, pending: _Pending) -> tuple[Optional[SyncResult], Optional[str], float]:
-        start = time.perf_counter()
-        try:
-            result = pending.handle.wait(timeout=self.config.sync_timeout)
-            reason = None
-        except SyncFailed as e:
-            result, reason = None, e.reason
-        waited = time.perf_counter() - start
-        self.stats["wait_s"] += waited
-        if self.config.error_feedback:
+    def _wait(self, f: FragmentState, pending: _Pending) -> tuple[Optional[SyncResult], Optional[str], float]:
+        result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout)
+        if self.error_feedback is not None:
             # residual = what we meant to send minus what went on the wire; dropped if the round failed
-            self._residual[p] = (pending.sent_input - result.sent) if result is not None else None
+            if result is not None:
+                self.error_feedback.update(f.index, pending.sent_input, result.sent)
+            else:
+                self.error_feedback.reset(f.index)
         return result, reason, waited
 
-    def _apply_outer(self, p: int, outer_grad: torch.Tensor) -> None:
-        """theta_bar_p <- OuterOpt_p(theta_bar_p, outer_grad)."""
-        self.outer_opts[p].step(outer_grad)
+    def _consume(self, f: FragmentState, pending: _Pending, applied: bool = False) -> Optional[SyncResult]:
+        """Wait for a round and record it; ``applied``: the record says what this sync applies
+        ("average", or "local-only" if the round failed), as blocking and overlap do."""
+        result, reason, waited = self._wait(f, pending)
+        estimate = ("average" if result is not None else "local-only") if applied else None
+        self.log.record(f.index, pending.round, self.step_count, result, reason, waited, estimate)
+        return result
 
-    def _copy_outer_to_local(self, p: int) -> None:
-        with torch.no_grad():
-            for q, tb in zip(self.fragments[p].params, self.outer_params[p]):
-                q.copy_(tb)
+    def _outer_step(self, f: FragmentState, k: int, kind: str) -> None:
+        if kind == "local-only":
+            self.log.stats.local_only_steps += 1
+        self.log.emit({"event": "outer_step", "fragment": f.index, "round": k, "step": self.step_count,
+                       "estimate": kind})
 
-    def _sync(self, p: int, k: int) -> None:
+    def _sync(self, f: FragmentState, k: int) -> None:
         mode = self.config.mode
-        d = self._outer_grad(p)
+        d = f.outer_grad()
         if mode == "blocking":
-            pending = self._launch(p, k, d)
-            result, reason, waited = self._wait(p, pending)
-            self._apply_outer(p, result.average if result is not None else d)
-            self._copy_outer_to_local(p)
-            self._record(p, k, result, reason, waited, "average" if result is not None else "local-only")
+            pending = self._launch(f, k, d)
+            result = self._consume(f, pending, applied=True)
+            f.opt.step(result.average if result is not None else d)
+            f.restart_from(f.outer)
         elif mode == "overlap":
-            self._pending[p] = self._launch(p, k, d)
-        else:  # eager / naive-delayed: consume round k-1, launch round k, step with the estimate
-            prev_pending = self._pending[p]
-            if prev_pending is not None:
-                result, reason, waited = self._wait(p, prev_pending)
-                if result is not None:
-                    self._previous[p] = _Previous(result.average, result.sent, result.weight_share,
-                                                  result.group_size, result.included_self)
-                else:
-                    self._previous[p] = None
-                self._record(p, prev_pending.round, result, reason, waited, None)
-            self._pending[p] = self._launch(p, k, d)
-            prev = self._previous[p]
-            if prev is None:
-                estimate, kind = d, "local-only"
-            elif mode == "naive-delayed":
-                estimate, kind = prev.average, "delayed"
-            elif prev.included_self and prev.sent is not None:
-                estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
-            else:
-                estimate, kind = joiner_estimate(d, prev.average, prev.group_size), "eager-joiner"
-            self._previous[p] = None  # each round's result is used exactly once
-            if kind == "local-only":
-                self.stats["local_only_steps"] += 1
-            self._apply_outer(p, estimate)
-            self._copy_outer_to_local(p)
-            self._emit({"event": "outer_step", "fragment": p, "round": k, "step": self.step_count,
-                        "estimate": kind})
-
-    def _apply_overlap(self, p: int, pending: _Pending) -> None:
-        result, reason, waited = self._wait(p, pending)
-        self._apply_outer(p, result.average if result is not None else pending.outer_grad)
-        with torch.no_grad():
-            for q, tb in zip(self.fragments[p].params, self.outer_params[p]):
-                q.copy_(overlap_merge(q.detach().float(), tb, self.config.alpha))
-        self._pending[p] = None
-        self._record(p, pending.round, result, reason, waited, "average" if result is not None else "local-only")
-        if result is None:
-            self.stats["local_only_steps"] += 1
-
-    # ------------------------------------------------------------------ data-parallel baseline
-    def _average_gradients(self, optimizer, args, kwargs) -> None:
-        params = self.fragments[0].params
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = fr.flatten(grads)
-        t = self.step_count + 1
-        handle = self.transport.all_reduce((0, t), flat, weight=1.0)
-        start = time.perf_counter()
-        try:
-            result, reason = handle.wait(timeout=self.config.sync_timeout), None
-        except SyncFailed as e:
-            result, reason = None, e.reason
-        waited = time.perf_counter() - start
-        self.stats["wait_s"] += waited
-        if result is not None:
-            for p, g in zip(params, fr.unflatten(result.average, grads)):
-                if p.grad is None:
-                    p.grad = g.to(p.dtype).clone()
-                else:
-                    p.grad.copy_(g)
-        self._record(0, t, result, reason, waited, "average" if result is not None else "local-only")
-
-    # ------------------------------------------------------------------ metrics
-    def _record(self, p: int, k: int, result: Optional[SyncResult], reason: Optional[str], waited: float,
-                estimate: Optional[str]) -> None:
-        self.stats["syncs"] += 1
-        rec: dict[str, Any] = {"event": "sync", "fragment": p, "round": k, "step": self.step_count,
-                               "ok": result is not None, "wait_s": round(waited, 6)}
-        if result is not None:
-            rec.update(group_size=result.group_size, bytes_sent=result.bytes_sent,
-                       bytes_received=result.bytes_received, weight_share=round(result.weight_share, 6),
-                       included_self=result.included_self, rejected=result.rejected)
-            self.stats["bytes_sent"] += result.bytes_sent
-            self.stats["bytes_received"] += result.bytes_received
-            self.stats["peak_bytes_per_sync"] = max(self.stats["peak_bytes_per_sync"], result.bytes_sent)
-            self.stats["rejected"] += result.rejected
-            if self.config.record_digests:
-                rec["digest"] = hashlib.blake2b(result.average.detach().cpu().float().numpy().tobytes(),
-                                                digest_size=16).hexdigest()
+            f.pending = self._launch(f, k, d)
+        elif mode == "eager" and self.config.eager_rule == "corrected":
+            self._sync_corrected(f, k, d)
         else:
-            rec.update(group_size=0, reason=reason)
-            self.stats["failed_syncs"] += 1
-        if estimate is not None:
-            rec["estimate"] = estimate
-        self._emit(rec)
+            self._sync_delayed(f, k, d)
 
-    def _emit(self, rec: dict[str, Any]) -> None:
-        self.events.append(rec)
-        if self.on_event is not None:
-            self.on_event(rec)
+    def _sync_corrected(self, f: FragmentState, k: int, d: torch.Tensor) -> None:
+        """Eager, 'corrected': theta_bar steps only with group averages, one round late (a failed
+        round falls back to this peer's own outer gradient); the local parameters restart from a
+        one-off look-ahead step on top of theta_bar with an estimate of round k's average, which
+        the true average replaces when it lands."""
+        prev = None
+        if f.pending is not None:
+            result = self._consume(f, f.pending)
+            f.opt.step(result.average if result is not None else f.pending.outer_grad)
+            prev = result
+        f.pending = self._launch(f, k, d)
+        if prev is None:
+            estimate, kind = d, "local-only"
+        elif self.config.eager_estimate == "mixed" and prev.included_self:
+            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.weight_share), "eager"
+        elif self.config.eager_estimate == "scaled" and prev.included_self:
+            estimate, kind = projected_estimate(d, prev.average, prev.sent), "eager"
+        else:
+            estimate, kind = d, "eager"
+        f.restart_from(f.opt.lookahead(estimate))
+        self._outer_step(f, k, kind)
+
+    def _sync_delayed(self, f: FragmentState, k: int, d: torch.Tensor) -> None:
+        """Eager 'paper' and naive-delayed: consume round k-1, launch round k, step theta_bar with
+        the estimate (the outer optimizer's momentum consumes the estimate)."""
+        if f.pending is not None:
+            result = self._consume(f, f.pending)
+            f.previous = None if result is None else _Previous(result.average, result.sent, result.weight_share,
+                                                               result.group_size, result.included_self)
+        f.pending = self._launch(f, k, d)
+        prev = f.previous
+        if prev is None:
+            estimate, kind = d, "local-only"
+        elif self.config.mode == "naive-delayed":
+            estimate, kind = prev.average, "delayed"
+        elif prev.included_self and prev.sent is not None:
+            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
+        else:
+            estimate, kind = joiner_estimate(d, prev.average, prev.group_size), "eager-joiner"
+        f.previous = None  # each round's result is used exactly once
+        f.opt.step(estimate)
+        f.restart_from(f.outer)
+        self._outer_step(f, k, kind)
+
+    def _apply_overlap(self, f: FragmentState) -> None:
+        pending, f.pending = f.pending, None
+        result = self._consume(f, pending, applied=True)
+        f.opt.step(result.average if result is not None else pending.outer_grad)
+        f.set_local([overlap_merge(q.detach().float(), tb, self.config.alpha)
+                     for q, tb in zip(f.fragment.params, f.outer)])
+        if result is None:
+            self.log.stats.local_only_steps += 1
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -294,80 +336,63 @@ class StreamingDiLoCo:
         Thread-safe: a snapshot is taken between two steps, never in the middle of one.
         """
         with self._lock:
-            return self._state_dict()
-
-    def _state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"step": self.step_count, "mode": self.config.mode}
-        if self.config.mode == "data-parallel":
-            return state
-        pending = []
-        for p, pend in enumerate(self._pending):
-            if pend is None:
-                pending.append(None)
-                continue
-            try:
-                res = pend.handle.wait(timeout=self.config.sync_timeout)
-                res_state = {"average": res.average.clone(), "sent": res.sent.clone(), "share": res.weight_share,
-                             "group_size": res.group_size, "included_self": res.included_self,
-                             "bytes_sent": res.bytes_sent, "bytes_received": res.bytes_received}
-            except SyncFailed:
-                res_state = None
-            pending.append({"round": pend.round, "launched_at": pend.launched_at, "apply_at": pend.apply_at,
-                            "outer_grad": pend.outer_grad.clone(), "sent_input": pend.sent_input.clone(),
-                            "result": res_state})
-        state.update(
-            outer_params=[[t.clone() for t in ps] for ps in self.outer_params],
-            outer_opt=[o.state_dict() for o in self.outer_opts],
-            tokens=list(self._tokens),
-            pending=pending,
-            previous=[None if pr is None else dict(pr.__dict__) for pr in self._previous],
-            residual=[None if r is None else r.clone() for r in self._residual],
-        )
-        return state
+            return {"step": self.step_count, "mode": self.config.mode,
+                    "fragments": [f.state_dict(self.config.sync_timeout) for f in self.frags],
+                    "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], *, joiner: bool = False) -> None:
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local
         parameters are set to the outer parameters, the donor's own contributions are not taken
         as ours, and error-feedback residuals start empty."""
         with self._lock:
-            self._load_state_dict(state, joiner)
+            if len(state["fragments"]) != len(self.frags):
+                raise ValueError(f"state has {len(state['fragments'])} fragments, this model has {len(self.frags)}")
+            self.step_count = int(state["step"])
+            for f, st in zip(self.frags, state["fragments"]):
+                f.load_state_dict(st, joiner)
+            if self.error_feedback is not None:
+                self.error_feedback = ErrorFeedback()
+                if not joiner and state.get("error_feedback") is not None:
+                    self.error_feedback.load_state_dict(state["error_feedback"])
 
-    def _load_state_dict(self, state: dict[str, Any], joiner: bool) -> None:
-        self.step_count = int(state["step"])
-        if self.config.mode == "data-parallel":
-            return
-        with torch.no_grad():
-            for mine, theirs in zip(self.outer_params, state["outer_params"]):
-                for a, b in zip(mine, theirs):
-                    a.copy_(b)
-        for opt, s in zip(self.outer_opts, state["outer_opt"]):
-            opt.load_state_dict(s)
-        self._tokens = [0] * len(self._tokens) if joiner else list(state["tokens"])
-        for p, pend in enumerate(state["pending"]):
-            if pend is None:
-                self._pending[p] = None
-                continue
-            res = pend["result"]
-            result = None
-            if res is not None:
-                result = SyncResult(average=res["average"], group_size=res["group_size"],
-                                    weight_share=res["share"], sent=res["sent"],
-                                    included_self=res["included_self"] and not joiner,
-                                    bytes_sent=0 if joiner else res["bytes_sent"],
-                                    bytes_received=0 if joiner else res["bytes_received"])
-            self._pending[p] = _Pending(_ResolvedHandle((p, pend["round"]), result), pend["round"],
-                                        pend["launched_at"], pend["apply_at"], pend["outer_grad"], pend["sent_input"])
-        self._previous = [None if pr is None else _Previous(**{**pr, "included_self": pr["included_self"] and not joiner})
-                          for pr in state["previous"]]
-        self._residual = [None] * len(self._residual) if joiner else list(state["residual"])
-        if joiner:
-            for p in range(len(self.fragments)):
-                self._copy_outer_to_local(p)
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched round has not been applied yet (what ``finish`` would apply)."""
+        return any(f.pending is not None for f in self.frags)
+
+    def finish(self) -> None:
+        """End of training: let the rounds still in flight land and apply them, so the final model
+        holds every round's group average (waits at most ``sync_timeout`` per round; no inner step
+        waits). Eager 'corrected' commits each average to theta_bar and swaps the estimate step for
+        it, keeping the local progress since the restart; overlap applies its pending merge now.
+        Eager 'paper' and naive-delayed have no correction step and only record the rounds.
+        Call it once, after the last ``step()``; the state is no longer an exact resume point."""
+        with self._lock:
+            for f in self.frags:
+                if f.pending is None:
+                    continue
+                if self.config.mode == "overlap":
+                    self._apply_overlap(f)
+                    continue
+                pending, f.pending = f.pending, None
+                result = self._consume(f, pending)
+                if f.start is None or result is None:
+                    continue
+                f.opt.step(result.average)
+                drift = [q.detach().float() - s_ for q, s_ in zip(f.fragment.params, f.start)]
+                f.restart_from(f.outer)
+                f.set_local([o + dr for o, dr in zip(f.outer, drift)])
 
     def close(self) -> None:
         """Stop using the transport. Rounds still in flight are left to the transport to cancel."""
-        if self._closed:
-            return
         self._closed = True
-        if self.config.mode == "data-parallel":
-            self._dp_hook.remove()
+
+
+def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport, config: DiLoCoConfig,
+         blocks: Optional[list[nn.Module]] = None, on_event: Optional[Callable[[dict[str, Any]], None]] = None):
+    """The wrapper for ``config.mode``: DataParallel for 'data-parallel', else StreamingDiLoCo."""
+    if config.mode == "data-parallel":
+        from opendiloco_stream.algorithm.data_parallel import DataParallel
+
+        return DataParallel(model, optimizer, transport, config, blocks=blocks, on_event=on_event)
+    return StreamingDiLoCo(model, optimizer, transport, config, blocks=blocks, on_event=on_event)

@@ -33,6 +33,22 @@ class OuterOptimizer:
         for p in self.params:
             p.grad = None
 
+    def lookahead(self, outer_grad: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters ``step(outer_grad)`` would produce, without changing any state."""
+        group = self.opt.param_groups[0]
+        lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        out, offset = [], 0
+        for p in self.params:
+            n = p.numel()
+            g = outer_grad[offset:offset + n].view_as(p).to(p.device, p.dtype)
+            offset += n
+            if beta > 0:
+                buf = self.opt.state.get(p, {}).get("momentum_buffer")
+                buf = g.clone() if buf is None else buf * beta + g
+                g = g + buf * beta if nesterov else buf
+            out.append(p - g * lr)
+        return out
+
     def state_dict(self) -> dict:
         return self.opt.state_dict()
 
@@ -47,6 +63,18 @@ def eager_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Ten
     its fresh outer gradient ``d_k``; the others' contributions arrive one round late.
     """
     return prev_avg + (d - prev_sent) * prev_share
+
+
+def projected_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Tensor) -> torch.Tensor:
+    """``c * d_k`` with ``c = <q_{k-1}, avg_{k-1}> / |q_{k-1}|^2`` clipped to [0, 1].
+
+    ``c`` is the least-squares coefficient of last round's average on this peer's own contribution
+    to it: how much of the group's step the peer's own outer gradient predicted. Identical peers
+    give c = 1; peers with orthogonal contributions give c = share.
+    """
+    denom = float(prev_sent.pow(2).sum())
+    c = 0.0 if denom == 0.0 else min(1.0, max(0.0, float((prev_sent * prev_avg).sum()) / denom))
+    return d * c
 
 
 def joiner_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_group_size: int) -> torch.Tensor:

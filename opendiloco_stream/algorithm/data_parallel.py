@@ -1,0 +1,93 @@
+"""The data-parallel baseline: gradients averaged through the same transport at every inner step.
+
+It has the same surface as :class:`StreamingDiLoCo` (``step``, ``stats``, ``events``,
+``state_dict``, ``close``) so one training loop runs both; build either with
+:func:`opendiloco_stream.algorithm.wrap`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from opendiloco_stream.algorithm import fragments as fr
+from opendiloco_stream.algorithm.sync_log import SyncLog
+from opendiloco_stream.config import DiLoCoConfig
+from opendiloco_stream.transport.base import Transport
+
+
+class DataParallel:
+    """Averages gradients inside ``optimizer.step()`` (a step pre-hook), every inner step.
+
+    The wait for the average happens inside the optimizer step; ``waits_in_optimizer_step`` tells a
+    training loop to count it as communication, not compute.
+    """
+
+    waits_in_optimizer_step = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
+                 config: DiLoCoConfig, blocks: Optional[list[nn.Module]] = None,
+                 on_event: Optional[Callable[[dict[str, Any]], None]] = None):
+        del blocks  # one fragment: the whole model
+        self.model, self.optimizer, self.transport, self.config = model, optimizer, transport, config
+        self.step_count = 0
+        self.log = SyncLog(on_event, config.record_digests)
+        self._lock = threading.RLock()
+        self._closed = False
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.fragments = [fr.Fragment(index=0, names=[n for n, p in model.named_parameters() if p.requires_grad],
+                                      params=params)]
+        self.transport.prepare({0: self.fragments[0].numel})
+        self._hook = optimizer.register_step_pre_hook(self._average_gradients)
+
+    @property
+    def stats(self):
+        return self.log.stats
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.log.events
+
+    def step(self, tokens: Optional[int] = None) -> None:
+        """Call once after every inner optimizer step (the averaging already happened inside it)."""
+        if self._closed:
+            raise RuntimeError("DataParallel.step() after close()")
+        with self._lock:
+            self.step_count += 1
+
+    def _average_gradients(self, optimizer, args, kwargs) -> None:
+        params = self.fragments[0].params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        t = self.step_count + 1
+        handle = self.transport.all_reduce((0, t), fr.flatten(grads), weight=1.0)
+        result, reason, waited = self.log.wait(handle, self.config.sync_timeout)
+        if result is not None:
+            for p, g in zip(params, fr.unflatten(result.average, grads)):
+                if p.grad is None:
+                    p.grad = g.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(g)
+        self.log.record(0, t, self.step_count, result, reason, waited, "average" if result is not None else "local-only")
+
+    @property
+    def in_flight(self) -> bool:
+        return False
+
+    def finish(self) -> None:
+        """Nothing is ever in flight between two steps."""
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"step": self.step_count, "mode": "data-parallel"}
+
+    def load_state_dict(self, state: dict[str, Any], *, joiner: bool = False) -> None:
+        with self._lock:
+            self.step_count = int(state["step"])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._hook.remove()
