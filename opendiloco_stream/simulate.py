@@ -147,7 +147,7 @@ def fragment_blocks(layers: int, num_frags: int, pattern: str = "strided") -> li
 
 
 def fragment_offsets(inner_steps: int, num_frags: int) -> list[int]:
-    """``o_p = floor((p+1)*H/P) mod H`` (the trainer's staggered schedule, DESIGN.md section 1)."""
+    """``o_p = floor((p+1)*H/P) mod H``: the trainer's staggered schedule (docs/algorithm.md)."""
     return [((p + 1) * inner_steps // num_frags) % inner_steps for p in range(num_frags)]
 
 

@@ -3,12 +3,13 @@ CLI's contract for bad input."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from opendiloco_stream.train.loop import read_metrics
 
 SMALL = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--no-progress", "--threads", "1"]
 
@@ -18,7 +19,8 @@ def run_local(tmp_path: Path, name: str, *flags: str, timeout: float = 300) -> d
     proc = subprocess.run([sys.executable, "-m", "opendiloco_stream", "local", *SMALL, *flags,
                            "--metrics-file", str(metrics)], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_metrics(metrics)
+    assert len(records) == len(metrics.read_text().splitlines())  # every line is a whole JSON record
     summary = records[-1]
     assert summary["event"] == "summary"
     summary["_records"] = records

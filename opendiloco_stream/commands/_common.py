@@ -1,103 +1,69 @@
-"""Flags shared by the training commands (``local``, ``peer``) and their mapping onto RunConfig.
+"""What the training commands (``local``, ``peer``) share: their flags, the data, the summary table.
 
-Every flag defaults to ``None`` so that only flags given on the command line override the TOML file
-(``--config``) and the environment (``ODS_SECTION__FIELD``).
+The flags come from the configuration tree (``config_cli.py``): every field of the training
+sections is a flag that defaults to ``None``, so only flags given on the command line override the
+TOML file (``--config``) and the environment (``ODS_SECTION__FIELD``).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Iterable
 
-from opendiloco_stream.config import CODECS, MODES, RunConfig, load_config
-
-# flag dest -> (section, field)
-TRAINING_FLAGS: dict[str, tuple[str, str]] = {
-    "mode": ("diloco", "mode"),
-    "fragments": ("diloco", "num_fragments"),
-    "fragment_pattern": ("diloco", "fragment_pattern"),
-    "inner_steps": ("diloco", "inner_steps"),
-    "overlap_steps": ("diloco", "overlap_steps"),
-    "alpha": ("diloco", "alpha"),
-    "outer_lr": ("diloco", "outer_lr"),
-    "outer_momentum": ("diloco", "outer_momentum"),
-    "codec": ("diloco", "codec"),
-    "block_size": ("diloco", "codec_block_size"),
-    "scale_dtype": ("diloco", "codec_scale_dtype"),
-    "stochastic_rounding": ("diloco", "stochastic_rounding"),
-    "error_feedback": ("diloco", "error_feedback"),
-    "weighting": ("diloco", "weighting"),
-    "sync_timeout": ("diloco", "sync_timeout"),
-    "model": ("model", "name"),
-    "seq_len": ("model", "seq_len"),
-    "dataset": ("data", "dataset"),
-    "dataset_config": ("data", "dataset_config"),
-    "text_field": ("data", "text_field"),
-    "tokenizer": ("data", "tokenizer"),
-    "steps": ("train", "steps"),
-    "batch_size": ("train", "batch_size"),
-    "lr": ("train", "lr"),
-    "warmup_steps": ("train", "warmup_steps"),
-    "eval_every": ("train", "eval_every"),
-    "seed": ("train", "seed"),
-    "device": ("train", "device"),
-    "metrics_file": ("train", "metrics_file"),
-    "checkpoint_dir": ("train", "checkpoint_dir"),
-    "checkpoint_every": ("train", "checkpoint_every"),
-    "resume": ("train", "resume"),
-}
+from opendiloco_stream.config_cli import (  # noqa: F401 (re-exported for the commands)
+    TRAINING_SECTIONS, add_config_flags, config_from_args, overrides_from_args,
+)
 
 
-def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """Add the algorithm / model / data / training flags (all optional overrides)."""
-    p.add_argument("--config", metavar="TOML", help="a peer config file (see peers/*.toml)")
-    g = p.add_argument_group("algorithm")
-    g.add_argument("--mode", choices=MODES, help="eager (default), overlap, blocking, naive-delayed, data-parallel")
-    g.add_argument("--fragments", "--num-fragments", dest="fragments", type=int, metavar="P", help="fragments (1 = DiLoCo)")
-    g.add_argument("--fragment-pattern", choices=("strided", "sequential"))
-    g.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per outer round")
-    g.add_argument("--overlap-steps", "--tau", dest="overlap_steps", type=int, metavar="TAU",
-                   help="inner steps of overlap (mode overlap)")
-    g.add_argument("--alpha", type=float, help="overlap merge weight of the local parameters")
-    g.add_argument("--outer-lr", type=float)
-    g.add_argument("--outer-momentum", type=float)
-    g.add_argument("--codec", choices=CODECS, help="wire format of outer gradients")
-    g.add_argument("--block-size", type=int, help="codec block size (low-bit codecs)")
-    g.add_argument("--scale-dtype", choices=("fp16", "fp32"))
-    g.add_argument("--stochastic-rounding", action="store_true", default=None)
-    g.add_argument("--error-feedback", action="store_true", default=None)
-    g.add_argument("--weighting", choices=("tokens", "equal"))
-    g.add_argument("--sync-timeout", type=float, metavar="S")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="preset (tiny, 35M, 100M, ...) or a local HF model/config path")
-    g.add_argument("--seq-len", type=int)
-    g.add_argument("--dataset", help="'builtin', a local file/dir (.txt/.jsonl/.parquet) or a hub dataset name")
-    g.add_argument("--dataset-config")
-    g.add_argument("--text-field")
-    g.add_argument("--tokenizer", help="a local HF tokenizer directory (default: bytes)")
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, metavar="S", help="inner steps per worker")
-    g.add_argument("--batch-size", type=int)
-    g.add_argument("--lr", type=float, help="inner AdamW learning rate")
-    g.add_argument("--warmup-steps", type=int)
-    g.add_argument("--eval-every", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--device", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--metrics-file", metavar="F", help="JSON-lines metrics output")
-    g.add_argument("--checkpoint-dir", metavar="DIR", help="save atomic checkpoints here")
-    g.add_argument("--checkpoint-every", type=int, metavar="N", help="every N inner steps (0: at the end only)")
-    g.add_argument("--resume", action="store_true", default=None, help="continue from --checkpoint-dir")
+def add_training_flags(p: argparse.ArgumentParser, sections: Iterable[str] = TRAINING_SECTIONS,
+                       exclude: Iterable[str] = ()) -> None:
+    """``--config`` and one flag per field of ``sections`` (all optional overrides)."""
+    if "--config" not in p._option_string_actions:
+        p.add_argument("--config", metavar="TOML", help="a peer config file (see peers/*.toml)")
+    add_config_flags(p, tuple(sections), exclude=exclude)
 
 
-def overrides_from_args(args: argparse.Namespace, extra: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
-    """The nested override dict of the flags that were given."""
-    out: dict[str, Any] = {}
-    for dest, (section, key) in {**TRAINING_FLAGS, **(extra or {})}.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            out.setdefault(section, {})[key] = value
-    return out
+def prepare_data(cfg):
+    """(train source, validation tensor, vocab size) for a config; DataError -> UsageError."""
+    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.train import data as data_mod
+
+    try:
+        tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
+        train_source, val = data_mod.build_datasets(
+            cfg.data.dataset, tokenizer=tokenizer, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction,
+            dataset_config=cfg.data.dataset_config, text_field=cfg.data.text_field, seed=cfg.train.seed,
+            streaming=cfg.data.streaming)
+    except data_mod.DataError as e:
+        raise UsageError(str(e)) from None
+    return train_source, val, tokenizer.vocab_size
 
 
-def config_from_args(args: argparse.Namespace, extra: dict[str, tuple[str, str]] | None = None) -> RunConfig:
-    return load_config(getattr(args, "config", None), overrides_from_args(args, extra))
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    """A short human table of the summary record."""
+    rows = [
+        ("mode", f"{s['mode']} (P={s['fragments']}, H={s['inner_steps']}, tau={s['overlap_steps']}, codec {s['codec']})"),
+        ("workers x steps", f"{s['workers']} x {s['steps']}  ({s['tokens']:,} tokens)"),
+        ("eval loss", f"{s['eval_loss_initial']:.4f} -> {s['eval_loss']:.4f}"
+                      + (f"  (before the in-flight rounds landed: {s['eval_loss_before_finish']:.4f})"
+                         if s.get("eval_loss_before_finish") == s.get("eval_loss_before_finish") else "")),
+        ("train loss (last 20 steps)", f"{s['train_loss']:.4f}"),
+        ("bytes sent per worker", _fmt_bytes(s["bytes_sent_per_worker"])),
+        ("peak bytes per sync", f"{_fmt_bytes(s['peak_bytes_per_sync'])}  (whole outer gradient: "
+                                f"{_fmt_bytes(s['model_outer_gradient_bytes'])})"),
+        ("syncs / failed / local-only", f"{s['syncs']} / {s['failed_syncs']} / {s['local_only_steps']}"),
+        ("compute utilization", f"{100 * s['compute_utilization']:.1f}%"),
+        ("wall time", f"{s['wall_time_s']:.1f} s  ({s['tokens_per_s']:,.0f} tokens/s)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")

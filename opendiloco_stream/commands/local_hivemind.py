@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from opendiloco_stream.config import RunConfig
+from opendiloco_stream.stats import SyncStats
 
 GRACE_S = 30.0
 
@@ -83,26 +84,9 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = GRACE_S) -> Non
             pass
 
 
-class _Tail:
-    """Incrementally read a JSON-lines file another process is writing."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.buf = path, 0, ""
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path) as fh:
-            fh.seek(self.offset)
-            data = fh.read()
-            self.offset = fh.tell()
-        self.buf += data
-        *complete, self.buf = self.buf.split("\n")
-        return [json.loads(line) for line in complete if line.strip()]
-
-
 def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    """One summary over peers (sums of counts, means of losses and utilization)."""
+    """One summary over peers: their sync counters merged as ``summarize`` merges workers'
+    (``SyncStats``), tokens summed, means of losses and utilization."""
     def mean(key: str) -> float:
         xs = [s[key] for s in summaries if s.get(key) == s.get(key)]
         return float(sum(xs) / len(xs)) if xs else float("nan")
@@ -111,15 +95,11 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     out = {k: first[k] for k in ("mode", "codec", "fragments", "inner_steps", "overlap_steps", "model", "params",
                                  "model_outer_gradient_bytes")}
     tokens = sum(s["tokens"] for s in summaries)
+    stats = SyncStats.total(SyncStats.from_record(s) for s in summaries)
     out.update(
         event="summary", transport="hivemind", workers=len(summaries), steps=max(s["steps"] for s in summaries),
         tokens=tokens, eval_loss_initial=mean("eval_loss_initial"), eval_loss=mean("eval_loss"),
-        train_loss=mean("train_loss"), bytes_sent=sum(s["bytes_sent"] for s in summaries),
-        bytes_received=sum(s["bytes_received"] for s in summaries),
-        bytes_sent_per_worker=sum(s["bytes_sent"] for s in summaries) / len(summaries),
-        peak_bytes_per_sync=max(s["peak_bytes_per_sync"] for s in summaries),
-        syncs=sum(s["syncs"] for s in summaries), failed_syncs=sum(s["failed_syncs"] for s in summaries),
-        local_only_steps=sum(s["local_only_steps"] for s in summaries), wait_s=sum(s["wait_s"] for s in summaries),
+        train_loss=mean("train_loss"), **stats.summary_fields(len(summaries)),
         compute_utilization=mean("compute_utilization"), wall_time_s=wall,
         tokens_per_s=tokens / wall if wall > 0 else 0.0, peers=[s.get("peer_id") for s in summaries])
     return out
@@ -128,8 +108,9 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
     from tqdm import tqdm
 
-    from opendiloco_stream.commands.local import print_summary
+    from opendiloco_stream.commands._common import print_summary
     from opendiloco_stream.net.lifecycle import GracefulShutdown
+    from opendiloco_stream.train.metrics_file import MetricsTail
 
     M = args.workers
     run_id = cfg.net.run_id if cfg.net.run_id != "opendiloco" else f"local-{os.getpid()}"
@@ -152,16 +133,16 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
             procs.extend(peers)
             print(f"local run '{run_id}': bootstrap + {M} peers on 127.0.0.1; logs and metrics in {workdir}",
                   file=sys.stderr)
-            tails = [_Tail(workdir / f"peer-{r}.jsonl") for r in range(M)]
+            tails = [MetricsTail(workdir / f"peer-{r}.jsonl") for r in range(M)]
             summaries: list[Optional[dict]] = [None] * M
             bar = tqdm(total=M * cfg.train.steps, desc=f"{cfg.diloco.mode} x{M} (hivemind)", unit="step",
                        disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
             writer = open(cfg.train.metrics_file, "w") if cfg.train.metrics_file else None
             start = time.perf_counter()
 
-            def drain() -> None:
+            def drain(final: bool = False) -> None:
                 for r, tail in enumerate(tails):
-                    for rec in tail.read():
+                    for rec in tail.read(final):
                         rec["rank"] = r
                         if writer:
                             writer.write(json.dumps(rec) + "\n")
@@ -173,7 +154,7 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
             while not stop.requested and any(p.poll() is None for p in peers):
                 drain()
                 stop.wait(0.5)
-            drain()  # what the peers wrote before exiting
+            drain(final=True)  # what the peers wrote before exiting
             bar.close()
             wall = time.perf_counter() - start
             failed = [r for r, p in enumerate(peers) if p.returncode not in (0, None)]

@@ -20,45 +20,16 @@ from typing import Any
 
 import torch
 
-from opendiloco_stream.commands._common import add_training_flags, overrides_from_args
-from opendiloco_stream.config import load_config
+from opendiloco_stream.commands._common import add_training_flags, config_from_args
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
 
-# transport knobs beyond the shared network flags (net/flags.py)
-TRANSPORT_FLAGS: dict[str, tuple[str, str]] = {
-    "client_mode": ("net", "client_mode"),
-    "link_mbit": ("net", "link_mbit"),
-    "matchmaking_time": ("net", "matchmaking_time"),
-    "allreduce_timeout": ("net", "allreduce_timeout"),
-    "target_group_size": ("net", "target_group_size"),
-    "window_s": ("net", "window_s"),
-    "metrics_port": ("net", "metrics_port"),
-    "shard": ("data", "shard"),
-}
-
 SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
-
-
-def add_transport_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("transport")
-    g.add_argument("--client-mode", action="store_true", default=None, help="outgoing connections only (behind NAT)")
-    g.add_argument("--link-mbit", type=float, help="expected link rate; timeouts are derived from it")
-    g.add_argument("--matchmaking-time", type=float, help="seconds a round waits for its group to form")
-    g.add_argument("--allreduce-timeout", type=float, help="bound on one all-reduce (default: from the link rate)")
-    g.add_argument("--target-group-size", type=int, help="expected number of peers (groups form at once when reached)")
-    g.add_argument("--window-s", type=float, help="time a round may take before its result is needed (H x step "
-                   "time under eager); bounds the derived all-reduce timeout")
-    g.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (0: any free port)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peer", help="join a run and train", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_network_flags(p, config=False)
-    add_transport_flags(p)
-    p.add_argument("--shard", metavar="R/W",
-                   help="data shard of this peer, e.g. 0/3; 'auto' (default) picks one of 64 from the peer id")
+    add_network_flags(p, config=False, every_field=True)  # --initial-peers ... --link-mbit, --metrics-port
     p.add_argument("--no-join", action="store_true", help="do not download state from running peers")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true")
@@ -82,39 +53,26 @@ def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
     return rank, world
 
 
-def build_transport(cfg, dht):
-    from opendiloco_stream.transport.hivemind import HivemindTransport
-
-    d, n = cfg.diloco, cfg.net
-    return HivemindTransport(
-        dht, n.run_id, codec=d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype,
-        stochastic=d.stochastic_rounding, target_group_size=n.target_group_size,
-        matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
-        allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout,
-        link_mbit=n.link_mbit, client_mode=n.client_mode, window_s=n.window_s)
-
-
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.commands.local import prepare_data, print_summary
-    from opendiloco_stream.compression import get_codec
+    from opendiloco_stream.commands._common import prepare_data, print_summary
     from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
     from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
-    from opendiloco_stream.net.metrics import MetricsPublisher
+    from opendiloco_stream.net.metrics import MetricsPublisher, live_values
     from opendiloco_stream.net.prometheus import PrometheusExporter
     from opendiloco_stream.train.loggers import Fanout, build_loggers
-    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
-
-    from opendiloco_stream.config import deep_update
     from opendiloco_stream.net.flags import quiet_hivemind
+    from opendiloco_stream.stats import SyncStats
+    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
+    from opendiloco_stream.transport.factory import codec_from_config, hivemind_transport
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_hivemind(args.verbose)
     die_with_parent()  # a SIGKILLed peer must not orphan its DHT / averager processes and p2pd
-    cfg = load_config(args.config, deep_update(overrides_from_args(args, TRANSPORT_FLAGS), net_overrides(args)))
+    cfg = config_from_args(args, updates=net_overrides(args))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
     if args.threads:
@@ -144,35 +102,26 @@ def run(args: argparse.Namespace) -> int:
                 print(f"prometheus metrics on {exporter.url}", file=sys.stderr, flush=True)
             print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}); "
                   f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
-            transport = build_transport(cfg, dht)
+            transport = hivemind_transport(cfg, dht)
             publisher = MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration,
                                          name=peer_id[-8:])
             writer = MetricsWriter(cfg.train.metrics_file)
             writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",
                           **cfg.model_dump(mode="json")})
             live: dict[str, Any] = {"step": 0, "loss": float("nan"), "tokens": 0, "t0": time.perf_counter(),
-                                    "compute_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "rounds": 0,
-                                    "failed_rounds": 0, "last_pub": 0.0}
+                                    "compute_s": 0.0, "stats": SyncStats(), "last_pub": 0.0}
 
             def snapshot() -> dict[str, Any]:
                 elapsed = max(1e-9, time.perf_counter() - live["t0"])
-                return {"step": live["step"], "loss": live["loss"], "tokens_per_s": live["tokens"] / elapsed,
-                        "bytes_sent": live["bytes_sent"], "bytes_received": live["bytes_received"],
-                        "compute_utilization": min(1.0, live["compute_s"] / elapsed), "rounds": live["rounds"],
-                        "failed_rounds": live["failed_rounds"], "mode": cfg.diloco.mode}
+                return live_values(live["stats"], step=live["step"], loss=live["loss"],
+                                   tokens_per_s=live["tokens"] / elapsed, mode=cfg.diloco.mode,
+                                   compute_utilization=min(1.0, live["compute_s"] / elapsed))
 
             fanout = Fanout(writer.write, sinks)
 
             def emit(rec: dict[str, Any]) -> None:
                 fanout(rec)
-                if rec.get("event") == "sync":
-                    if rec.get("ok"):
-                        live["rounds"] += 1
-                        live["bytes_sent"] += rec.get("bytes_sent", 0)
-                        live["bytes_received"] += rec.get("bytes_received", 0)
-                    else:
-                        live["failed_rounds"] += 1
-                elif rec.get("event") == "step":
+                if rec.get("event") == "step":
                     live["tokens"] += rec["tokens"]
                     live["compute_s"] += rec["compute_s"]
                 elif rec.get("event") == "joined":
@@ -181,9 +130,10 @@ def run(args: argparse.Namespace) -> int:
             bar = tqdm(total=cfg.train.steps, desc=f"peer {peer_id[-6:]}", unit="step", disable=args.no_progress,
                        file=sys.stderr, dynamic_ncols=True)
 
-            def on_step(_rank: int, loss: float) -> None:
+            def on_step(_rank: int, loss: float, stats: SyncStats) -> None:
                 live["step"] += 1
                 live["loss"] = loss
+                live["stats"] = stats  # the trainer's own counters: what the summary will say
                 bar.update(1)
                 now = time.perf_counter()
                 if now - live["last_pub"] >= 2.0:
@@ -197,9 +147,8 @@ def run(args: argparse.Namespace) -> int:
                                   join_running=not args.no_join)
             bar.close()
             wall = time.perf_counter() - start
-            codec = get_codec(cfg.diloco.codec, block_size=cfg.diloco.codec_block_size,
-                              scale_dtype=cfg.diloco.codec_scale_dtype)
-            summary = summarize(cfg, [report], wall, codec.encoded_size)
+            summary = summarize(cfg, [report], wall, codec_from_config(cfg).encoded_size)
+            live["stats"] = report.stats
             summary.update(peer_id=peer_id, stopped_early=stop.requested)
             publisher.publish({**snapshot(), "compute_utilization": summary["compute_utilization"],
                                "tokens_per_s": summary["tokens_per_s"]})

@@ -6,11 +6,13 @@
     sent = codec.decode(data)             # flat fp32, bit-identical on every receiver
 
 See ``codecs.py`` for choosing a codec, ``blockwise.py`` for the code tables and rounding rules,
-``wire.py`` for the byte layout.
+``wire.py`` for the byte layout and the registry of codec names (``CODEC_NAMES``: the one list the
+config, the CLI choices and the wire ids derive from). Names from ``wire.py`` import without torch,
+so the configuration and the CLI's help stay light; the codecs themselves load on first use.
 """
 
-from opendiloco_stream.compression.codecs import Codec, decode, get_codec
-from opendiloco_stream.compression.error_feedback import ErrorFeedback
+from typing import Any
+
 from opendiloco_stream.compression.wire import (
     CODEC_NAMES,
     HEADER_SIZE,
@@ -18,6 +20,8 @@ from opendiloco_stream.compression.wire import (
     WireHeader,
     read_header,
 )
+
+_LAZY = {"Codec": "codecs", "decode": "codecs", "get_codec": "codecs", "ErrorFeedback": "error_feedback"}
 
 __all__ = [
     "CODEC_NAMES",
@@ -30,3 +34,11 @@ __all__ = [
     "get_codec",
     "read_header",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"opendiloco_stream.compression.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'opendiloco_stream.compression' has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """Running a peer cleanly: one process group, signals as a flag, no orphaned p2pd.
 
 hivemind starts helper processes behind your back: the DHT forks a process that spawns ``p2pd``,
-each averager forks another. If the training process dies on a signal, those keep running (DESIGN
-section 3.1). The pieces here keep them together and take them down:
+each averager forks another. If the training process dies on a signal, those keep running (seen
+with hivemind 1.1.12; docs/architecture.md, "Processes"). The pieces here keep them together and
+take them down:
 
 * :func:`new_session` puts a non-interactive peer in its own session, so a launcher can kill the
   peer and every descendant with one ``os.killpg``.

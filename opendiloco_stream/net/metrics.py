@@ -23,6 +23,7 @@ from hivemind.dht.schema import BytesWithPublicKey
 from pydantic.v1 import StrictFloat, confloat, conint, constr
 
 from opendiloco_stream.net.dht import run_key, run_prefix
+from opendiloco_stream.stats import SyncStats
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class PeerMetrics(pydantic.BaseModel):
     bytes_sent: conint(strict=True, ge=0)
     bytes_received: conint(strict=True, ge=0)
     compute_utilization: Optional[confloat(strict=True, ge=0.0, le=1.0)]
-    rounds: conint(strict=True, ge=0)  # fragment rounds completed
+    rounds: conint(strict=True, ge=0)  # fragment rounds completed (SyncStats.ok_syncs, see live_values)
     failed_rounds: conint(strict=True, ge=0)
     mode: Optional[constr(strict=True, max_length=32)]
     time: StrictFloat  # DHT time (seconds since the epoch) of this record
@@ -108,6 +109,14 @@ def _coerce(key: str, value: Any) -> Any:
     if key == "compute_utilization":
         return min(1.0, max(0.0, value))
     return max(0.0, value) if key == "tokens_per_s" else value
+
+
+def live_values(stats: "SyncStats", **progress: Any) -> dict[str, Any]:
+    """What a peer publishes: its sync counters (the one ``SyncStats`` record, under the schema's
+    names: ``rounds`` are the syncs that produced an average) plus ``progress`` (step, loss,
+    tokens_per_s, compute_utilization, mode)."""
+    return {**progress, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+            "rounds": stats.ok_syncs, "failed_rounds": stats.failed_syncs}
 
 
 def to_record(values: dict[str, Any], *, name: str, peer_id: str, time: float) -> dict[str, Any]:

@@ -6,12 +6,10 @@ the CLI trainer is one user of the public StreamingDiLoCo API, not a separate co
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,51 +17,15 @@ import torch.nn.functional as F
 
 from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
 from opendiloco_stream.config import RunConfig
+from opendiloco_stream.stats import SyncStats
 from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
+from opendiloco_stream.train.metrics_file import MetricsWriter, read_metrics  # noqa: F401 (re-exported)
 from opendiloco_stream.train.models import build_model, transformer_blocks
 from opendiloco_stream.transport.base import Transport
 
 
 # Model init seeds torch's process-global RNG: workers running as threads must not interleave it.
 _BUILD_LOCK = threading.Lock()
-
-
-class MetricsWriter:
-    """Thread-safe JSON-lines writer (``--metrics-file``); a no-op without a path."""
-
-    def __init__(self, path: Optional[str]):
-        self._lock = threading.Lock()
-        self._fh = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(path, "w", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._fh is None:
-            return
-        line = json.dumps(record, default=float)
-        with self._lock:
-            self._fh.write(line + "\n")
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-
-def read_metrics(path: "str | Path") -> list[dict[str, Any]]:
-    """The records of a JSON-lines metrics file; a missing file is empty and a cut last line
-    (a peer still writing, or killed mid-line) is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
 
 
 def lr_factor(step: int, warmup: int, total: int, final: float = 0.1) -> float:
@@ -100,19 +62,20 @@ class WorkerReport:
     train_loss: float = float("nan")
     compute_s: float = 0.0
     wall_s: float = 0.0
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: SyncStats = field(default_factory=SyncStats)
     params: int = 0
     outer_gradient_numel: int = 0
 
 
 def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transport, train_source, val: torch.Tensor,
                  vocab_size: int, emit: Callable[[dict[str, Any]], None],
-                 on_step: Optional[Callable[[int, float], None]] = None,
+                 on_step: Optional[Callable[[int, float, SyncStats], None]] = None,
                  should_stop: Optional[Callable[[], bool]] = None, join_running: bool = False) -> WorkerReport:
     """Train one worker for ``cfg.train.steps`` inner steps; return its report.
 
     ``join_running``: download the run's state from peers first (late joiner) and start at the
-    swarm's step. ``should_stop`` is polled after every step (graceful shutdown).
+    swarm's step. ``should_stop`` is polled after every step (graceful shutdown). ``on_step(rank,
+    loss, stats)`` is called after every inner step with the worker's sync counters so far.
     """
     tc, device = cfg.train, cfg.train.device
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -180,7 +143,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
               "lr": sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
               "sync_s": round(t2 - t1, 5)})
         if on_step is not None:
-            on_step(rank, loss_value)
+            on_step(rank, loss_value, diloco.stats)
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
             e0 = time.perf_counter()
             ev = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
@@ -201,16 +164,17 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "eval_loss": report.eval_loss})
     report.train_loss = float(sum(recent) / max(1, len(recent)))
-    report.stats = dict(diloco.stats)
+    # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
+    report.stats = SyncStats.of(diloco.stats)
     diloco.close()
     return report
 
 
 def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_bytes: Callable[[int], int]) -> dict[str, Any]:
-    """The ``{"event": "summary"}`` record (DESIGN.md section 4)."""
+    """The ``{"event": "summary"}`` record (README.md, "Command line"; counters from ``SyncStats``)."""
     n = len(reports)
     tokens = sum(r.tokens for r in reports)
-    bytes_sent = sum(r.stats.get("bytes_sent", 0) for r in reports)
+    stats = SyncStats.total(r.stats for r in reports)
     compute = sum(r.compute_s for r in reports)
     walls = sum(r.wall_s for r in reports)
     numel = reports[0].outer_gradient_numel if reports else 0
@@ -222,15 +186,8 @@ def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_
         "eval_loss_initial": _mean([r.eval_loss_initial for r in reports]),
         "eval_loss": _mean([r.eval_loss for r in reports]),
         "train_loss": _mean([r.train_loss for r in reports]),
-        "bytes_sent": bytes_sent,
-        "bytes_sent_per_worker": bytes_sent / max(1, n),
-        "bytes_received": sum(r.stats.get("bytes_received", 0) for r in reports),
-        "peak_bytes_per_sync": max((r.stats.get("peak_bytes_per_sync", 0) for r in reports), default=0),
+        **stats.summary_fields(n),
         "model_outer_gradient_bytes": codec_bytes(numel),
-        "syncs": sum(r.stats.get("syncs", 0) for r in reports),
-        "failed_syncs": sum(r.stats.get("failed_syncs", 0) for r in reports),
-        "local_only_steps": sum(r.stats.get("local_only_steps", 0) for r in reports),
-        "wait_s": sum(r.stats.get("wait_s", 0.0) for r in reports),
         "compute_utilization": compute / walls if walls > 0 else 0.0,
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,

@@ -5,7 +5,7 @@ The algorithm (``opendiloco_stream.algorithm``) hands a transport one flat fp32 
 configured codec, reduces in fp32 and returns the *dequantized bytes of the quantized average*, so
 every member of a group holds bit-identical results.
 
-Contract (DESIGN.md section 3):
+Contract (docs/architecture.md, "The transport contract"):
 
 * ``all_reduce(key, tensor, weight)`` returns immediately with a :class:`SyncHandle`; the work runs
   in the background (thread, averager process, ...).

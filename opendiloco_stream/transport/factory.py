@@ -1,0 +1,47 @@
+"""Transports built from the configuration: the one place that maps config fields to constructors.
+
+    swarm = local_swarm(cfg, workers=4)            # M workers in this process (LocalSwarm)
+    transport = hivemind_transport(cfg, dht)       # one peer over hivemind
+    codec = codec_from_config(cfg)                 # the wire codec both use
+
+Commands (``local``, ``peer``) and benchmarks build their transports here, so a new transport knob
+is a config field plus one line in this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opendiloco_stream.config import RunConfig
+
+
+def codec_args(cfg: RunConfig) -> dict[str, Any]:
+    """The codec's parameters (``compression.get_codec`` / the transports' codec arguments)."""
+    d = cfg.diloco
+    return dict(block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding)
+
+
+def codec_from_config(cfg: RunConfig):
+    from opendiloco_stream.compression import get_codec
+
+    return get_codec(cfg.diloco.codec, **codec_args(cfg))
+
+
+def local_swarm(cfg: RunConfig, workers: int):
+    """``workers`` simulated peers in this process, reducing exactly as the hivemind transport does."""
+    from opendiloco_stream.transport.local import LocalSwarm
+
+    return LocalSwarm(num_workers=workers, codec=cfg.diloco.codec, **codec_args(cfg), seed=cfg.train.seed,
+                      timeout=cfg.diloco.sync_timeout, chunk_bytes=cfg.net.chunk_bytes, norm_bound=cfg.net.norm_bound)
+
+
+def hivemind_transport(cfg: RunConfig, dht):
+    """This peer's transport over a running hivemind DHT (the caller owns the DHT)."""
+    from opendiloco_stream.transport.hivemind import HivemindTransport
+
+    n = cfg.net
+    return HivemindTransport(
+        dht, n.run_id, codec=cfg.diloco.codec, **codec_args(cfg), target_group_size=n.target_group_size,
+        matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
+        allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout, link_mbit=n.link_mbit,
+        client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=n.chunk_bytes, norm_bound=n.norm_bound)
