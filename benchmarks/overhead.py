@@ -100,7 +100,7 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
     from opendiloco_stream.algorithm.diloco import wrap
     from opendiloco_stream.train.loop import evaluate, lr_factor
     from opendiloco_stream.train.models import build_model, transformer_blocks
-    from opendiloco_stream.transport.local import LocalSwarm
+    from opendiloco_stream.transport.factory import local_swarm
 
     train_source, val, vocab_size = data
     tc, device, d = cfg.train, cfg.train.device, cfg.diloco
@@ -112,9 +112,7 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
     diloco = None
     if wrapped:
-        swarm = LocalSwarm(num_workers=1, codec=d.codec, block_size=d.codec_block_size,
-                           scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding, seed=tc.seed,
-                           timeout=d.sync_timeout)
+        swarm = local_swarm(cfg, 1)
         diloco = wrap(model, opt, transport=swarm.transport(0), config=d, blocks=transformer_blocks(model))
     evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     batches = train_source.batches(0, 1, tc.batch_size)
@@ -147,13 +145,11 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
 def mirror_check(preset: Preset, data, steps: int) -> dict[str, Any]:
     """Losses of ``loop_steps(wrapped=True)`` against ``train_worker`` itself on the same config."""
     from opendiloco_stream.train.loop import train_worker
-    from opendiloco_stream.transport.local import LocalSwarm
+    from opendiloco_stream.transport.factory import local_swarm
 
     cfg = make_config(preset, LOOP_VARIANTS["eager-fp4-e3m0"], steps=steps)
     records: list[dict[str, Any]] = []
-    d = cfg.diloco
-    swarm = LocalSwarm(num_workers=1, codec=d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype,
-                       stochastic=d.stochastic_rounding, seed=cfg.train.seed, timeout=d.sync_timeout)
+    swarm = local_swarm(cfg, 1)
     train_worker(0, 1, cfg, swarm.transport(0), *data, records.append)
     reference = [r["loss"] for r in records if r.get("event") == "step"]
     mirrored = [round(r["loss"], 5) for r in loop_steps(cfg, data, wrapped=True)]

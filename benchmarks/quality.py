@@ -140,16 +140,14 @@ def train_run(cfg: RunConfig, workers: int, data_cache: dict) -> dict[str, Any]:
     """Train ``workers`` threads over a LocalSwarm; return the summary record and the curves."""
     from opendiloco_stream.commands.local import prepare_data
     from opendiloco_stream.train.loop import summarize, train_worker
-    from opendiloco_stream.transport.local import LocalSwarm
+    from opendiloco_stream.transport.factory import local_swarm
 
     key = (cfg.model.seq_len, cfg.train.seed)
     if key not in data_cache:
         data_cache[key] = prepare_data(cfg)
     train_source, val, vocab_size = data_cache[key]
     d = cfg.diloco
-    swarm = LocalSwarm(num_workers=workers, codec=d.codec, block_size=d.codec_block_size,
-                       scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding, seed=cfg.train.seed,
-                       timeout=d.sync_timeout)
+    swarm = local_swarm(cfg, workers)
     records: list[dict[str, Any]] = []  # list.append is atomic under the GIL: safe from worker threads
     start = time.perf_counter()
     reports = swarm.run(lambda rank: train_worker(rank, workers, cfg, swarm.transport(rank), train_source, val,
