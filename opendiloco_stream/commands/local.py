@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", choices=("local", "hivemind"), default="local",
                    help="local: threads in this process; hivemind: N real peers on 127.0.0.1")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cores / workers)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved configuration (with where each value came from), check it, start nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_training_flags(p, exclude=("data.shard",))  # workers take shards r/N
     p.set_defaults(func=run)
@@ -36,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
+    if args.dry_run:
+        from opendiloco_stream.commands.dry_run import dry_run
+
+        cfg, sources = config_from_args(args, return_sources=True)
+        return dry_run(cfg, sources, command="local", config_path=args.config, workers=args.workers)
     cfg = config_from_args(args)
     if args.transport == "hivemind":
         from opendiloco_stream.commands.local_hivemind import run_hivemind

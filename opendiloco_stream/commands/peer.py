@@ -32,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_network_flags(p, config=False, every_field=True)  # --initial-peers ... --link-mbit, --metrics-port
     p.add_argument("--no-join", action="store_true", help="do not download state from running peers")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved configuration (with where each value came from), check it, start nothing")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
     add_training_flags(p)
@@ -72,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_hivemind(args.verbose)
     die_with_parent()  # a SIGKILLed peer must not orphan its DHT / averager processes and p2pd
+    if args.dry_run:
+        from opendiloco_stream.commands.dry_run import dry_run
+
+        cfg, sources = config_from_args(args, updates=net_overrides(args), return_sources=True)
+        return dry_run(cfg, sources, command="peer", config_path=args.config, workers=None)
     cfg = config_from_args(args, updates=net_overrides(args))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")

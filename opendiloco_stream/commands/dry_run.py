@@ -1,0 +1,217 @@
+"""``--dry-run`` for ``peer`` and ``local``: show the resolved configuration and check it, start nothing.
+
+Prints every value with where it came from (``default``, ``file``, ``env``, ``flag``), then runs
+the checks a real start would fail on, each as one ``[ok]`` / ``[warn]`` / ``[FAIL]`` line:
+
+* ``model``: the model builds (on PyTorch's ``meta`` device: no memory, no weights) and its size;
+* ``data``: the dataset opens and this peer's shard yields a batch (a streamed hub dataset is
+  opened and its first documents read, so a dry run needs the same network access as training);
+* ``device``: the training device exists here (a ``[warn]``: you may check a GPU peer's file on a
+  laptop);
+* ``addresses`` (peer): the initial peers and the listen/announce addresses parse;
+* ``identity`` (peer): the key file loads (its peer id is shown) or can be created;
+* ``ports`` (peer): the p2p port (TCP and UDP) and the Prometheus port are free.
+
+Exit 0 when nothing failed; else exit 2 with the first failure as one line on stderr.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from opendiloco_stream.config import ConfigSources, RunConfig
+
+
+def format_config(cfg: RunConfig, sources: ConfigSources) -> list[str]:
+    """One line per value: ``section.field = value  (origin)``, the non-default origins marked."""
+    rows = []
+    for section, model in cfg:
+        for field, value in model:
+            key = f"{section}.{field}"
+            shown = "-" if value is None else (", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
+            rows.append((key, shown if shown else '""', sources.get(key, "default")))
+    width = max(len(k) for k, _, _ in rows)
+    vwidth = min(48, max(len(v) for _, v, _ in rows))
+    return [f"  {k:<{width}}  {v:<{vwidth}}  {origin}" for k, v, origin in rows]
+
+
+class Checks:
+    """Runs named checks, prints each result at once, remembers the first failure."""
+
+    def __init__(self, out=sys.stdout):
+        self.out, self.failure = out, None
+
+    def run(self, name: str, fn: Callable[[], "str | tuple[str, str]"]) -> Any:
+        from opendiloco_stream.cli import UsageError
+        from opendiloco_stream.config import ConfigError
+
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except (ConfigError, UsageError, OSError, ValueError) as e:
+            line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.failure = self.failure or f"{name}: {line}"
+            print(f"  [FAIL] {name:<10} {line}", file=self.out, flush=True)
+            return None
+        level, text = result if isinstance(result, tuple) else ("ok", result)
+        print(f"  [{level}]{' ' * (5 - len(level))}{name:<10} {text}  ({time.perf_counter() - t0:.1f} s)",
+              file=self.out, flush=True)
+        return result
+
+
+def _port_free(port: int, kind: int) -> Optional[str]:
+    """None if ``port`` can be bound on all interfaces for ``kind`` (TCP/UDP), else why not."""
+    with socket.socket(socket.AF_INET, kind) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as e:
+            return "in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+    return None
+
+
+def check_model(cfg: RunConfig, vocab_size: int) -> str:
+    import torch
+
+    from opendiloco_stream.train.models import build_model, transformer_blocks
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    with torch.device("meta"):  # shapes only: a 4B model checks in seconds on a laptop
+        model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    blocks = len(transformer_blocks(model))
+    if cfg.diloco.num_fragments > blocks:
+        raise ValueError(f"num_fragments ({cfg.diloco.num_fragments}) exceeds the model's {blocks} transformer "
+                         "blocks: use at most one fragment per block")
+    return f"{cfg.model.name}: {params / 1e6:.1f} M parameters, {blocks} blocks, {cfg.model.dtype}"
+
+
+def check_data(cfg: RunConfig, shard: tuple[int, int]) -> str:
+    from opendiloco_stream.commands._common import prepare_data
+
+    train_source, val, vocab = prepare_data(cfg)
+    rank, world = shard
+    batch = next(train_source.batches(rank, world, cfg.train.batch_size))
+    if int(batch.max()) >= vocab:
+        raise ValueError(f"token id {int(batch.max())} is outside the vocabulary ({vocab}): use the model's tokenizer")
+    what = ("streamed" if getattr(train_source, "streaming", False)
+            else f"{train_source.num_windows * (train_source.seq_len + 1) / 1e6:.1f} M training tokens")
+    return (f"{cfg.data.dataset}: {what}, {len(val)} validation windows; shard {rank}/{world} "
+            f"gives batches of {tuple(batch.shape)}, vocabulary {vocab}")
+
+
+def check_device(device: str) -> "str | tuple[str, str]":
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return "warn", f"{device}: no CUDA device on this machine (fine if you are checking another machine's file)"
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return f"{device}: {torch.cuda.get_device_name(dev.index or 0)}"
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        return "warn", f"{device}: MPS is not available on this machine"
+    return f"{device}"
+
+
+def check_addresses(cfg: RunConfig) -> str:
+    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.net.dht import check_run_id, listen_maddrs
+
+    if not cfg.net.initial_peers:
+        raise UsageError("no initial peers: set net.initial_peers (or --initial-peers) to the line the bootstrap printed")
+    check_run_id(cfg.net.run_id)
+    host, announce = listen_maddrs(cfg.net)
+    if cfg.net.client_mode:
+        return f"{len(cfg.net.initial_peers)} initial peer(s); client mode: connects out only, listens nowhere"
+    return (f"{len(cfg.net.initial_peers)} initial peer(s); listens on {' '.join(host)}; "
+            f"announces {' '.join(announce) or 'its interface addresses'}")
+
+
+def check_identity(path: Optional[str]) -> str:
+    from opendiloco_stream.net.dht import NetError, ensure_identity
+
+    if not path:
+        return "warn", "no identity_path: the peer id changes at every start (set net.identity_path)"
+    p = Path(path).expanduser()
+    if p.exists():
+        return f"{path}: peer id {ensure_identity(str(p))}"
+    parent = next((d for d in [p.parent, *p.parent.parents] if d.exists()), Path("/"))
+    if not os.access(parent, os.W_OK):
+        raise NetError(f"identity file {path} does not exist and {parent} is not writable: create it elsewhere")
+    return f"{path}: does not exist yet; created at the first start (a new peer id)"
+
+
+def check_ports(cfg: RunConfig) -> str:
+    from opendiloco_stream.cli import UsageError
+
+    done = []
+    if cfg.net.port and not cfg.net.client_mode:
+        for kind, label in ((socket.SOCK_STREAM, "tcp"), (socket.SOCK_DGRAM, "udp")):
+            why = _port_free(cfg.net.port, kind)
+            if why:
+                raise UsageError(f"p2p port {cfg.net.port}/{label} is {why}: pick another net.port (--port) or stop "
+                                 f"the process holding it (ss -ltnup | grep :{cfg.net.port})")
+        done.append(f"p2p {cfg.net.port} tcp+udp free")
+    elif not cfg.net.client_mode:
+        done.append("p2p port: a random free one")
+    if cfg.net.metrics_port:
+        why = _port_free(cfg.net.metrics_port, socket.SOCK_STREAM)
+        if why:
+            raise UsageError(f"metrics port {cfg.net.metrics_port}/tcp is {why}: pick another net.metrics_port "
+                             f"(--metrics-port)")
+        done.append(f"metrics {cfg.net.metrics_port} free")
+    return "; ".join(done) or "no port to listen on (client mode)"
+
+
+def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path: Optional[str],
+            workers: Optional[int] = None) -> int:
+    """Print and check ``cfg`` for ``command`` (``peer`` or ``local``); raise UsageError on a failure."""
+    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.commands.peer import parse_shard
+    from opendiloco_stream.train.data import load_tokenizer
+
+    origins = "default < file < env (ODS_SECTION__FIELD) < flag"
+    print(f"{command} configuration ({config_path or 'no --config file'}; origin: {origins}):")
+    print("\n".join(format_config(cfg, sources)))
+    print("checks:")
+    checks = Checks()
+    peer_id = None
+    if command == "peer":
+        checks.run("addresses", lambda: check_addresses(cfg))
+        ident = checks.run("identity", lambda: check_identity(cfg.net.identity_path))
+        if ident and cfg.net.identity_path and Path(cfg.net.identity_path).expanduser().is_file():
+            from opendiloco_stream.net.dht import ensure_identity
+
+            peer_id = ensure_identity(cfg.net.identity_path)  # exists: only read
+        checks.run("ports", lambda: check_ports(cfg))
+        shard, shard_note = (0, 1), ""
+        if cfg.data.shard == "auto" and peer_id is None:
+            shard, shard_note = parse_shard("auto", "dry-run"), " (auto: the shard is picked from the peer id at start)"
+        else:
+            picked: list = []
+            checks.run("shard", lambda: picked.append(parse_shard(cfg.data.shard, peer_id or "")) or
+                       f"{cfg.data.shard} -> {picked[0][0]}/{picked[0][1]}")
+            shard = picked[0] if picked else shard
+    else:
+        shard, shard_note = (0, workers or 1), ""
+    tokenizer = checks.run("tokenizer", lambda: _tokenizer_line(load_tokenizer(cfg.data.tokenizer)))
+    if tokenizer is not None:
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+        checks.run("model", lambda: check_model(cfg, vocab))
+        checks.run("data", lambda: check_data(cfg, shard) + shard_note)
+    checks.run("device", lambda: check_device(cfg.train.device))
+    if checks.failure:
+        raise UsageError(f"dry run failed: {checks.failure}")
+    print(f"dry run passed: nothing was started; run the same command without --dry-run")
+    return 0
+
+
+def _tokenizer_line(tok) -> str:
+    return f"{getattr(tok, 'name', 'byte-level')}: {tok.vocab_size} tokens"

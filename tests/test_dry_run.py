@@ -1,0 +1,124 @@
+"""``peer --dry-run`` / ``local --dry-run``: the resolved configuration with origins, checked, nothing started."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REGIONS = ["us-east", "eu-west", "ap-southeast"]
+BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmSpTXmtPgEzk2VPGiLUtjqhHs7nYeMUesn9Uee7UM62C2"
+
+
+def _cli(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ODS_")}
+    return subprocess.run([sys.executable, "-m", "opendiloco_stream", *args], capture_output=True, text=True,
+                          timeout=180, cwd=cwd, env={**environ, **(env or {})})
+
+
+def _origins(stdout: str) -> dict[str, tuple[str, str]]:
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"^  ([a-z_]+\.[a-z_]+)\s+(.*?)\s+(default|file|env|flag)$", line)
+        if m:
+            out[m.group(1)] = (m.group(2), m.group(3))
+    return out
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_every_region_peer_file_passes_its_dry_run(region, tmp_path):
+    proc = _cli("peer", "--config", str(ROOT / "peers" / f"{region}.toml"), "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "dry run passed" in proc.stdout and "[FAIL]" not in proc.stdout
+    origins = _origins(proc.stdout)
+    assert origins["data.shard"][1] == "file" and origins["train.batch_size"][1] == "file"
+    assert origins["diloco.fragment_pattern"] == ("strided", "default")
+    for check in ("addresses", "identity", "ports", "model", "data", "device"):
+        assert re.search(rf"\[(ok|warn)\]\s+{check} ", proc.stdout), check
+    assert not (tmp_path / "keys").exists()  # a dry run creates no identity file (nothing is started)
+
+
+def test_region_files_differ_as_real_peers_do():
+    import tomllib
+
+    files = {r: tomllib.loads((ROOT / "peers" / f"{r}.toml").read_text()) for r in REGIONS}
+    for key in (("train", "batch_size"), ("net", "port"), ("net", "identity_path"), ("data", "shard")):
+        values = [f[key[0]][key[1]] for f in files.values()]
+        assert len(set(values)) == 3, (key, values)
+    # they must agree on everything the peers average together
+    assert len({repr((f["diloco"], f["model"], f["net"]["run_id"])) for f in files.values()}) == 1
+    boot = tomllib.loads((ROOT / "peers" / "bootstrap.toml").read_text())
+    assert all(f["net"]["initial_peers"][0].startswith(f"/ip4/{boot['net']['public_ip']}/tcp/{boot['net']['port']}/")
+               for f in files.values())
+
+
+def test_origins_follow_the_precedence_and_algorithm_presets_pass_with_an_initial_peer(tmp_path):
+    proc = _cli("peer", "--config", str(ROOT / "peers" / "eager-fp4.toml"), "--initial-peers", BOOT,
+                "--steps", "7", "--dry-run", env={"ODS_TRAIN__BATCH_SIZE": "4", "ODS_TRAIN__STEPS": "9"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    origins = _origins(proc.stdout)
+    assert origins["train.steps"] == ("7", "flag")          # flag beats env
+    assert origins["train.batch_size"] == ("4", "env")      # env beats file
+    assert origins["diloco.codec"] == ("fp4-e3m0", "file")
+    assert origins["net.initial_peers"] == (BOOT, "flag")
+    assert origins["train.lr"][1] == "file" and origins["train.seed"] == ("0", "default")
+    assert "[warn] identity" in proc.stdout  # no identity_path: said, not fatal
+
+
+def test_local_dry_run(tmp_path):
+    proc = _cli("local", "--workers", "3", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "shard 2/3" not in proc.stdout and "shard 0/3 gives batches of (8, 129)" in proc.stdout
+    assert "addresses" not in proc.stdout
+
+
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_a_taken_port_fails_with_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--port", str(port), "--dry-run",
+                    cwd=tmp_path)
+        line = _one_line_error(proc)
+    assert f"p2p port {port}/tcp is in use" in line and "[FAIL] ports" in proc.stdout
+    # the other checks still ran and printed
+    assert "[ok]   model" in proc.stdout
+
+
+BAD = [
+    (["--initial-peers", "127.0.0.1:31337"], "is not a valid multiaddr"),
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--dataset", "/no/such/dir"], "cannot load dataset"),
+    (["--shard", "3/3"], "use R/W with 0 <= R < W"),
+    (["--fragments", "12"], "exceeds the model's 9 transformer blocks"),
+]
+
+
+def test_bad_settings_fail_with_one_line(tmp_path):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ODS_")}
+    procs = [subprocess.Popen([sys.executable, "-m", "opendiloco_stream", "peer", "--config",
+                               str(ROOT / "peers" / "eu-west.toml"), *args, "--dry-run"], cwd=tmp_path, env=environ,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in BAD]
+    try:
+        for proc, (args, expected) in zip(procs, BAD):
+            out, err = proc.communicate(timeout=180)
+            line = _one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+            assert line.startswith("opendiloco-stream peer: error: dry run failed:") and expected in line, (args, line)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
