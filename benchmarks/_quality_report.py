@@ -49,6 +49,9 @@ def aggregate(runs: list[dict], variant_list: list) -> dict[str, dict[str, Any]]
         out[v.name] = {
             "label": v.label, "group": v.group, "seeds": [r["seed"] for r in rs],
             "eval_loss": mean_spread([r["summary"]["eval_loss"] for r in rs]),
+            "eval_loss_before_finish": mean_spread([r["summary"].get("eval_loss_before_finish", float("nan"))
+                                                    for r in rs]),
+            "relative_vs_ref": _paired_relative(runs, v.name, ref),
             "train_loss": mean_spread([r["summary"]["train_loss"] for r in rs]),
             "delta_vs_ref": _paired_delta(runs, v.name, ref), "reference": ref,
             "bytes_per_token": s0["bytes_sent_launched"] / max(1, s0["tokens"]),
@@ -59,6 +62,18 @@ def aggregate(runs: list[dict], variant_list: list) -> dict[str, dict[str, Any]]
             "wall_time_s": mean_spread([r["summary"]["wall_time_s"] for r in rs])["mean"],
         }
     return out
+
+
+def _paired_relative(runs: list[dict], name: str, ref: str) -> Optional[float]:
+    """Mean over shared seeds of eval_loss(name) / eval_loss(ref) - 1 (the eager issue's bar is 2%)."""
+    ref_by_seed = {r["seed"]: r["summary"]["eval_loss"] for r in _runs_of(runs, ref)}
+    xs = [r["summary"]["eval_loss"] / ref_by_seed[r["seed"]] - 1 for r in _runs_of(runs, name) if r["seed"] in ref_by_seed]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _before(a: dict) -> str:
+    x = a["eval_loss_before_finish"]["mean"]
+    return "—" if x != x else f"{x:.4f}"
 
 
 def _spread(st: dict[str, float]) -> str:
@@ -77,12 +92,15 @@ def mode_table(agg: dict[str, dict]) -> str:
         if a["group"] != "mode":
             continue
         H = "1" if a["mode"] == "data-parallel" else str(a["inner_steps"])
+        rel = a.get("relative_vs_ref")
         rows.append([a["label"], H, a["fragments"], a["overlap_steps"], f"{a['eval_loss']['mean']:.4f}",
-                     _spread(a["eval_loss"]), _delta(a["delta_vs_ref"]), f"{a['train_loss']['mean']:.4f}",
+                     _spread(a["eval_loss"]), _delta(a["delta_vs_ref"]), "—" if rel is None else f"{100 * rel:+.1f}%",
+                     _before(a), f"{a['train_loss']['mean']:.4f}",
                      f"{a['bytes_per_token']:,.1f}", f"{a['peak_bytes_per_sync'] / 1e6:.2f}"])
     return markdown_table(["variant", "H", "P", "tau", "eval loss (mean)", "spread over seeds",
-                           "Δ vs streaming (paired)", "train loss", "bytes sent / token / worker",
-                           "peak MB sent / sync / worker"], rows, align="lrrrrlrrrr")
+                           "Δ vs streaming (paired)", "vs streaming (paired, relative)",
+                           "eval loss before in-flight rounds landed", "train loss", "bytes sent / token / worker",
+                           "peak MB sent / sync / worker"], rows, align="lrrrrlrrrrrr")
 
 
 def codec_table(agg: dict[str, dict], runs: list[dict]) -> str:

@@ -71,6 +71,11 @@ class Preset:
     max_val_batches: int
     mode_seeds: tuple[int, ...]
     codec_seeds: tuple[int, ...]
+    model: str = "tiny"
+    #: which variant groups run: "mode", "codec", "outer"; "eager" is the mode comparison plus the
+    #: eager rule's checks (the 'paper' reading, fp4-e3m0) in one table; "scale" a short list for
+    #: a larger model
+    groups: tuple[str, ...] = ("mode", "codec", "outer")
 
 
 PRESETS: dict[str, Preset] = {
@@ -80,6 +85,13 @@ PRESETS: dict[str, Preset] = {
                     warmup_steps=20, max_val_batches=8, mode_seeds=(0,), codec_seeds=(0,)),
     "full": Preset(workers=4, steps=200, seq_len=64, batch_size=8, inner_steps=25, fragments=2, eval_every=25,
                    warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0,)),
+    # the eager issue's bar: exactly `local`'s defaults (seq 128, batch 8) at 400 steps, 4 workers, 2 seeds
+    "eager": Preset(workers=4, steps=400, seq_len=128, batch_size=8, inner_steps=25, fragments=2, eval_every=50,
+                    warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0, 1), groups=("eager",)),
+    # the same comparison one model size up (~4.9 M parameters), shorter so it fits a CPU
+    "eager-small": Preset(workers=4, steps=200, seq_len=64, batch_size=8, inner_steps=25, fragments=2,
+                          eval_every=50, warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0, 1),
+                          model="small", groups=("scale",)),
 }
 
 
@@ -101,6 +113,11 @@ def variants(preset: Preset) -> list[Variant]:
     """The mode comparison, the codec grid (fp32 rows: the ``eager`` and ``streaming`` mode runs),
     the outer-optimizer checks."""
     P = preset.fragments
+    paper = Variant("eager-paper", "mode", f"eager, 'paper' rule (P={P})", {"mode": "eager", "eager_rule": "paper"})
+    if "scale" in preset.groups:
+        return [Variant("streaming", "mode", f"streaming (blocking, P={P})", {"mode": "blocking"}),
+                Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}), paper,
+                Variant("naive-delayed", "mode", f"naive-delayed (P={P})", {"mode": "naive-delayed"})]
     out = [
         Variant("data-parallel", "mode", "data-parallel (every step)", {"mode": "data-parallel", "num_fragments": 1}),
         Variant("diloco", "mode", "DiLoCo (blocking, P=1)", {"mode": "blocking", "num_fragments": 1}),
@@ -109,6 +126,11 @@ def variants(preset: Preset) -> list[Variant]:
         Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}),
         Variant("naive-delayed", "mode", f"naive-delayed (P={P})", {"mode": "naive-delayed"}),
     ]
+    if "eager" in preset.groups:
+        return out + [paper, Variant("eager-fp4-e3m0", "mode", f"eager fp4-e3m0 (P={P})",
+                                     {"mode": "eager", "codec": "fp4-e3m0"})]
+    if "codec" not in preset.groups:
+        return out
     for codec in LOSSY_CODECS:
         for ef in (False, True):
             out.append(Variant(f"eager-{codec}" + ("-ef" if ef else ""), "codec", f"eager {codec}" + (" + EF" if ef else ""),
@@ -129,7 +151,7 @@ def make_config(preset: Preset, variant: Variant, seed: int) -> RunConfig:
               "error_feedback": False, **variant.diloco}
     return load_config(overrides={
         "diloco": diloco,
-        "model": {"name": "tiny", "seq_len": preset.seq_len},
+        "model": {"name": preset.model, "seq_len": preset.seq_len},
         "data": {"dataset": "builtin", "max_val_batches": preset.max_val_batches},
         "train": {"steps": preset.steps, "batch_size": preset.batch_size, "eval_every": preset.eval_every,
                   "warmup_steps": preset.warmup_steps, "seed": seed, "device": "cpu"},

@@ -69,6 +69,17 @@ class DiLoCoConfig(_Strict):
     fragment_pattern: Literal["strided", "sequential"] = "strided"
     mode: Mode = Field("eager", description="how a round overlaps training: eager, overlap (tau steps), blocking, "
                        "naive-delayed (ablation), data-parallel (baseline)")
+    eager_rule: Literal["corrected", "paper"] = Field(
+        "corrected", description="eager: 'corrected' keeps outer parameters that step only with group "
+        "averages and applies the estimate as a one-off step; 'paper' lets the estimate drive the outer optimizer")
+    eager_estimate: Literal["own", "mixed", "scaled"] = Field(
+        "own", description="eager 'corrected': estimate of the missing average: this peer's fresh outer "
+        "gradient ('own'), the last average with this peer's share swapped for its fresh one ('mixed'), or "
+        "the fresh outer gradient scaled by how well it predicted the last average ('scaled')")
+    eager_correction: Literal["next-sync", "on-arrival"] = Field(
+        "next-sync", description="eager 'corrected': when the true average replaces the estimate: at the "
+        "fragment's next sync, or as soon as it has landed (never waiting; timing-dependent, so runs are not "
+        "bit-reproducible)")
     overlap_steps: int = Field(0, ge=0, description="tau: inner steps the overlap mode hides",
                                json_schema_extra=cli("--overlap-steps", "--tau", metavar="TAU"))
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="overlap merge: alpha*local + (1-alpha)*global")

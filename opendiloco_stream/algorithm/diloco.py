@@ -89,6 +89,7 @@ class FragmentState:
         self.tokens = 0
         self.pending: Optional[_Pending] = None
         self.previous: Optional[_Previous] = None
+        self.last: Optional[SyncResult] = None  # eager 'corrected': the last round that landed
 
     def outer_grad(self) -> torch.Tensor:
         """d = reference - theta_local, flat fp32 (old minus new); the reference is ``start`` if kept."""
@@ -117,6 +118,10 @@ class FragmentState:
         return {"outer_params": [t.clone() for t in self.outer], "outer_opt": self.opt.state_dict(),
                 "start": None if self.start is None else [t.clone() for t in self.start],
                 "tokens": self.tokens, "pending": pend,
+                "last": None if self.last is None else {"average": self.last.average.clone(),
+                                                        "sent": self.last.sent.clone(),
+                                                        "share": self.last.weight_share,
+                                                        "group_size": self.last.group_size},
                 "previous": None if self.previous is None else dict(self.previous.__dict__)}
 
     def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
@@ -135,6 +140,9 @@ class FragmentState:
                                     bytes_received=0 if joiner else res["bytes_received"])
             self.pending = _Pending(_ResolvedHandle((self.index, pend["round"]), result), pend["round"],
                                     pend["launched_at"], pend["apply_at"], pend["outer_grad"], pend["sent_input"])
+        last = st.get("last")
+        self.last = None if last is None or joiner else SyncResult(
+            average=last["average"], group_size=last["group_size"], weight_share=last["share"], sent=last["sent"])
         pr = st["previous"]
         self.previous = None if pr is None else _Previous(**{**pr, "included_self": pr["included_self"] and not joiner})
         if joiner:
@@ -222,6 +230,10 @@ class StreamingDiLoCo:
                 for f in self.frags:
                     if f.pending is not None and f.pending.apply_at == t:
                         self._apply_overlap(f)
+            if self.config.mode == "eager" and self.config.eager_correction == "on-arrival":
+                for f in self.frags:  # a non-blocking look: nothing waits here
+                    if f.pending is not None and f.pending.launched_at < t and f.pending.handle.done():
+                        self._land(f, shift=True)
             for f in self.frags:
                 if fr.syncs_at(t, f.offset, H):
                     self._sync(f, fr.round_index(t, f.offset, H))
@@ -279,12 +291,10 @@ class StreamingDiLoCo:
         round falls back to this peer's own outer gradient); the local parameters restart from a
         one-off look-ahead step on top of theta_bar with an estimate of round k's average, which
         the true average replaces when it lands."""
-        prev = None
         if f.pending is not None:
-            result = self._consume(f, f.pending)
-            f.opt.step(result.average if result is not None else f.pending.outer_grad)
-            prev = result
+            self._land(f, shift=False)
         f.pending = self._launch(f, k, d)
+        prev = f.last
         if prev is None:
             estimate, kind = d, "local-only"
         elif self.config.eager_estimate == "mixed" and prev.included_self:
@@ -295,6 +305,20 @@ class StreamingDiLoCo:
             estimate, kind = d, "eager"
         f.restart_from(f.opt.lookahead(estimate))
         self._outer_step(f, k, kind)
+
+    def _land(self, f: FragmentState, shift: bool) -> None:
+        """Eager 'corrected': round k's average lands: theta_bar <- OuterOpt(theta_bar, avg_k) (a
+        failed round: this peer's own outer gradient). With ``shift`` (mid-round, on arrival) the
+        estimate step is swapped for the true one at once: local parameters and ``start`` move by
+        theta_bar - start, keeping the local progress made since the restart."""
+        pending, f.pending = f.pending, None
+        result = self._consume(f, pending)
+        f.opt.step(result.average if result is not None else pending.outer_grad)
+        f.last = result if result is not None and result.included_self else None
+        if shift:
+            local = [q.detach().float() + o - s_ for q, o, s_ in zip(f.fragment.params, f.outer, f.start)]
+            f.restart_from(f.outer)
+            f.set_local(local)
 
     def _sync_delayed(self, f: FragmentState, k: int, d: torch.Tensor) -> None:
         """Eager 'paper' and naive-delayed: consume round k-1, launch round k, step theta_bar with
@@ -374,14 +398,11 @@ class StreamingDiLoCo:
                 if self.config.mode == "overlap":
                     self._apply_overlap(f)
                     continue
-                pending, f.pending = f.pending, None
-                result = self._consume(f, pending)
-                if f.start is None or result is None:
-                    continue
-                f.opt.step(result.average)
-                drift = [q.detach().float() - s_ for q, s_ in zip(f.fragment.params, f.start)]
-                f.restart_from(f.outer)
-                f.set_local([o + dr for o, dr in zip(f.outer, drift)])
+                if f.start is not None:
+                    self._land(f, shift=True)
+                else:
+                    pending, f.pending = f.pending, None
+                    self._consume(f, pending)
 
     def close(self) -> None:
         """Stop using the transport. Rounds still in flight are left to the transport to cancel."""

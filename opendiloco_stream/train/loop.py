@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
+from opendiloco_stream.algorithm.diloco import wrap
 from opendiloco_stream.config import RunConfig
 from opendiloco_stream.stats import SyncStats
 from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
@@ -59,6 +59,7 @@ class WorkerReport:
     tokens: int = 0
     eval_loss_initial: float = float("nan")
     eval_loss: float = float("nan")
+    eval_loss_before_finish: float = float("nan")  # before the in-flight rounds landed (eager, overlap)
     train_loss: float = float("nan")
     compute_s: float = 0.0
     wall_s: float = 0.0
@@ -85,8 +86,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
-    diloco = StreamingDiLoCo(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model),
-                             on_event=lambda rec: emit({**rec, "rank": rank}))
+    diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model),
+                  on_event=lambda rec: emit({**rec, "rank": rank}))
     report = WorkerReport(rank=rank, params=sum(p.numel() for p in model.parameters()),
                           outer_gradient_numel=sum(f.numel for f in diloco.fragments))
     start_step, data_position = 0, None
@@ -156,11 +157,18 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             emit({"event": "stopped", "rank": rank, "step": step + 1})
             break
     # the data-parallel wait happens inside opt.step(): move it from compute to communication
-    report.compute_s = max(0.0, report.compute_s - (diloco.stats["wait_s"] if cfg.diloco.mode == "data-parallel" else 0.0))
+    if diloco.waits_in_optimizer_step:
+        report.compute_s = max(0.0, report.compute_s - diloco.stats.wait_s)
     report.wall_s = time.perf_counter() - wall_start - eval_s
     if ckpt is not None:
         save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco,
                         step=start_step + report.steps, data=position())
+    if diloco.in_flight:
+        # the rounds still in flight land in the final model (finish); the loss before is kept for comparison
+        report.eval_loss_before_finish = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+        emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "stage": "before-finish",
+              "eval_loss": report.eval_loss_before_finish})
+        diloco.finish()
     report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "eval_loss": report.eval_loss})
     report.train_loss = float(sum(recent) / max(1, len(recent)))
@@ -185,6 +193,7 @@ def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_
         "overlap_steps": d.overlap_steps, "model": cfg.model.name, "params": reports[0].params if reports else 0,
         "eval_loss_initial": _mean([r.eval_loss_initial for r in reports]),
         "eval_loss": _mean([r.eval_loss for r in reports]),
+        "eval_loss_before_finish": _mean([r.eval_loss_before_finish for r in reports]),
         "train_loss": _mean([r.train_loss for r in reports]),
         **stats.summary_fields(n),
         "model_outer_gradient_bytes": codec_bytes(numel),

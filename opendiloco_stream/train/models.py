@@ -8,8 +8,9 @@ multiple of 256, which keeps each block at ~12 * hidden^2 parameters like a 4x G
 Caveat: the shapes were transcribed from the paper without an offline copy to re-check; with
 this MLP rule the non-embedding counts are 42M, 116M, 244M, 425M, 925M, 1.23B, 4.08B, and the
 "500M" row in particular is larger than its label: verify against the paper before citing.
-``"tiny"`` (hidden 128, 4 layers, 4 heads, ~0.9 M parameters with the byte vocabulary) is ours,
-for CPU runs and tests.
+``"tiny"`` (hidden 128, 4 layers, 4 heads, ~0.9 M parameters with the byte vocabulary) and
+``"small"`` (hidden 256, 6 layers, 8 heads, ~4.9 M) are ours, for CPU runs, tests and the quality
+benchmark's scale check.
 
 ``build_model`` accepts a preset name or a local path: a directory holding a HF model (its weights
 are loaded) or a config (``config.json``; initialised from the seed), or a path to a JSON config
@@ -56,6 +57,16 @@ PRESETS: dict[str, dict] = {
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
+    ),
+    # ~5 M parameters with the byte vocabulary: the next step up from tiny that still trains on a CPU
+    # (the quality benchmark's scale check)
+    "small": dict(
+        vocab_size=32_000,
+        hidden_size=256,
+        intermediate_size=704,  # 8/3 * 256 rounded up to a multiple of 32
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
     ),
     # Streaming DiLoCo (arXiv 2501.18512), Table 2: hidden, layers, heads.
     "35M": _paper_preset(768, 6, 8),
