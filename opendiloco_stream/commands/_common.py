@@ -8,6 +8,7 @@ TOML file (``--config``) and the environment (``ODS_SECTION__FIELD``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 from typing import Any, Iterable
 
 from opendiloco_stream.config_cli import (  # noqa: F401 (re-exported for the commands)
@@ -21,6 +22,25 @@ def add_training_flags(p: argparse.ArgumentParser, sections: Iterable[str] = TRA
     if "--config" not in p._option_string_actions:
         p.add_argument("--config", metavar="TOML", help="a peer config file (see peers/*.toml)")
     add_config_flags(p, tuple(sections), exclude=exclude)
+
+
+SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
+
+
+def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
+    """``data.shard`` ("R/W" or "auto") -> (rank, world); a bad value is a UsageError."""
+    from opendiloco_stream.cli import UsageError
+
+    if value == "auto":
+        h = int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
+        return h % SHARDS_AUTO, SHARDS_AUTO
+    try:
+        rank, world = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard {value!r}: use R/W with 0 <= R < W, e.g. --shard 0/3") from None
+    if not 0 <= rank < world:
+        raise UsageError(f"--shard {value!r}: use R/W with 0 <= R < W, e.g. --shard 0/3")
+    return rank, world
 
 
 def prepare_data(cfg):
@@ -49,12 +69,12 @@ def _fmt_bytes(n: float) -> str:
 
 def print_summary(s: dict[str, Any]) -> None:
     """A short human table of the summary record."""
+    before = s.get("eval_loss_before_finish", float("nan"))
     rows = [
         ("mode", f"{s['mode']} (P={s['fragments']}, H={s['inner_steps']}, tau={s['overlap_steps']}, codec {s['codec']})"),
         ("workers x steps", f"{s['workers']} x {s['steps']}  ({s['tokens']:,} tokens)"),
         ("eval loss", f"{s['eval_loss_initial']:.4f} -> {s['eval_loss']:.4f}"
-                      + (f"  (before the in-flight rounds landed: {s['eval_loss_before_finish']:.4f})"
-                         if s.get("eval_loss_before_finish") == s.get("eval_loss_before_finish") else "")),
+                      + (f"  (before the in-flight rounds landed: {before:.4f})" if before == before else "")),
         ("train loss (last 20 steps)", f"{s['train_loss']:.4f}"),
         ("bytes sent per worker", _fmt_bytes(s["bytes_sent_per_worker"])),
         ("peak bytes per sync", f"{_fmt_bytes(s['peak_bytes_per_sync'])}  (whole outer gradient: "

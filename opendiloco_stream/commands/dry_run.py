@@ -174,7 +174,7 @@ def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path
             workers: Optional[int] = None) -> int:
     """Print and check ``cfg`` for ``command`` (``peer`` or ``local``); raise UsageError on a failure."""
     from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.commands.peer import parse_shard
+    from opendiloco_stream.commands._common import parse_shard
     from opendiloco_stream.train.data import load_tokenizer
 
     origins = "default < file < env (ODS_SECTION__FIELD) < flag"

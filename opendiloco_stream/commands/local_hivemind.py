@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -88,7 +89,7 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     """One summary over peers: their sync counters merged as ``summarize`` merges workers'
     (``SyncStats``), tokens summed, means of losses and utilization."""
     def mean(key: str) -> float:
-        xs = [s[key] for s in summaries if s.get(key) == s.get(key)]
+        xs = [s[key] for s in summaries if s.get(key, math.nan) == s.get(key, math.nan)]  # NaN: not measured
         return float(sum(xs) / len(xs)) if xs else float("nan")
 
     first = summaries[0]
@@ -99,6 +100,7 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     out.update(
         event="summary", transport="hivemind", workers=len(summaries), steps=max(s["steps"] for s in summaries),
         tokens=tokens, eval_loss_initial=mean("eval_loss_initial"), eval_loss=mean("eval_loss"),
+        eval_loss_before_finish=mean("eval_loss_before_finish"),
         train_loss=mean("train_loss"), **stats.summary_fields(len(summaries)),
         compute_utilization=mean("compute_utilization"), wall_time_s=wall,
         tokens_per_s=tokens / wall if wall > 0 else 0.0, peers=[s.get("peer_id") for s in summaries])

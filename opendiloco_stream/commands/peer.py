@@ -12,7 +12,6 @@ at the next inner step; a second signal stops it at once. Metrics go to ``--metr
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import sys
 import time
@@ -20,11 +19,10 @@ from typing import Any
 
 import torch
 
-from opendiloco_stream.commands._common import add_training_flags, config_from_args
+from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-exported)
+    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard,
+)
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
-
-SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peer", help="join a run and train", description=__doc__,
@@ -38,21 +36,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
     add_training_flags(p)
     p.set_defaults(func=run)
-
-
-def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
-    from opendiloco_stream.cli import UsageError
-
-    if value == "auto":
-        h = int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
-        return h % SHARDS_AUTO, SHARDS_AUTO
-    try:
-        rank, world = (int(x) for x in value.split("/"))
-    except ValueError:
-        raise UsageError(f"--shard {value!r}: use R/W with 0 <= R < W, e.g. --shard 0/3") from None
-    if not 0 <= rank < world:
-        raise UsageError(f"--shard {value!r}: use R/W with 0 <= R < W, e.g. --shard 0/3")
-    return rank, world
 
 
 def run(args: argparse.Namespace) -> int:

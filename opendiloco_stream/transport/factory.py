@@ -10,9 +10,14 @@ is a config field plus one line in this module.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opendiloco_stream.config import RunConfig
+
+if TYPE_CHECKING:  # the constructors import lazily: torch and hivemind only when a transport is built
+    from opendiloco_stream.compression import Codec
+    from opendiloco_stream.transport.hivemind import HivemindTransport
+    from opendiloco_stream.transport.local import LocalSwarm
 
 
 def codec_args(cfg: RunConfig) -> dict[str, Any]:
@@ -21,13 +26,13 @@ def codec_args(cfg: RunConfig) -> dict[str, Any]:
     return dict(block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding)
 
 
-def codec_from_config(cfg: RunConfig):
+def codec_from_config(cfg: RunConfig) -> "Codec":
     from opendiloco_stream.compression import get_codec
 
     return get_codec(cfg.diloco.codec, **codec_args(cfg))
 
 
-def local_swarm(cfg: RunConfig, workers: int):
+def local_swarm(cfg: RunConfig, workers: int) -> "LocalSwarm":
     """``workers`` simulated peers in this process, reducing exactly as the hivemind transport does."""
     from opendiloco_stream.transport.local import LocalSwarm
 
@@ -35,7 +40,7 @@ def local_swarm(cfg: RunConfig, workers: int):
                       timeout=cfg.diloco.sync_timeout, chunk_bytes=cfg.net.chunk_bytes, norm_bound=cfg.net.norm_bound)
 
 
-def hivemind_transport(cfg: RunConfig, dht):
+def hivemind_transport(cfg: RunConfig, dht: Any) -> "HivemindTransport":
     """This peer's transport over a running hivemind DHT (the caller owns the DHT)."""
     from opendiloco_stream.transport.hivemind import HivemindTransport
 
