@@ -107,18 +107,8 @@ BAD = [
 ]
 
 
-def test_bad_settings_fail_with_one_line(tmp_path):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("ODS_")}
-    procs = [subprocess.Popen([sys.executable, "-m", "opendiloco_stream", "peer", "--config",
-                               str(ROOT / "peers" / "eu-west.toml"), *args, "--dry-run"], cwd=tmp_path, env=environ,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in BAD]
-    try:
-        for proc, (args, expected) in zip(procs, BAD):
-            out, err = proc.communicate(timeout=180)
-            line = _one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-            assert line.startswith("opendiloco-stream peer: error: dry run failed:") and expected in line, (args, line)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+@pytest.mark.parametrize("args,expected", BAD)
+def test_bad_settings_fail_with_one_line(tmp_path, args, expected):
+    proc = _cli("peer", "--config", str(ROOT / "peers" / "eu-west.toml"), *args, "--dry-run", cwd=tmp_path)
+    line = _one_line_error(proc)
+    assert line.startswith("opendiloco-stream peer: error: dry run failed:") and expected in line, line

@@ -119,7 +119,7 @@ def _page_from_metrics(args: argparse.Namespace) -> int:
 
     if not args.html:
         raise UsageError("--from-metrics draws a page: add --html F")
-    history = History(args.run_id or "opendiloco")
+    history = History(net_config_from_args(args).run_id)
     for path in args.from_metrics:
         if not Path(path).is_file():
             raise UsageError(f"--from-metrics: {path} does not exist")
