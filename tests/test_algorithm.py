@@ -240,6 +240,16 @@ def test_eager_corrected_golden_with_nesterov_momentum():
     assert blocking == finished == [[(-5.8125, -5.8125)]] * 2
 
 
+def test_eager_corrected_on_arrival_ends_where_blocking_ends():
+    # on arrival, theta_bar commits each average as it lands and the local parameters move by the same
+    # amount, keeping local - start: whenever the averages landed, finish() ends at the blocking result
+    for disp, momentum in ((DISP3, 0.0), ([[DISP[0]], [DISP[1]]], 0.5)):
+        blocking = run_scripted_blocks(disp, 6, inner_steps=2, mode="blocking", outer_momentum=momentum)
+        arrival = run_scripted_blocks(disp, 6, finish=True, inner_steps=2, mode="eager", outer_momentum=momentum,
+                                      eager_correction="on-arrival")
+        assert arrival == blocking
+
+
 def test_eager_corrected_estimates_golden():
     # 'mixed': est = avg_{k-1} + (d_k - q_{k-1}) / 2; round 1: 1 + ([4, 2] - [2, 0]) / 2 = [2, 2],
     # start -0.5 - 1 = -1.5; round 2: 3 + ([6, 0] - [4, 2]) / 2 = [4, 2], start -2 - [2, 1] = [-4, -3]
@@ -383,10 +393,11 @@ def test_public_api_example_runs_and_moves_the_model():
     assert len(syncs) == 2 * 2 * 3 and all(e["ok"] and e["group_size"] == 2 for e in syncs)
 
 
-def test_state_dict_round_trip_resumes_exactly():
+@pytest.mark.parametrize("extra", [{}, {"eager_estimate": "scaled"}, {"eager_rule": "paper"}])
+def test_state_dict_round_trip_resumes_exactly(extra):
     torch.manual_seed(3)
     data = [torch.randn(5, 8) for _ in range(3)]
-    config = DiLoCoConfig(inner_steps=4, num_fragments=2, mode="eager", codec="fp32", error_feedback=True)
+    config = DiLoCoConfig(inner_steps=4, num_fragments=2, mode="eager", codec="fp32", error_feedback=True, **extra)
 
     def run(split: bool):
         swarm = LocalSwarm(num_workers=1)
