@@ -116,7 +116,9 @@ def variants(preset: Preset) -> list[Variant]:
     paper = Variant("eager-paper", "mode", f"eager, 'paper' rule (P={P})", {"mode": "eager", "eager_rule": "paper"})
     if "scale" in preset.groups:
         return [Variant("streaming", "mode", f"streaming (blocking, P={P})", {"mode": "blocking"}),
-                Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}), paper,
+                Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}),
+                Variant("eager-next-sync", "mode", f"eager, corrected at the next sync (P={P})",
+                        {"mode": "eager", "eager_correction": "next-sync"}), paper,
                 Variant("naive-delayed", "mode", f"naive-delayed (P={P})", {"mode": "naive-delayed"})]
     out = [
         Variant("data-parallel", "mode", "data-parallel (every step)", {"mode": "data-parallel", "num_fragments": 1}),
@@ -127,8 +129,9 @@ def variants(preset: Preset) -> list[Variant]:
         Variant("naive-delayed", "mode", f"naive-delayed (P={P})", {"mode": "naive-delayed"}),
     ]
     if "eager" in preset.groups:
-        return out + [paper, Variant("eager-fp4-e3m0", "mode", f"eager fp4-e3m0 (P={P})",
-                                     {"mode": "eager", "codec": "fp4-e3m0"})]
+        return out + [Variant("eager-next-sync", "mode", f"eager, corrected at the next sync (P={P})",
+                              {"mode": "eager", "eager_correction": "next-sync"}), paper,
+                      Variant("eager-fp4-e3m0", "mode", f"eager fp4-e3m0 (P={P})", {"mode": "eager", "codec": "fp4-e3m0"})]
     if "codec" not in preset.groups:
         return out
     for codec in LOSSY_CODECS:

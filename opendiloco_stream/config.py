@@ -73,13 +73,13 @@ class DiLoCoConfig(_Strict):
         "corrected", description="eager: 'corrected' keeps outer parameters that step only with group "
         "averages and applies the estimate as a one-off step; 'paper' lets the estimate drive the outer optimizer")
     eager_estimate: Literal["own", "mixed", "scaled"] = Field(
-        "own", description="eager 'corrected': estimate of the missing average: this peer's fresh outer "
+        "scaled", description="eager 'corrected': estimate of the missing average: this peer's fresh outer "
         "gradient ('own'), the last average with this peer's share swapped for its fresh one ('mixed'), or "
         "the fresh outer gradient scaled by how well it predicted the last average ('scaled')")
     eager_correction: Literal["next-sync", "on-arrival"] = Field(
-        "next-sync", description="eager 'corrected': when the true average replaces the estimate: at the "
-        "fragment's next sync, or as soon as it has landed (never waiting; timing-dependent, so runs are not "
-        "bit-reproducible)")
+        "on-arrival", description="eager 'corrected': when the true average replaces the estimate: at the "
+        "fragment's next sync (the slowest link eager hides), or at the first step after it landed (never "
+        "waits; over a network the step depends on the link; in-process, rounds land at once)")
     overlap_steps: int = Field(0, ge=0, description="tau: inner steps the overlap mode hides",
                                json_schema_extra=cli("--overlap-steps", "--tau", metavar="TAU"))
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="overlap merge: alpha*local + (1-alpha)*global")

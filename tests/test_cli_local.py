@@ -38,8 +38,9 @@ def test_local_eager_fp4_learns_and_writes_the_metrics_contract(tmp_path):
     assert s["mode"] == "eager" and s["workers"] == 4 and s["steps"] == 60
     assert s["eval_loss"] < s["eval_loss_initial"] - 0.5, (s["eval_loss_initial"], s["eval_loss"])
     syncs = [r for r in s["_records"] if r["event"] == "sync"]
-    # 60 steps, H = 10, 2 fragments -> 6 rounds each launched; the last is still in flight: 5 consumed
-    assert len(syncs) == 4 * 2 * 5
+    # 60 steps, H = 10, 2 fragments -> 6 rounds each launched; each lands the step after its launch
+    # (eager corrected on arrival) and the trainer's finish() lands the last: 6 consumed
+    assert len(syncs) == 4 * 2 * 6
     assert all(r["ok"] and r["group_size"] == 4 for r in syncs)
     estimates = [r["estimate"] for r in s["_records"] if r["event"] == "outer_step"]
     assert estimates.count("local-only") == 4 * 2 and estimates.count("eager") == 4 * 2 * 5

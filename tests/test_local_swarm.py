@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -78,10 +80,28 @@ def test_nan_contribution_is_rejected_and_counted():
 def test_a_missing_worker_costs_a_bounded_wait_not_a_hang():
     swarm = LocalSwarm(2, timeout=0.5)
     handle = swarm.transport(0).all_reduce((0, 0), torch.ones(4))
-    assert not handle.done()
+    # done() waits for the other workers (the swarm models an instant link) but only up to the bound;
+    # the round is then settled as failed, and wait() raises at once
+    start = time.monotonic()
+    assert handle.done()
+    assert time.monotonic() - start < 5.0
     with pytest.raises(SyncFailed) as e:
         handle.wait()
     assert e.value.reason == "timeout"
+
+
+def test_done_means_every_worker_launched_the_round():
+    """The instant-link model: done() returns once all workers have contributed, with the result."""
+    swarm = LocalSwarm(2, timeout=10)
+    out = {}
+
+    def worker(rank):
+        handle = swarm.transport(rank).all_reduce((0, 0), torch.full((4,), float(rank)))
+        assert handle.done()
+        out[rank] = handle.wait(timeout=0.0).average
+
+    swarm.run(worker)
+    assert torch.equal(out[0], torch.full((4,), 0.5)) and torch.equal(out[1], out[0])
 
 
 def test_a_failing_worker_aborts_the_others_instead_of_hanging_them():

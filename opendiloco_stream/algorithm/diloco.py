@@ -196,6 +196,8 @@ class StreamingDiLoCo:
         fragments = fr.partition(model, blocks, config.num_fragments, config.fragment_pattern)
         offsets = fr.fragment_offsets(config.inner_steps, config.num_fragments)
         self.frags = [FragmentState(f, o, config) for f, o in zip(fragments, offsets)]
+        self._on_arrival = (config.mode == "eager" and config.eager_rule == "corrected"
+                            and config.eager_correction == "on-arrival")
         self.transport.prepare({f.index: f.numel for f in fragments})
         self.transport.set_state_provider(self.state_dict)
 
@@ -230,7 +232,7 @@ class StreamingDiLoCo:
                 for f in self.frags:
                     if f.pending is not None and f.pending.apply_at == t:
                         self._apply_overlap(f)
-            if self.config.mode == "eager" and self.config.eager_correction == "on-arrival":
+            if self._on_arrival:
                 for f in self.frags:  # a non-blocking look: nothing waits here
                     if f.pending is not None and f.pending.launched_at < t and f.pending.handle.done():
                         self._land(f, shift=True)

@@ -146,16 +146,34 @@ class LocalSwarm:
 
 
 class _LocalHandle(SyncHandle):
+    """A round of a LocalSwarm. The swarm models an *instant link*: a round has landed as soon as
+    every worker has launched it. ``done()`` therefore waits for the other workers to reach the
+    round (threads in one process: at most about one inner step) and then says True, so code
+    that acts "as soon as a round has landed" (eager on-arrival correction) does so at the same
+    step in every run: in-process runs stay deterministic."""
+
     def __init__(self, swarm: LocalSwarm, rank: int, key: Hashable, rnd: _Round):
         self.swarm, self.rank, self.key, self._round = swarm, rank, key, rnd
         self._result: Optional[SyncResult] = None
+        self._error: Optional[SyncFailed] = None
 
     def done(self) -> bool:
-        return self._round.results is not None or self._round.error is not None
+        try:
+            self.wait()
+        except SyncFailed:
+            pass
+        return True
 
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
+        if self._error is not None:
+            raise self._error
         if self._result is None:
-            self._result = self.swarm._wait(self.rank, self.key, self._round, timeout)
+            try:
+                self._result = self.swarm._wait(self.rank, self.key, self._round, timeout)
+            except SyncFailed as e:
+                if e.reason != "timeout" or timeout is None:  # a caller's shorter bound may be retried
+                    self._error = e
+                raise
         return self._result
 
 
