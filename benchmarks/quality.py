@@ -52,7 +52,6 @@ except ImportError:  # run as a script: python benchmarks/quality.py
     from _quality_report import OUTER_CHECKS, OUTER_MODES, report
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
-from opendiloco_stream.compression import get_codec
 from opendiloco_stream.config import RunConfig, load_config
 
 
@@ -165,7 +164,7 @@ def train_run(cfg: RunConfig, workers: int, data_cache: dict) -> dict[str, Any]:
     """Train ``workers`` threads over a LocalSwarm; return the summary record and the curves."""
     from opendiloco_stream.commands.local import prepare_data
     from opendiloco_stream.train.loop import summarize, train_worker
-    from opendiloco_stream.transport.factory import local_swarm
+    from opendiloco_stream.transport.factory import codec_from_config, local_swarm
 
     key = (cfg.model.seq_len, cfg.train.seed)
     if key not in data_cache:
@@ -178,7 +177,7 @@ def train_run(cfg: RunConfig, workers: int, data_cache: dict) -> dict[str, Any]:
     reports = swarm.run(lambda rank: train_worker(rank, workers, cfg, swarm.transport(rank), train_source, val,
                                                   vocab_size, records.append))
     wall = time.perf_counter() - start
-    codec = get_codec(d.codec, block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype)
+    codec = codec_from_config(cfg)
     summary = summarize(cfg, reports, wall, codec.encoded_size)
     summary["bits_per_value"] = codec.bits_per_value(max(1, reports[0].outer_gradient_numel))
     summary["bytes_sent_launched"] = bytes_launched(cfg, records)

@@ -20,7 +20,10 @@ Configuration guide for the knobs that matter (every field: docs/configuration.m
   ``naive-delayed`` is the ablation, ``data-parallel`` the baseline.
 * ``alpha``: in ``overlap`` mode, how much of the local parameters is kept when the global
   average lands (0.5 = the paper's merge; 0 = take the global parameters).
-* ``codec``: what goes on the wire. ``fp4-e3m0`` is the streaming paper's 4-bit format.
+* ``codec``: what goes on the wire. ``fp4-e3m0`` is the streaming paper's 4-bit format;
+  ``topk-int2`` / ``topk-int4`` send the ``density`` fraction of each ``sparse_chunk`` (top-k by
+  magnitude) at 2 / 4 bits, with error feedback on unless ``error_feedback = false``
+  (docs/sparse.md).
 * ``sync_timeout``: bound on any wait for a round (seconds); networked transports derive their
   own, tighter bounds from the schedule and the link.
 """
@@ -34,7 +37,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES
+from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
 # The one list of sync modes; the codec list is the wire registry's (compression/wire.py).
 MODES = ("blocking", "overlap", "eager", "naive-delayed", "data-parallel")
@@ -91,12 +94,24 @@ class DiLoCoConfig(_Strict):
                                   json_schema_extra=cli("--block-size", "--codec-block-size"))
     codec_scale_dtype: ScaleDtype = Field("fp16", description="per-block scale format (low-bit codecs)",
                                           json_schema_extra=cli("--scale-dtype", "--codec-scale-dtype"))
+    density: float = Field(0.02, gt=0.0, le=1.0, description="sparse codecs (topk-*): fraction of each chunk's "
+                           "values sent (the top-k by magnitude)")
+    sparse_chunk: int = Field(1024, ge=8, le=4096, description="sparse codecs (topk-*): values per chunk "
+                              "(one scale per chunk; indices cost log2(chunk) bits)")
     stochastic_rounding: bool = False
-    error_feedback: bool = False
+    error_feedback: Optional[bool] = Field(None, description="add what the codec did not send to the next "
+                                           "round's outer gradient; default: on for sparse codecs (topk-*)")
+    error_feedback_decay: float = Field(1.0, ge=0.0, le=1.0, description="error feedback: the residual is "
+                                        "multiplied by this before it is added (1 = nothing is lost)")
     weighting: Literal["tokens", "equal"] = "tokens"
     sync_timeout: float = Field(300.0, gt=0.0, description="upper bound on any wait for a round (s)")
     record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "
                                  "records (to verify peers hold bit-identical results)")
+
+    @property
+    def use_error_feedback(self) -> bool:
+        """``error_feedback`` as set, or on for sparse codecs (what they do not send must not be lost)."""
+        return self.codec in SPARSE_CODECS if self.error_feedback is None else self.error_feedback
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "DiLoCoConfig":

@@ -186,7 +186,7 @@ class StreamingDiLoCo:
         self.model, self.optimizer, self.transport, self.config = model, optimizer, transport, config
         self.step_count = 0  # t: inner steps taken
         self.log = SyncLog(on_event, config.record_digests)
-        self.error_feedback = ErrorFeedback() if config.error_feedback else None
+        self.error_feedback = ErrorFeedback(config.error_feedback_decay) if config.use_error_feedback else None
         self._closed = False
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
@@ -377,7 +377,7 @@ class StreamingDiLoCo:
             for f, st in zip(self.frags, state["fragments"]):
                 f.load_state_dict(st, joiner)
             if self.error_feedback is not None:
-                self.error_feedback = ErrorFeedback()
+                self.error_feedback = ErrorFeedback(self.config.error_feedback_decay)
                 if not joiner and state.get("error_feedback") is not None:
                     self.error_feedback.load_state_dict(state["error_feedback"])
 

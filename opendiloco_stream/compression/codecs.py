@@ -8,6 +8,10 @@ Choosing a codec (``get_codec(name, block_size=64, scale_dtype="fp16", stochasti
   size): at most 2^-4 of the value itself for values above 2^-6 / 448 of the block absmax.
 - ``fp4-e3m0`` (the Streaming DiLoCo paper's 4-bit format) and ``fp4-e2m1`` (OCP MX FP4) cost
   4 + 16/block bits/value: 4.25 with the default block 64 and fp16 scales.
+- ``topk-int2`` / ``topk-int4`` (sparse, ``sparse.py``): per chunk of ``block_size`` values (default
+  1024 for them), the ``density`` fraction of largest magnitudes, at 2 / 4 bits with a per-chunk
+  scale, plus their indices: ~0.25 bits/value for topk-int2 at density 0.02. Use them with error
+  feedback (the config turns it on for them). A reduction's result is ``result_codec(M)``.
 - ``block_size`` (8..4096): smaller blocks track local magnitudes better at 16/block (fp16 scales)
   or 32/block (fp32 scales) extra bits per value. The paper's range is 32..128.
 - ``stochastic=True`` makes rounding unbiased (useful without error feedback); it draws from a
@@ -27,7 +31,7 @@ import sys
 import numpy as np
 import torch
 
-from opendiloco_stream.compression import blockwise, casts
+from opendiloco_stream.compression import blockwise, casts, sparse
 from opendiloco_stream.compression.wire import (
     BLOCK_CODECS,
     CODEC_NAMES,
@@ -35,6 +39,7 @@ from opendiloco_stream.compression.wire import (
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
     SCALE_DTYPES,
+    SPARSE_CODECS,
     NonFiniteError,
     WireHeader,
     read_header,
@@ -54,13 +59,18 @@ class Codec:
     def __init__(
         self,
         name: str,
-        block_size: int = 64,
+        block_size: int | None = None,
         scale_dtype: str = "fp16",
         stochastic: bool = False,
         seed: int | None = None,
+        density: float = sparse.DEFAULT_DENSITY,
+        k: int | None = None,
     ) -> None:
         if name not in CODEC_NAMES:
             raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+        self.is_sparse = name in SPARSE_CODECS
+        if block_size is None:
+            block_size = sparse.DEFAULT_CHUNK if self.is_sparse else 64
         try:
             block_size = operator.index(block_size)  # accepts numpy integers, rejects 64.0
         except TypeError:
@@ -71,12 +81,21 @@ class Codec:
             raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}")
         if sys.byteorder != "little":
             raise RuntimeError("the wire format is little-endian; big-endian hosts are not supported")
+        if not (isinstance(density, (int, float)) and 0.0 < density <= 1.0):
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
         self.name = name
-        self.is_blockwise = name in BLOCK_CODECS
+        # Sparse codecs are blockwise too: parts and chunks of a reduction fall on whole chunks.
+        self.is_blockwise = name in BLOCK_CODECS or self.is_sparse
         self.block_size = block_size
         self.scale_dtype = scale_dtype
-        # Stochastic rounding is meaningless for the exact fp32 cast.
-        self.stochastic = bool(stochastic) and name != "fp32"
+        # Values kept per chunk (sparse codecs only; ``k`` overrides ``density``: result codecs).
+        self.k = (k if k is not None else sparse.k_for(density, block_size)) if self.is_sparse else 0
+        if self.is_sparse and not 1 <= self.k <= block_size:
+            raise ValueError(f"k must be in 1..{block_size}, got {self.k}")
+        self.density = self.k / block_size if self.is_sparse else 1.0
+        # Stochastic rounding is meaningless for the exact fp32 cast; top-k is biased anyway and
+        # relies on error feedback, so sparse codecs always round to nearest.
+        self.stochastic = bool(stochastic) and name != "fp32" and not self.is_sparse
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -84,6 +103,8 @@ class Codec:
         parts = [repr(self.name)]
         if self.is_blockwise:
             parts += [f"block_size={self.block_size}", f"scale_dtype={self.scale_dtype!r}"]
+        if self.is_sparse:
+            parts += [f"k={self.k}"]
         if self.stochastic:
             parts += ["stochastic=True", f"seed={self.seed}"]
         return f"Codec({', '.join(parts)})"
@@ -92,7 +113,7 @@ class Codec:
 
     def _header(self, numel: int) -> WireHeader:
         if self.is_blockwise:
-            return WireHeader(self.name, numel, self.block_size, self.scale_dtype)
+            return WireHeader(self.name, numel, self.block_size, self.scale_dtype, self.k)
         return WireHeader(self.name, numel, 0, None)
 
     def encoded_size(self, numel: int) -> int:
@@ -100,6 +121,15 @@ class Codec:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
         return self._header(numel).total_nbytes
+
+    def result_codec(self, group_size: int) -> "Codec":
+        """The codec of a reduction's result over ``group_size`` accepted contributions: this codec,
+        except for sparse ones: ``topk-int4`` keeping ``min(block, group_size * k)`` per chunk, which
+        holds the union of the contributions' supports (``sparse.py``, docs/sparse.md)."""
+        if not self.is_sparse:
+            return self
+        return Codec("topk-int4", self.block_size, self.scale_dtype,
+                     k=sparse.result_k(self.k, self.block_size, group_size))
 
     def bits_per_value(self, numel: int) -> float:
         """Wire bits per element, header and scales included."""
@@ -131,6 +161,9 @@ class Codec:
         flat = tensor.detach().reshape(-1)
         header = self._header(flat.numel()).pack()
         generator = self._generator(flat.device)
+        if self.is_sparse:
+            scales, indices, codes = sparse.quantize(flat.cpu(), self.name, self.block_size, self.k, self.scale_dtype)
+            return b"".join([header, scales.numpy().tobytes(), indices.tobytes(), codes.tobytes()])
         if self.is_blockwise:
             scales, codes = blockwise.quantize(flat, self.name, self.block_size, self.scale_dtype, generator)
             parts = [scales.view(torch.uint8), codes]
@@ -171,6 +204,8 @@ class Codec:
 def _describe(header: WireHeader) -> str:
     if header.scale_dtype is None:
         return header.codec
+    if header.k:
+        return f"{header.codec} (chunk {header.block_size}, k {header.k}, {header.scale_dtype} scales)"
     return f"{header.codec} (block {header.block_size}, {header.scale_dtype} scales)"
 
 
@@ -186,6 +221,12 @@ def decode_with_header(
     """Decode ``data`` whose header was already validated by ``read_header``."""
     if header.numel == 0:
         return torch.zeros(0, dtype=torch.float32, device=device)
+    if header.k:
+        scales = _owned_slice(data, HEADER_SIZE, header.n_blocks, _SCALE_NUMPY[header.scale_dtype])
+        offset = HEADER_SIZE + header.scales_nbytes
+        indices = np.frombuffer(data, dtype=np.uint8, count=header.indices_nbytes, offset=offset)
+        codes = np.frombuffer(data, dtype=np.uint8, count=header.codes_nbytes, offset=offset + header.indices_nbytes)
+        return sparse.dequantize(scales, indices, codes, header).to(device)
     codes_offset = HEADER_SIZE + header.scales_nbytes
     codes = _owned_slice(data, codes_offset, header.codes_nbytes, np.uint8).to(device)
     if header.scale_dtype is None:
@@ -204,10 +245,15 @@ def decode(data: bytes | bytearray | memoryview, device: torch.device | str = "c
 
 def get_codec(
     name: str,
-    block_size: int = 64,
+    block_size: int | None = None,
     scale_dtype: str = "fp16",
     stochastic: bool = False,
     seed: int | None = None,
+    density: float = sparse.DEFAULT_DENSITY,
 ) -> Codec:
-    """Build the codec ``name`` (one of ``CODEC_NAMES``); raises ``ValueError`` for bad parameters."""
-    return Codec(name, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic, seed=seed)
+    """Build the codec ``name`` (one of ``CODEC_NAMES``); raises ``ValueError`` for bad parameters.
+
+    ``block_size`` defaults to 64 (block codecs) or 1024 (sparse codecs: the chunk); ``density``
+    is the fraction of each chunk a sparse codec keeps."""
+    return Codec(name, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic, seed=seed,
+                 density=density)

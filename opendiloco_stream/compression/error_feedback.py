@@ -2,12 +2,13 @@
 
 Per key (e.g. a fragment index)::
 
-    compensated = ef.compensate(key, delta)      # delta + residual (residual starts at zero)
+    compensated = ef.compensate(key, delta)      # delta + decay * residual (residual starts at zero)
     sent = codec.roundtrip(compensated)          # what actually goes on the wire
     ef.update(key, compensated, sent)            # residual = compensated - sent
 
 The sum of what was sent then tracks the sum of the true deltas up to one residual, however coarse
-the codec: the error is delayed, never lost.
+the codec: the error is delayed, never lost (with ``decay`` 1, the default; a decay below 1 lets
+old residuals fade, as SparseLoCo's error-feedback momentum does).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ class ErrorFeedback:
     copies and loaded residuals move to the device of the next ``compensate`` call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"error-feedback decay must be in [0, 1], got {decay}")
+        self.decay = float(decay)
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
     def __contains__(self, key: Hashable) -> bool:
@@ -35,7 +39,7 @@ class ErrorFeedback:
         return self._residuals.get(key)
 
     def compensate(self, key: Hashable, d: torch.Tensor) -> torch.Tensor:
-        """Return a new fp32 tensor ``d + residual[key]``; ``d`` itself is left untouched."""
+        """Return a new fp32 tensor ``d + decay * residual[key]``; ``d`` itself is left untouched."""
         residual = self._residuals.get(key)
         if residual is None:
             return d.detach().to(torch.float32, copy=True)
@@ -48,7 +52,7 @@ class ErrorFeedback:
         if residual.device != d32.device:
             residual = residual.to(d32.device)
             self._residuals[key] = residual
-        return d32 + residual
+        return d32 + residual if self.decay == 1.0 else d32 + residual * self.decay
 
     def update(self, key: Hashable, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         """Set ``residual[key] = compensated - sent`` (``sent`` may be flat, e.g. fresh from decode)."""

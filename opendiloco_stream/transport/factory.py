@@ -22,8 +22,11 @@ if TYPE_CHECKING:  # the constructors import lazily: torch and hivemind only whe
 
 def codec_args(cfg: RunConfig) -> dict[str, Any]:
     """The codec's parameters (``compression.get_codec`` / the transports' codec arguments)."""
+    from opendiloco_stream.compression.wire import SPARSE_CODECS
+
     d = cfg.diloco
-    return dict(block_size=d.codec_block_size, scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding)
+    block = d.sparse_chunk if d.codec in SPARSE_CODECS else d.codec_block_size
+    return dict(block_size=block, scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding, density=d.density)
 
 
 def codec_from_config(cfg: RunConfig) -> "Codec":

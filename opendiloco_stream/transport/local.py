@@ -20,6 +20,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from opendiloco_stream.compression import get_codec
+from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
 
@@ -39,18 +40,21 @@ class LocalSwarm:
 
     Args:
         num_workers: M.
-        codec, block_size, scale_dtype, stochastic, seed: the wire codec (see compression).
+        codec, block_size, scale_dtype, stochastic, seed, density: the wire codec (see compression;
+            ``block_size`` None: the codec's default, ``density``: sparse codecs only).
         timeout: bound on any wait for the other workers (seconds).
         chunk_bytes, norm_bound: as in ``HivemindTransport`` (chunks of a part; the norm check).
     """
 
-    def __init__(self, num_workers: int, codec: str = "fp32", block_size: int = 64, scale_dtype: str = "fp16",
-                 stochastic: bool = False, seed: int = 0, timeout: float = 300.0,
+    def __init__(self, num_workers: int, codec: str = "fp32", block_size: Optional[int] = None, scale_dtype: str = "fp16",
+                 stochastic: bool = False, seed: int = 0, density: float = DEFAULT_DENSITY, timeout: float = 300.0,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, norm_bound: Optional[float] = DEFAULT_NORM_BOUND):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.num_workers = num_workers
-        self.codec_args = dict(name=codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic)
+        self.codec_args = dict(name=codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic,
+                               density=density)
+        get_codec(**self.codec_args)  # bad codec parameters fail here, not in the first round
         self.seed = seed
         self.timeout = timeout
         self.chunk_bytes, self.norm_bound = int(chunk_bytes), norm_bound

@@ -23,8 +23,9 @@ leader's order over hivemind; client-mode peers send but reduce nothing):
    above ``norm_bound`` x the group median) or ABSTAINED; the group's verdict is the most severe
    status any reducer gave, so all parts average the same contributions.
 5. *Results* (:meth:`PartReducer.reduce_chunk`). The weighted fp32 mean of the accepted
-   contributions in member order, encoded ONCE; every member decodes those same bytes, hence
-   bit-identical averages.
+   contributions in member order, encoded ONCE (with :func:`result_codec`: for sparse codecs the
+   top ``M * k`` per chunk at 4 bits, i.e. the union of the supports; docs/sparse.md); every member
+   decodes those same bytes, hence bit-identical averages.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def codec_alignment(codec: Codec) -> int:
 
 def codec_spec(codec: Codec) -> list:
     """What must match between members for their bytes to be reducible together."""
-    return [codec.name, codec.block_size if codec.is_blockwise else 0, codec.scale_dtype if codec.is_blockwise else ""]
+    spec = [codec.name, codec.block_size if codec.is_blockwise else 0, codec.scale_dtype if codec.is_blockwise else ""]
+    return spec + [codec.k] if codec.is_sparse else spec  # dense specs unchanged: older peers still match
 
 
 # ---------------------------------------------------------------------------------------- members
@@ -257,11 +259,20 @@ class PartReducer:
         """Chunk ``j`` of the result under the group's verdict ``final``: the bytes every member
         receives (the weighted fp32 mean, encoded once) and what they decode to."""
         accepted = [s for s in range(len(final)) if final[s] == OK]
-        payload = self.codec.encode(weighted_mean([self.values[s][j] for s in accepted], [weights[s] for s in accepted]))
+        codec = result_codec(self.codec, final)
+        payload = codec.encode(weighted_mean([self.values[s][j] for s in accepted], [weights[s] for s in accepted]))
         for s in accepted:
             self.values[s][j] = None
         lo, hi = self.chunks[j]
-        return payload, self.codec.decode(payload, numel=hi - lo)
+        return payload, codec.decode(payload, numel=hi - lo)
+
+
+def result_codec(codec: Codec, final: bytes) -> Codec:
+    """The codec of a round's result under the verdict ``final``: the contributions' codec, except
+    for sparse codecs (``Codec.result_codec``: the union of the accepted supports, 4-bit values),
+    whose result depends on how many contributions were accepted. Every member derives it from the
+    same verdict, so everyone checks the result bytes against the same expected format."""
+    return codec.result_codec(sum(1 for s in final if s == OK))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from opendiloco_stream.transport.hivemind.protocol import (
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 from opendiloco_stream.transport.reduce import (
     MISSING, OK, GroupLayout, GroupMismatch, PartReducer, combine_verdicts, judge_members,
-    summarize_verdict,
+    result_codec, summarize_verdict,
 )
 
 logger = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ class HvAllReduceRunner:
                 if frame.kind != RESULT or frame.chunk != j or len(frame.status) != len(self.peer_ids):
                     raise ProtocolError(f"expected result chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
                 self._record_part(q, frame.status, frame.total_weight)
-                await self._in_executor(self._take_result, frame.payload, lo, hi)
+                await self._in_executor(self._take_result, frame.payload, lo, hi, frame.status)
             # DONE closes the exchange (it also carries the verdict when the part is empty); then
             # we close the stream: the reducer waits for that.
             timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
@@ -336,8 +336,9 @@ class HvAllReduceRunner:
         if q in self.sender_done and q != self.me:
             self._sender_lost(q, f"unreachable ({why})")
 
-    def _take_result(self, payload: bytes, lo: int, hi: int) -> None:
-        values = self.codec.decode(payload, numel=hi - lo)  # ValueError -> partial
+    def _take_result(self, payload: bytes, lo: int, hi: int, final: bytes) -> None:
+        # the result's format follows from the verdict (sparse codecs: the number accepted)
+        values = result_codec(self.codec, final).decode(payload, numel=hi - lo)  # ValueError -> partial
         self.result[lo:hi] = values
 
     # ------------------------------------------------------------------ the round

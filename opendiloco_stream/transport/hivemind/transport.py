@@ -42,6 +42,7 @@ from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco_stream.compression import get_codec
+from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.protocol import round_group_bits
@@ -211,7 +212,8 @@ class HivemindTransport(Transport):
     Args:
         dht: a running ``hivemind.DHT`` (the caller owns it; ``close`` leaves it running).
         run_id: the run's name ([A-Za-z0-9_-]); peers group only within a run.
-        codec, block_size, scale_dtype, stochastic: the wire codec (``compression.get_codec``).
+        codec, block_size, scale_dtype, stochastic, density: the wire codec (``compression.get_codec``;
+            ``block_size`` None: the codec's default, ``density``: sparse codecs only).
         target_group_size: start a round as soon as this many peers are there; ``None`` waits
             ``matchmaking_time`` every round. Set it to the number of peers.
         matchmaking_time, request_timeout, allreduce_timeout, next_chunk_timeout, window_s,
@@ -226,8 +228,9 @@ class HivemindTransport(Transport):
 
     averager_cls = FragmentAverager
 
-    def __init__(self, dht: DHT, run_id: str, *, codec: str = "fp32", block_size: int = 64,
-                 scale_dtype: str = "fp16", stochastic: bool = False, target_group_size: Optional[int] = None,
+    def __init__(self, dht: DHT, run_id: str, *, codec: str = "fp32", block_size: Optional[int] = None,
+                 scale_dtype: str = "fp16", stochastic: bool = False, density: float = DEFAULT_DENSITY,
+                 target_group_size: Optional[int] = None,
                  matchmaking_time: float = 5.0, request_timeout: float = 3.0, allreduce_timeout: Optional[float] = None,
                  next_chunk_timeout: Optional[float] = None, link_mbit: float = 100.0, client_mode: bool = False,
                  window_s: Optional[float] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -239,7 +242,8 @@ class HivemindTransport(Transport):
             raise ValueError(f"target_group_size must be >= 2 (or None), got {target_group_size}")
         if norm_bound is not None and not norm_bound > 1:
             raise ValueError(f"norm_bound must be > 1 (or None), got {norm_bound}")
-        self.codec = get_codec(codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic)
+        self.codec = get_codec(codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic,
+                               density=density)
         self.dht, self.run_id, self.client_mode = dht, run_id, client_mode
         self.target_group_size, self.chunk_bytes, self.norm_bound = target_group_size, int(chunk_bytes), norm_bound
         self.link_mbit, self.window_s, self.startup_timeout = link_mbit, window_s, startup_timeout
