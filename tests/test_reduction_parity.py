@@ -21,7 +21,7 @@ TIMEOUTS = dict(target_group_size=3, matchmaking_time=3.0, request_timeout=1.0, 
                 allreduce_timeout=40.0)
 
 
-@pytest.fixture(scope="module", params=["fp4-e3m0", "fp32"])
+@pytest.fixture(scope="module", params=["fp4-e3m0", "fp32", "topk-int2"])
 def peers(request):
     codec = request.param
     swarm = LoopbackSwarm(3, run_id=f"parity_{codec.replace('-', '_')}",

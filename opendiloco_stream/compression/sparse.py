@@ -10,10 +10,9 @@ cut into chunks of ``block`` values (the last one may be short). Per chunk:
   sign: the least-squares level for the kept signs; the top-k magnitudes of a chunk are close to
   each other, the absmax would overstate most of them by ~40 %). Stored like the block codecs'
   scales (``blockwise.store_scales``: fp16 rounded up).
-- *Values*: symmetric integers ``round(v / step)`` clamped to ``[-top, top]``, ``step = scale /
-  top``, ``top = 1`` for int2 (levels -1, 0, +1: two's complement in 2 bits, code -2 is invalid)
-  and ``top = 7`` for int4 (levels -7..7, code -8 invalid); ties to even. A kept value below half a
-  step decodes to 0.
+- *Values*: int2: the sign (-1, +1; 0 only for an exact zero), decoded as ``sign * scale``; int4:
+  ``round(v / step)`` with ``step = scale / 7``, levels -7..7, ties to even (a kept value below
+  half a step decodes to 0). Codes are two's complement in 2 / 4 bits; -2 / -8 are invalid.
 - *Indices*: in-chunk positions, ascending, ``wire.index_bits(block)`` bits each (10 bits for the
   default 1024-value chunk).
 
@@ -101,8 +100,11 @@ def quantize(x: torch.Tensor, fmt: str, block_size: int, k: int, scale_dtype: st
         level = amax
     scales = store_scales(level, scale_dtype)
     step = _steps(scales, fmt)
-    q = vals.div_(torch.where(step > 0, step, torch.ones_like(step)).unsqueeze(1)).round_()
-    q.clamp_(-TOP[fmt], TOP[fmt])
+    if fmt == "topk-int2":  # every kept value is +-level (0 only for an exact zero)
+        q = torch.sign(vals)
+    else:
+        q = vals.div_(torch.where(step > 0, step, torch.ones_like(step)).unsqueeze(1)).round_()
+        q.clamp_(-TOP[fmt], TOP[fmt])
     idx, q = idx[keep], q[keep].to(torch.int64)
     bits = CODE_BITS[fmt]
     return scales, pack_bits(idx, index_bits(block_size)), pack_bits(q & ((1 << bits) - 1), bits)
