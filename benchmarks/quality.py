@@ -91,7 +91,13 @@ PRESETS: dict[str, Preset] = {
     "eager-small": Preset(workers=4, steps=200, seq_len=64, batch_size=8, inner_steps=25, fragments=2,
                           eval_every=50, warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0, 1),
                           model="small", groups=("scale",)),
+    # sparse codecs (issue 12): fp32, fp4-e3m0 and topk-int2 at 1/2/5 %, blocking and eager, the
+    # `local` defaults at 400 steps (the issue's bar), 2 seeds. 24 runs of ~5-7 min on 2 cores:
+    # pass --img-dir so that the plots do not replace the other presets' in docs/img.
+    "sparse": Preset(workers=4, steps=400, seq_len=128, batch_size=8, inner_steps=25, fragments=2, eval_every=50,
+                     warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0, 1), groups=("sparse",)),
 }
+SPARSE_DENSITIES = (0.01, 0.02, 0.05)
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ def variants(preset: Preset) -> list[Variant]:
     the outer-optimizer checks."""
     P = preset.fragments
     paper = Variant("eager-paper", "mode", f"eager, 'paper' rule (P={P})", {"mode": "eager", "eager_rule": "paper"})
+    if "sparse" in preset.groups:
+        return sparse_variants(P)
     if "scale" in preset.groups:
         return [Variant("streaming", "mode", f"streaming (blocking, P={P})", {"mode": "blocking"}),
                 Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}),
@@ -144,6 +152,23 @@ def variants(preset: Preset) -> list[Variant]:
             out.append(Variant(f"{mode}-{check}", "outer", f"{mode} (P={P}), {words}",
                                {"mode": "blocking" if mode == "streaming" else mode, **overrides},
                                reference=f"streaming-{check}"))
+    return out
+
+
+def sparse_variants(P: int) -> list[Variant]:
+    """fp32 rows (the references), fp4-e3m0, topk-int2 at each density with error feedback (its
+    default), under blocking streaming and eager."""
+    out = []
+    for mode, ref in (("blocking", "streaming"), ("eager", "eager")):
+        words = f"streaming (blocking, P={P})" if mode == "blocking" else f"eager (P={P})"
+        out.append(Variant(ref, "mode", words, {"mode": mode}))
+        out.append(Variant(f"{ref}-fp4-e3m0", "codec", f"{words} fp4-e3m0", {"mode": mode, "codec": "fp4-e3m0"},
+                           reference=ref))
+        for density in SPARSE_DENSITIES:
+            out.append(Variant(f"{ref}-topk-int2-{100 * density:g}pct-ef", "codec",
+                               f"{words} topk-int2 {100 * density:g}% + EF",
+                               {"mode": mode, "codec": "topk-int2", "density": density, "error_feedback": None},
+                               reference=ref))
     return out
 
 
