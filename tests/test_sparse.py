@@ -208,6 +208,16 @@ def test_reduction_averages_what_was_sent_and_keeps_the_union_of_supports(name):
     assert int(lost.sum()) < 0.3 * int(union.sum())
 
 
+def test_a_large_group_gets_a_dense_4_bit_result_when_that_is_smaller():
+    codec = get_codec("topk-int2", block_size=64, density=0.1)  # k = 6, 6-bit indices
+    assert codec.result_codec(4).name == "topk-int4"  # 24 kept: (16 + 24 * 10) / 64 = 4.0 bits/value
+    assert codec.result_codec(5).name == "fp4-e2m1"  # 30 kept would be 4.9 bits/value; fp4 is 4.25
+    tensors = [_randn(3000, seed=s) for s in range(5)]
+    outcomes = _round(tensors, [1.0] * 5, codec)
+    expect = codec.result_codec(5).roundtrip(weighted_mean([o.sent.clone() for o in outcomes], [1.0] * 5))
+    assert all(torch.equal(o.average, expect) for o in outcomes)
+
+
 def test_result_bytes_are_counted_from_the_wire():
     codec = get_codec("topk-int2", block_size=256, density=0.02)
     n, numel = 3, 256 * 30
