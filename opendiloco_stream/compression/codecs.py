@@ -11,7 +11,7 @@ Choosing a codec (``get_codec(name, block_size=64, scale_dtype="fp16", stochasti
 - ``topk-int2`` / ``topk-int4`` (sparse, ``sparse.py``): per chunk of ``block_size`` values (default
   1024 for them), the ``density`` fraction of largest magnitudes, at 2 / 4 bits with a per-chunk
   scale, plus their indices: ~0.25 bits/value for topk-int2 at density 0.02. Use them with error
-  feedback (the config turns it on for them). A reduction's result is ``result_codec(M)``.
+  feedback (the config turns it on for them). How a reduction's result travels: ``result_codec(M)``.
 - ``block_size`` (8..4096): smaller blocks track local magnitudes better at 16/block (fp16 scales)
   or 32/block (fp32 scales) extra bits per value. The paper's range is 32..128.
 - ``stochastic=True`` makes rounding unbiased (useful without error feedback); it draws from a
@@ -122,18 +122,17 @@ class Codec:
             raise ValueError(f"numel must be >= 0, got {numel}")
         return self._header(numel).total_nbytes
 
-    def result_codec(self, group_size: int) -> "Codec":
-        """The codec of a reduction's result over ``group_size`` accepted contributions: this codec,
-        except for sparse ones: ``topk-int4`` keeping ``min(block, group_size * k)`` per chunk, which
-        holds the union of the contributions' supports, or dense ``fp4-e2m1`` (block 64) where that
-        is smaller (``group_size * density`` above ~0.3 with 1024-value chunks; docs/sparse.md)."""
+    def result_codec(self, group_size: int) -> "Codec | None":
+        """How a reduction's result over ``group_size`` accepted contributions goes on the wire:
+        a codec that encodes the fp32 mean once (this codec, for dense codecs), or ``None``: the
+        accepted contributions themselves, which every member averages identically (sparse codecs;
+        lossless). Sparse codecs switch to a dense ``fp4-e2m1`` mean (block 64) once ``group_size``
+        contributions would be larger than it (docs/sparse.md)."""
         if not self.is_sparse:
             return self
-        union = Codec("topk-int4", self.block_size, self.scale_dtype,
-                      k=sparse.result_k(self.k, self.block_size, group_size))
         dense = Codec("fp4-e2m1", 64, self.scale_dtype)
         probe = 64 * self.block_size
-        return union if union.encoded_size(probe) <= dense.encoded_size(probe) else dense
+        return None if group_size * self.encoded_size(probe) <= dense.encoded_size(probe) else dense
 
     def bits_per_value(self, numel: int) -> float:
         """Wire bits per element, header and scales included."""

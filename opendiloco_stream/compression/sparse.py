@@ -21,10 +21,8 @@ Cost per value at density ``k / block``: ``scale_bits / block + density * (index
 ``topk-int2`` with 1024-value chunks, k = 20 (2 %) and fp16 scales is 0.25 bits per value (128x
 below fp32).
 
-The *result* of a reduction (``result_k``) keeps ``min(block, M * k)`` entries per chunk with 4-bit
-values: the weighted mean of M contributions has at most ``M * k`` non-zeros per chunk, so the
-result's support holds every entry any member sent, and its values get 4 bits because nobody keeps a
-residual of the result (docs/sparse.md).
+A reduction does not re-sparsify: its result is the accepted contributions themselves, which every
+member averages in the same order (``Codec.result_codec``, ``transport/reduce.py``, docs/sparse.md).
 """
 
 from __future__ import annotations
@@ -43,11 +41,6 @@ DEFAULT_DENSITY = 0.02
 def k_for(density: float, block_size: int) -> int:
     """Values kept per chunk for ``density`` (at least 1, at most the chunk)."""
     return max(1, min(block_size, round(density * block_size)))
-
-
-def result_k(k: int, block_size: int, group_size: int) -> int:
-    """Values per chunk of a reduction's result over ``group_size`` contributions of ``k`` each."""
-    return max(1, min(block_size, k * max(1, group_size)))
 
 
 def _steps(scales: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -23,14 +23,15 @@ leader's order over hivemind; client-mode peers send but reduce nothing):
    above ``norm_bound`` x the group median) or ABSTAINED; the group's verdict is the most severe
    status any reducer gave, so all parts average the same contributions.
 5. *Results* (:meth:`PartReducer.reduce_chunk`). The weighted fp32 mean of the accepted
-   contributions in member order, encoded ONCE (with :func:`result_codec`: for sparse codecs the
-   top ``M * k`` per chunk at 4 bits, i.e. the union of the supports; docs/sparse.md); every member
-   decodes those same bytes, hence bit-identical averages.
+   contributions in member order, encoded ONCE; every member decodes those same bytes, hence
+   bit-identical averages. Sparse codecs forward the accepted contributions' bytes instead and
+   every member computes the same fp32 mean of them (:func:`decode_result`; docs/sparse.md).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
@@ -220,23 +221,27 @@ class PartReducer:
         self.codec, self.chunks, self.norm_bound = codec, tuple(chunks), norm_bound
         self.status = list(status)
         self.values: list[list[Optional[torch.Tensor]]] = [[None] * len(self.chunks) for _ in self.status]
+        self.payloads: list[list[Optional[bytes]]] = [[None] * len(self.chunks) for _ in self.status]
         self.sumsq = [0.0] * len(self.status)
 
-    def check(self, j: int, payload: bytes) -> tuple[Optional[torch.Tensor], str, float]:
-        """Validate chunk ``j`` of a contribution: values (or None and why), squared norm."""
+    def check(self, j: int, payload: bytes) -> tuple[Optional[torch.Tensor], str, float, Optional[bytes]]:
+        """Validate chunk ``j`` of a contribution: values (or None and why), squared norm, and the
+        payload itself where the result forwards it (sparse codecs)."""
         lo, hi = self.chunks[j]
         values, why = check_chunk(self.codec, payload, hi - lo)
-        return values, why, float(values.double().square().sum()) if values is not None else 0.0
+        sumsq = float(values.double().square().sum()) if values is not None else 0.0
+        return values, why, sumsq, bytes(payload) if self.codec.is_sparse and values is not None else None
 
-    def accept(self, s: int, j: int, checked: tuple[Optional[torch.Tensor], str, float]) -> str:
+    def accept(self, s: int, j: int, checked: tuple[Optional[torch.Tensor], str, float, Optional[bytes]]) -> str:
         """Record sender ``s``'s checked chunk ``j``; returns why it was rejected ("" if it was not)."""
         if self.status[s] != OK:
             return ""  # already rejected, missing or abstaining: the rest is ignored
-        values, why, sumsq = checked
+        values, why, sumsq, payload = checked
         if values is None:
             self.drop(s, REJECTED)
             return why
         self.values[s][j] = values
+        self.payloads[s][j] = payload
         self.sumsq[s] += sumsq
         return ""
 
@@ -250,6 +255,7 @@ class PartReducer:
         elif self.status[s] in (OK, ABSTAINED):
             self.status[s] = MISSING
         self.values[s] = [None] * len(self.chunks)
+        self.payloads[s] = [None] * len(self.chunks)
 
     def verdict(self) -> bytes:
         """This reducer's verdict once every sender was heard or given up on (norms checked)."""
@@ -257,22 +263,56 @@ class PartReducer:
 
     def reduce_chunk(self, j: int, final: bytes, weights: Sequence[float]) -> tuple[bytes, torch.Tensor]:
         """Chunk ``j`` of the result under the group's verdict ``final``: the bytes every member
-        receives (the weighted fp32 mean, encoded once) and what they decode to."""
+        receives and what they decode to (:func:`decode_result`). Dense codecs: the weighted fp32
+        mean, encoded once. Sparse codecs: the accepted contributions' own bytes, forwarded, whose
+        weighted fp32 mean every member computes the same way (or a dense fp4 mean for large groups)."""
         accepted = [s for s in range(len(final)) if final[s] == OK]
-        codec = result_codec(self.codec, final)
-        payload = codec.encode(weighted_mean([self.values[s][j] for s in accepted], [weights[s] for s in accepted]))
+        mean = weighted_mean([self.values[s][j] for s in accepted], [weights[s] for s in accepted])
+        fmt = self.codec.result_codec(len(accepted))
+        if fmt is None:
+            payload, result = pack_bundle([self.payloads[s][j] for s in accepted]), mean
+        else:
+            payload = fmt.encode(mean)
+            lo, hi = self.chunks[j]
+            result = fmt.decode(payload, numel=hi - lo)
         for s in accepted:
-            self.values[s][j] = None
-        lo, hi = self.chunks[j]
-        return payload, codec.decode(payload, numel=hi - lo)
+            self.values[s][j] = self.payloads[s][j] = None
+        return payload, result
 
 
-def result_codec(codec: Codec, final: bytes) -> Codec:
-    """The codec of a round's result under the verdict ``final``: the contributions' codec, except
-    for sparse codecs (``Codec.result_codec``: the union of the accepted supports, 4-bit values),
-    whose result depends on how many contributions were accepted. Every member derives it from the
-    same verdict, so everyone checks the result bytes against the same expected format."""
-    return codec.result_codec(sum(1 for s in final if s == OK))
+_COUNT, _LENGTH = struct.Struct("<I"), struct.Struct("<Q")
+
+
+def pack_bundle(payloads: Sequence[bytes]) -> bytes:
+    """Several encoded chunks as one result payload: count, each length, the payloads in order."""
+    return b"".join([_COUNT.pack(len(payloads)), *(_LENGTH.pack(len(p)) for p in payloads), *payloads])
+
+
+def unpack_bundle(data: bytes, count: int) -> list[bytes]:
+    """Inverse of :func:`pack_bundle`; ``ValueError`` unless it holds exactly ``count`` payloads."""
+    data = bytes(data)
+    head = _COUNT.size + count * _LENGTH.size
+    if len(data) < head or _COUNT.unpack_from(data, 0)[0] != count:
+        raise ValueError(f"result bundle does not hold the {count} contributions of the verdict")
+    lengths = [_LENGTH.unpack_from(data, _COUNT.size + i * _LENGTH.size)[0] for i in range(count)]
+    if head + sum(lengths) != len(data):
+        raise ValueError(f"result bundle has {len(data)} bytes, its lengths say {head + sum(lengths)}")
+    out, offset = [], head
+    for n in lengths:
+        out.append(data[offset:offset + n])
+        offset += n
+    return out
+
+
+def decode_result(codec: Codec, payload: bytes, final: bytes, weights: Sequence[float], numel: int) -> torch.Tensor:
+    """What a member makes of a result chunk under the verdict ``final`` (the reducer's own result
+    is the same tensor, bit for bit). Raises ``ValueError`` for bytes that do not fit the verdict."""
+    accepted = [s for s in range(len(final)) if final[s] == OK]
+    fmt = codec.result_codec(len(accepted))
+    if fmt is not None:
+        return fmt.decode(payload, numel=numel)
+    values = [codec.decode(p, numel=numel) for p in unpack_bundle(payload, len(accepted))]
+    return weighted_mean(values, [weights[s] for s in accepted])
 
 
 @dataclass

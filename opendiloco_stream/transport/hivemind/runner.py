@@ -33,7 +33,7 @@ from opendiloco_stream.transport.hivemind.protocol import (
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 from opendiloco_stream.transport.reduce import (
     MISSING, OK, GroupLayout, GroupMismatch, PartReducer, combine_verdicts, judge_members,
-    result_codec, summarize_verdict,
+    decode_result, summarize_verdict,
 )
 
 logger = logging.getLogger(__name__)
@@ -337,8 +337,8 @@ class HvAllReduceRunner:
             self._sender_lost(q, f"unreachable ({why})")
 
     def _take_result(self, payload: bytes, lo: int, hi: int, final: bytes) -> None:
-        # the result's format follows from the verdict (sparse codecs: the number accepted)
-        values = result_codec(self.codec, final).decode(payload, numel=hi - lo)  # ValueError -> partial
+        # the result's format follows from the verdict (sparse codecs: the accepted contributions)
+        values = decode_result(self.codec, payload, final, self.weights, hi - lo)  # ValueError -> partial
         self.result[lo:hi] = values
 
     # ------------------------------------------------------------------ the round
