@@ -31,13 +31,13 @@ leader's order over hivemind; client-mode peers send but reduce nothing):
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
 import torch
 
 from opendiloco_stream.compression import Codec, NonFiniteError
+from opendiloco_stream.transport.bundle import pack_bundle, unpack_bundle
 
 PROTOCOL_VERSION = 1
 
@@ -278,30 +278,6 @@ class PartReducer:
         for s in accepted:
             self.values[s][j] = self.payloads[s][j] = None
         return payload, result
-
-
-_COUNT, _LENGTH = struct.Struct("<I"), struct.Struct("<Q")
-
-
-def pack_bundle(payloads: Sequence[bytes]) -> bytes:
-    """Several encoded chunks as one result payload: count, each length, the payloads in order."""
-    return b"".join([_COUNT.pack(len(payloads)), *(_LENGTH.pack(len(p)) for p in payloads), *payloads])
-
-
-def unpack_bundle(data: bytes, count: int) -> list[bytes]:
-    """Inverse of :func:`pack_bundle`; ``ValueError`` unless it holds exactly ``count`` payloads."""
-    data = bytes(data)
-    head = _COUNT.size + count * _LENGTH.size
-    if len(data) < head or _COUNT.unpack_from(data, 0)[0] != count:
-        raise ValueError(f"result bundle does not hold the {count} contributions of the verdict")
-    lengths = [_LENGTH.unpack_from(data, _COUNT.size + i * _LENGTH.size)[0] for i in range(count)]
-    if head + sum(lengths) != len(data):
-        raise ValueError(f"result bundle has {len(data)} bytes, its lengths say {head + sum(lengths)}")
-    out, offset = [], head
-    for n in lengths:
-        out.append(data[offset:offset + n])
-        offset += n
-    return out
 
 
 def decode_result(codec: Codec, payload: bytes, final: bytes, weights: Sequence[float], numel: int) -> torch.Tensor:
