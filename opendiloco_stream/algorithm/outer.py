@@ -1,6 +1,6 @@
 """The outer optimizer and the update rules of each mode (pure tensor math, no I/O).
 
-Notation (DESIGN.md section 1): ``theta_bar`` outer parameters (fp32), ``d`` outer gradient
+Notation (docs/algorithm.md): ``theta_bar`` outer parameters (fp32), ``d`` outer gradient
 ``theta_bar - theta_local`` (old minus new), ``avg`` the group's average of quantized outer
 gradients, ``q`` deQ(Q(d)) exactly as this peer sent it, ``share`` this peer's weight share.
 """
