@@ -426,3 +426,61 @@ def test_state_dict_round_trip_resumes_exactly(extra):
     a, b = run(False), run(True)
     for x, y in zip(a.parameters(), b.parameters()):
         assert torch.equal(x, y)
+
+
+class _SlowLinkTransport:
+    """A stand-in link whose rounds land only when the test says so (a real link's timing cannot be
+    set precisely in a test): it records every wait() and whether that round had landed."""
+
+    peer_id = "slow"
+
+    def __init__(self):
+        self.handles, self.waits = [], []
+
+    def prepare(self, numels):
+        pass
+
+    def set_state_provider(self, provider):
+        pass
+
+    def all_reduce(self, key, tensor, weight=1.0):
+        from opendiloco_stream.transport.base import SyncResult
+
+        outer = self
+
+        class Handle:
+            def __init__(self):
+                self.key, self.landed = key, False
+                self.result = SyncResult(average=tensor.clone(), group_size=1, weight_share=1.0, sent=tensor.clone())
+
+            def done(self):
+                return self.landed
+
+            def wait(self, timeout=None):
+                outer.waits.append((self.key, self.landed))
+                self.landed = True  # a blocking wait: the caller waited for the link
+                return self.result
+
+        h = Handle()
+        self.handles.append(h)
+        return h
+
+
+def test_eager_waits_only_for_a_round_that_took_the_whole_window():
+    """Eager (corrected, on arrival) never waits for a round that lands in time, and waits at the next
+    sync only for a round that has not landed by then: the fix adds no waiting."""
+    link = _SlowLinkTransport()
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=4, num_fragments=1,
+                                                                             mode="eager"), blocks=list(model))
+    data = torch.randn(5, 8)
+    for t in range(1, 13):
+        model(data).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if t == 6:
+            link.handles[0].landed = True  # round 0 (launched at t = 4) lands within its window
+        diloco.step()
+    # round 0 landed in time: consumed without waiting; round 1 (t = 8) never landed: waited at t = 12
+    assert link.waits == [((0, 0), True), ((0, 1), False)]
