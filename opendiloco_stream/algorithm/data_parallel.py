@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
-from opendiloco_stream.algorithm.sync_log import SyncLog
+from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import Transport
 
 
-class DataParallel:
+class DataParallel(HasSyncLog):
     """Averages gradients inside ``optimizer.step()`` (a step pre-hook), every inner step.
 
     The wait for the average happens inside the optimizer step; ``waits_in_optimizer_step`` tells a
@@ -42,14 +42,6 @@ class DataParallel:
                                       params=params)]
         self.transport.prepare({0: self.fragments[0].numel})
         self._hook = optimizer.register_step_pre_hook(self._average_gradients)
-
-    @property
-    def stats(self):
-        return self.log.stats
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self.log.events
 
     def step(self, tokens: Optional[int] = None) -> None:
         """Call once after every inner optimizer step (the averaging already happened inside it)."""

@@ -24,13 +24,13 @@ from torch import nn
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending, _Previous
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge, projected_estimate
-from opendiloco_stream.algorithm.sync_log import SyncLog
+from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncResult, Transport
 
 
-class StreamingDiLoCo:
+class StreamingDiLoCo(HasSyncLog):
     """Streaming DiLoCo over any Transport: blocking, tau-overlap, eager or naive-delayed.
 
     Args:
@@ -76,14 +76,6 @@ class StreamingDiLoCo:
     def outer_params(self) -> list[list[torch.Tensor]]:
         """theta_bar per fragment (fp32)."""
         return [f.outer for f in self.frags]
-
-    @property
-    def stats(self):
-        return self.log.stats
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self.log.events
 
     # ------------------------------------------------------------------ the per-step entry point
     def step(self, tokens: Optional[int] = None) -> None:

@@ -59,3 +59,17 @@ class SyncLog:
         self.events.append(rec)
         if self.on_event is not None:
             self.on_event(rec)
+
+
+class HasSyncLog:
+    """``stats`` and ``events`` of a wrapper that keeps its SyncLog in ``self.log``."""
+
+    log: SyncLog
+
+    @property
+    def stats(self) -> SyncStats:
+        return self.log.stats
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.log.events
