@@ -208,8 +208,12 @@ def report(payload: dict[str, Any], preset: Any, variant_list: list, out: Path, 
     command = payload["command"]
     agg = aggregate(payload["runs"], variant_list)
     payload["aggregate"] = agg
-    tables = {"modes": mode_table(agg), "codecs": codec_table(agg, payload["runs"]),
-              "outer": outer_table(agg, payload["runs"])}
+    groups = {a["group"] for a in agg.values()}
+    tables = {"modes": mode_table(agg)}
+    if "codec" in groups:  # presets such as 'eager' run the mode table only
+        tables["codecs"] = codec_table(agg, payload["runs"])
+    if "outer" in groups:
+        tables["outer"] = outer_table(agg, payload["runs"])
     payload["tables_markdown"] = tables
     if not no_plots:
         payload["plots"] = make_plots(payload["runs"], agg, variant_list, preset, img_dir, command)
