@@ -119,13 +119,13 @@ def variants(preset: Preset) -> list[Variant]:
     the outer-optimizer checks."""
     P = preset.fragments
     paper = Variant("eager-paper", "mode", f"eager, 'paper' rule (P={P})", {"mode": "eager", "eager_rule": "paper"})
+    next_sync = Variant("eager-next-sync", "mode", f"eager, corrected at the next sync (P={P})",
+                        {"mode": "eager", "eager_correction": "next-sync"})
     if "sparse" in preset.groups:
         return sparse_variants(P)
     if "scale" in preset.groups:
         return [Variant("streaming", "mode", f"streaming (blocking, P={P})", {"mode": "blocking"}),
-                Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}),
-                Variant("eager-next-sync", "mode", f"eager, corrected at the next sync (P={P})",
-                        {"mode": "eager", "eager_correction": "next-sync"}), paper,
+                Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}), next_sync, paper,
                 Variant("naive-delayed", "mode", f"naive-delayed (P={P})", {"mode": "naive-delayed"})]
     out = [
         Variant("data-parallel", "mode", "data-parallel (every step)", {"mode": "data-parallel", "num_fragments": 1}),
@@ -136,8 +136,7 @@ def variants(preset: Preset) -> list[Variant]:
         Variant("naive-delayed", "mode", f"naive-delayed (P={P})", {"mode": "naive-delayed"}),
     ]
     if "eager" in preset.groups:
-        return out + [Variant("eager-next-sync", "mode", f"eager, corrected at the next sync (P={P})",
-                              {"mode": "eager", "eager_correction": "next-sync"}), paper,
+        return out + [next_sync, paper,
                       Variant("eager-fp4-e3m0", "mode", f"eager fp4-e3m0 (P={P})", {"mode": "eager", "codec": "fp4-e3m0"})]
     if "codec" not in preset.groups:
         return out
@@ -195,7 +194,6 @@ def train_run(cfg: RunConfig, workers: int, data_cache: dict) -> dict[str, Any]:
     if key not in data_cache:
         data_cache[key] = prepare_data(cfg)
     train_source, val, vocab_size = data_cache[key]
-    d = cfg.diloco
     swarm = local_swarm(cfg, workers)
     records: list[dict[str, Any]] = []  # list.append is atomic under the GIL: safe from worker threads
     start = time.perf_counter()

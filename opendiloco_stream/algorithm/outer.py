@@ -21,14 +21,20 @@ class OuterOptimizer:
         self.opt = torch.optim.SGD(outer_params, lr=lr, momentum=momentum,
                                    nesterov=nesterov and momentum > 0)
 
-    def step(self, outer_grad: torch.Tensor) -> None:
-        offset = 0
+    def _split(self, outer_grad: torch.Tensor) -> list[torch.Tensor]:
+        """The flat outer gradient as one view per parameter (its shape, device and dtype)."""
+        total = sum(p.numel() for p in self.params)
+        if total != outer_grad.numel():
+            raise ValueError(f"outer gradient has {outer_grad.numel()} elements, fragment has {total}")
+        out, offset = [], 0
         for p in self.params:
-            n = p.numel()
-            p.grad = outer_grad[offset:offset + n].view_as(p).to(p.device, p.dtype)
-            offset += n
-        if offset != outer_grad.numel():
-            raise ValueError(f"outer gradient has {outer_grad.numel()} elements, fragment has {offset}")
+            out.append(outer_grad[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype))
+            offset += p.numel()
+        return out
+
+    def step(self, outer_grad: torch.Tensor) -> None:
+        for p, g in zip(self.params, self._split(outer_grad)):
+            p.grad = g
         self.opt.step()
         for p in self.params:
             p.grad = None
@@ -37,11 +43,8 @@ class OuterOptimizer:
         """The parameters ``step(outer_grad)`` would produce, without changing any state."""
         group = self.opt.param_groups[0]
         lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        out, offset = [], 0
-        for p in self.params:
-            n = p.numel()
-            g = outer_grad[offset:offset + n].view_as(p).to(p.device, p.dtype)
-            offset += n
+        out = []
+        for p, g in zip(self.params, self._split(outer_grad)):
             if beta > 0:
                 buf = self.opt.state.get(p, {}).get("momentum_buffer")
                 buf = g.clone() if buf is None else buf * beta + g
