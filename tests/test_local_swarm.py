@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -82,9 +80,7 @@ def test_a_missing_worker_costs_a_bounded_wait_not_a_hang():
     handle = swarm.transport(0).all_reduce((0, 0), torch.ones(4))
     # done() waits for the other workers (the swarm models an instant link) but only up to the bound;
     # the round is then settled as failed, and wait() raises at once
-    start = time.monotonic()
-    assert handle.done()
-    assert time.monotonic() - start < 5.0
+    assert handle.done()  # returns (pytest-timeout bounds the test), the round settled as failed
     with pytest.raises(SyncFailed) as e:
         handle.wait()
     assert e.value.reason == "timeout"
