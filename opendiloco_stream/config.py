@@ -35,7 +35,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
@@ -168,6 +168,8 @@ class TrainConfig(_Strict):
     resume: bool = Field(False, description="continue from checkpoint_dir if a checkpoint is there")
     tensorboard_dir: Optional[str] = Field(None, description="also log to TensorBoard here (needs the tensorboard package)")
     wandb_project: Optional[str] = Field(None, description="also log to this Weights & Biases project (needs wandb)")
+    step_delay_s: float = Field(0.0, ge=0.0, description="benchmarks and tests only: sleep this long in every inner "
+                                "step, counted as compute (emulates a slower peer)")
 
 
 class NetConfig(_Strict):
@@ -190,9 +192,12 @@ class NetConfig(_Strict):
     client_mode: bool = Field(False, description="outgoing connections only (behind NAT): send and receive, "
                               "reduce no part, serve no state")
     daemon_startup_timeout: float = Field(30.0, gt=0, description="bound on starting the p2p daemon (s)")
-    secret: Optional[str] = Field(None, description="shared run secret; peers without it cannot join (TOML or "
-                                  "ODS_NET__SECRET only: a flag would show in the process list)",
-                                  json_schema_extra=cli(hidden=True))
+    run_key_file: Optional[str] = Field(None, description="file holding the run key: only peers with the same key "
+                                        "join the run's groups, write its DHT records and download its state "
+                                        "(docs/security.md)", json_schema_extra=cli(metavar="F"))
+    run_key: Optional[SecretStr] = Field(None, description="the run key itself, instead of run_key_file (TOML or "
+                                         "ODS_NET__RUN_KEY only: a flag would show in the process list)",
+                                         json_schema_extra=cli(hidden=True))
     link_mbit: float = Field(100.0, gt=0, description="expected per-peer link rate, used to derive timeouts")
     matchmaking_time: float = Field(5.0, gt=0, description="seconds a round waits for its group to form")
     request_timeout: float = Field(3.0, gt=0, description="bound on one matchmaking request (s); must be below "
@@ -211,6 +216,18 @@ class NetConfig(_Strict):
                              "(the local transport cuts parts the same way)")
     norm_bound: Optional[float] = Field(10.0, gt=1.0, description="reject a contribution whose norm exceeds this "
                                         "multiple of the group median (3+ contributions); unset: no check")
+
+    @field_validator("run_key", mode="before")
+    @classmethod
+    def _key_as_text(cls, value: Any) -> Any:
+        # ODS_NET__RUN_KEY is parsed as a TOML scalar: an all-digit key arrives as an int
+        return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> "NetConfig":
+        if self.run_key is not None and self.run_key_file is not None:
+            raise ValueError("set run_key_file or run_key (ODS_NET__RUN_KEY), not both")
+        return self
 
 
 class RunConfig(_Strict):

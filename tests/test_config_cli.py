@@ -66,7 +66,7 @@ def test_every_existing_flag_name_still_sets_its_field(command, flags):
     for flag, _, dotted, expected in flags:
         assert value(cfg, dotted) == expected, flag
         assert sources.of(dotted) == "flag", flag
-    assert sources.of("diloco.alpha") == "flag" and sources.of("net.secret") == "default"
+    assert sources.of("diloco.alpha") == "flag" and sources.of("net.run_key") == "default"
 
 
 def test_aliases_and_the_monitor_and_bootstrap_subsets():
@@ -82,7 +82,7 @@ def test_aliases_and_the_monitor_and_bootstrap_subsets():
 
 def test_every_field_is_a_flag_with_its_default_and_choices_from_the_one_list(capsys):
     specs = {s.dest: s for s in flag_specs()}
-    hidden = {"net.secret"}  # a secret on the command line would show in the process list
+    hidden = {"net.run_key"}  # a secret on the command line would show in the process list
     fields = {f"{s}.{n}" for s, f in RunConfig.model_fields.items() for n in f.annotation.model_fields}
     assert set(specs) == fields - hidden  # a new field is a new flag, with nothing else to write
     assert specs["diloco.codec"].argparse_kwargs()["choices"] == CODEC_NAMES

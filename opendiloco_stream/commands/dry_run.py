@@ -148,6 +148,14 @@ def check_identity(path: Optional[str]) -> str:
     return f"{path}: does not exist yet; created at the first start (a new peer id)"
 
 
+def check_run_key(cfg: RunConfig) -> str:
+    from opendiloco_stream.net.auth import RunAuth
+
+    auth = RunAuth.from_config(cfg.net)  # raises ConfigError: missing, unreadable, too short
+    where = cfg.net.run_key_file or "net.run_key (ODS_NET__RUN_KEY)"
+    return f"{where}: readable, key id {auth.key_id} (peers of the run must show the same id)"
+
+
 def check_ports(cfg: RunConfig) -> str:
     from opendiloco_stream.cli import UsageError
 
@@ -191,6 +199,8 @@ def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path
 
             peer_id = ensure_identity(cfg.net.identity_path)  # exists: only read
         checks.run("ports", lambda: check_ports(cfg))
+        if cfg.net.run_key_file or cfg.net.run_key is not None:
+            checks.run("run key", lambda: check_run_key(cfg))
         shard, shard_note = (0, 1), ""
         if cfg.data.shard == "auto" and peer_id is None:
             shard, shard_note = parse_shard("auto", "dry-run"), " (auto: the shard is picked from the peer id at start)"

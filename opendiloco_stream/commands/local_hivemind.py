@@ -34,6 +34,8 @@ def to_toml(cfg: RunConfig) -> str:
         for key, value in model.model_dump(mode="json").items():
             if value is None:
                 continue
+            if hasattr(getattr(model, key), "get_secret_value"):  # a run key: dumped masked, the peers need it
+                value = getattr(model, key).get_secret_value()
             lines.append(f"{key} = {json.dumps(value)}")  # JSON scalars/lists of these are valid TOML
         lines.append("")
     return "\n".join(lines)

@@ -7,6 +7,11 @@ A peer that finds others already training downloads their state (outer parameter
 optimizer, schedule position, eager state) and joins at the swarm's step. Ctrl+C / SIGTERM stop it
 at the next inner step; a second signal stops it at once. Metrics go to ``--metrics-file`` and, for
 ``monitor``, to the DHT.
+
+With a run key (``--run-key-file F`` or ``ODS_NET__RUN_KEY``), only peers holding the same key join
+its groups, write its DHT records and download its state (docs/security.md). Before its first round
+a peer checks that the run uses its key and its fingerprint (mode, codec, H, P, model shapes), and
+is refused in one line (exit code 2) naming what differs.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
 
     from opendiloco_stream.cli import UsageError
     from opendiloco_stream.commands._common import prepare_data, print_summary
+    from opendiloco_stream.net.auth import Admission, RunAuth
     from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
+    from opendiloco_stream.net.join import RunGate, fingerprint_digest, fingerprint_fields
     from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
     from opendiloco_stream.net.metrics import MetricsPublisher, live_values
     from opendiloco_stream.net.prometheus import PrometheusExporter
@@ -65,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, updates=net_overrides(args))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
+    auth = RunAuth.from_config(cfg.net)  # a missing or short key file fails here, before anything starts
     if args.threads:
         torch.set_num_threads(args.threads)
     train_source, val, vocab_size = prepare_data(cfg)
@@ -83,8 +91,10 @@ def run(args: argparse.Namespace) -> int:
 
     with GracefulShutdown() as stop:
         dht = start_dht(cfg.net)
-        transport = None
+        transport = gate = None
         try:
+            gate = RunGate(dht, cfg.net.run_id, auth)
+            gate.check_key()  # a peer with another key (or none) stops here, having stored nothing
             peer_id = str(dht.peer_id)
             rank, world = parse_shard(cfg.data.shard, peer_id)
             if exporter is not None:
@@ -92,7 +102,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"prometheus metrics on {exporter.url}", file=sys.stderr, flush=True)
             print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}); "
                   f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
-            transport = hivemind_transport(cfg, dht)
+            admission = Admission(auth)
+            transport = hivemind_transport(cfg, dht, admission)
+
+            def before_join(model: torch.nn.Module) -> None:
+                fields = fingerprint_fields(cfg, model)
+                gate.check_fingerprint(fields)
+                admission.fingerprint = fingerprint_digest(fields)  # groupmates compare it every round
             publisher = MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration,
                                          name=peer_id[-8:])
             writer = MetricsWriter(cfg.train.metrics_file)
@@ -134,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             report = train_worker(rank, world, cfg, transport, train_source, val, vocab_size, emit,
                                   on_step=on_step, should_stop=lambda: stop.requested,
-                                  join_running=not args.no_join)
+                                  join_running=not args.no_join, before_join=before_join)
             bar.close()
             wall = time.perf_counter() - start
             summary = summarize(cfg, [report], wall, codec_from_config(cfg).encoded_size)
@@ -151,5 +167,7 @@ def run(args: argparse.Namespace) -> int:
                 sink.close()
             if transport is not None:
                 transport.close()
+            if gate is not None:
+                gate.close()
             stop_dht(dht)
     return 0  # a signal-requested stop at a safe point is a clean exit

@@ -228,7 +228,10 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
 
     from opendiloco_stream.net.lifecycle import descendants, kill_process_tree, process_name
 
+    from opendiloco_stream.net.auth import run_validators
+
     check_run_id(net.run_id)
+    record_validators = [*record_validators, *run_validators(net)]  # a run key signs and checks every record
     host, announce = listen_maddrs(net)
     identity = None
     if net.identity_path:

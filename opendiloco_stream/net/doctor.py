@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 from opendiloco_stream.config import NetConfig
 from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, listen_maddrs,
                                        rank_maddrs, run_key)
+from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.metrics import metrics_validators
 from opendiloco_stream.net.reachability import probe_dial, request_dialback, short_error
 
@@ -132,10 +133,11 @@ class _Doctor:
         try:
             probe_host, _ = listen_maddrs(NetConfig(initial_peers=peers))
             # the outer bound is wider than the daemon's own, which fails with a clearer message
-            # the run's validators: without them the signed metrics records cannot even be decoded
+            # the run's validators (metrics, run key): without them its signed records cannot even be decoded
             self.node = await asyncio.wait_for(DHTNode.create(
                 initial_peers=peers, client_mode=True, host_maddrs=probe_host, startup_timeout=self.timeout,
-                record_validator=CompositeValidator(metrics_validators(self.net.run_id))), 2 * self.timeout)
+                record_validator=CompositeValidator(metrics_validators(self.net.run_id) + run_validators(self.net))),
+                2 * self.timeout)
             ids = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in peers]
             pings = await asyncio.gather(*(asyncio.wait_for(self.node.protocol.call_ping(p), self.timeout)
                                            for p in ids), return_exceptions=True)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from opendiloco_stream.config import NetConfig
 from opendiloco_stream.config_cli import add_config_flags, config_from_args, overrides_from_args
 
-BASIC = ("initial_peers", "run_id")
+BASIC = ("initial_peers", "run_id", "run_key_file")
 LISTEN = ("port", "public_ip", "host_maddrs", "announce_maddrs")
 IDENTITY = ("identity_path",)
 

@@ -71,12 +71,15 @@ class WorkerReport:
 def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transport, train_source, val: torch.Tensor,
                  vocab_size: int, emit: Callable[[dict[str, Any]], None],
                  on_step: Optional[Callable[[int, float, SyncStats], None]] = None,
-                 should_stop: Optional[Callable[[], bool]] = None, join_running: bool = False) -> WorkerReport:
+                 should_stop: Optional[Callable[[], bool]] = None, join_running: bool = False,
+                 before_join: Optional[Callable[[torch.nn.Module], None]] = None) -> WorkerReport:
     """Train one worker for ``cfg.train.steps`` inner steps; return its report.
 
     ``join_running``: download the run's state from peers first (late joiner) and start at the
     swarm's step. ``should_stop`` is polled after every step (graceful shutdown). ``on_step(rank,
     loss, stats)`` is called after every inner step with the worker's sync counters so far.
+    ``before_join(model)`` runs once the model is built, before the transport is prepared, any state
+    is downloaded or any round runs (the join checks of ``net/join.py``); it may raise to refuse.
     """
     tc, device = cfg.train, cfg.train.device
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -84,6 +87,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
                             dtype=dtype).to(device)
     model.train()
+    if before_join is not None:
+        before_join(model)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
     diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model),
@@ -120,7 +125,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     def position() -> Optional[dict]:
         return batches.position() if hasattr(batches, "position") else None
     recent: list[float] = []
-    for step in range(start_step, tc.steps):
+    step = start_step
+    while step < tc.steps:
         t0 = time.perf_counter()
         batch = next(batches).to(device)
         logits = model(input_ids=batch[:, :-1]).logits
@@ -131,9 +137,15 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         opt.step()  # data-parallel mode averages gradients inside this call (counted as communication)
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if tc.step_delay_s > 0:  # benchmarks and tests only: a slower peer (the delay counts as compute)
+            time.sleep(tc.step_delay_s)
         t1 = time.perf_counter()
         tokens = batch[:, 1:].numel()
         diloco.step(tokens=tokens)
+        # a peer behind the swarm caught up (StreamingDiLoCo.step): its schedule jumps with it
+        for _ in range(getattr(diloco, "step_count", step + 1) - (step + 1)):
+            sched.step()
+            step += 1
         t2 = time.perf_counter()
         loss_value = loss.item()
         report.steps += 1
@@ -156,21 +168,23 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         if should_stop is not None and should_stop():
             emit({"event": "stopped", "rank": rank, "step": step + 1})
             break
+        step += 1
+    end_step = getattr(diloco, "step_count", start_step + report.steps)
     # the data-parallel wait happens inside opt.step(): move it from compute to communication
     if diloco.waits_in_optimizer_step:
         report.compute_s = max(0.0, report.compute_s - diloco.stats.wait_s)
     report.wall_s = time.perf_counter() - wall_start - eval_s
     if ckpt is not None:
         save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco,
-                        step=start_step + report.steps, data=position())
+                        step=end_step, data=position())
     if diloco.in_flight:
         # the rounds still in flight land in the final model (finish); the loss before is kept for comparison
         report.eval_loss_before_finish = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
-        emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "stage": "before-finish",
+        emit({"event": "eval", "rank": rank, "step": end_step, "stage": "before-finish",
               "eval_loss": report.eval_loss_before_finish})
         diloco.finish()
     report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
-    emit({"event": "eval", "rank": rank, "step": start_step + report.steps, "eval_loss": report.eval_loss})
+    emit({"event": "eval", "rank": rank, "step": end_step, "eval_loss": report.eval_loss})
     report.train_loss = float(sum(recent) / max(1, len(recent)))
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)

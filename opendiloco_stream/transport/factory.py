@@ -43,8 +43,9 @@ def local_swarm(cfg: RunConfig, workers: int) -> "LocalSwarm":
                       timeout=cfg.diloco.sync_timeout, chunk_bytes=cfg.net.chunk_bytes, norm_bound=cfg.net.norm_bound)
 
 
-def hivemind_transport(cfg: RunConfig, dht: Any) -> "HivemindTransport":
-    """This peer's transport over a running hivemind DHT (the caller owns the DHT)."""
+def hivemind_transport(cfg: RunConfig, dht: Any, admission: Any = None) -> "HivemindTransport":
+    """This peer's transport over a running hivemind DHT (the caller owns the DHT); ``admission``
+    (``net.auth.Admission``): what groupmates, donors and joiners must prove."""
     from opendiloco_stream.transport.hivemind import HivemindTransport
 
     n = cfg.net
@@ -52,4 +53,5 @@ def hivemind_transport(cfg: RunConfig, dht: Any) -> "HivemindTransport":
         dht, n.run_id, codec=cfg.diloco.codec, **codec_args(cfg), target_group_size=n.target_group_size,
         matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
         allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout, link_mbit=n.link_mbit,
-        client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=n.chunk_bytes, norm_bound=n.norm_bound)
+        client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=n.chunk_bytes, norm_bound=n.norm_bound,
+        admission=admission)

@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -51,7 +51,8 @@ class FragmentAverager(DecentralizedAverager):
 
     def __init__(self, numel: int, dht: DHT, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
                  chunk_bytes: int, norm_bound: Optional[float], target_group_size: Optional[int],
-                 client_mode: bool, startup_timeout: float = 60.0):
+                 client_mode: bool, startup_timeout: float = 60.0, admission: Optional[Any] = None):
+        self.admission = admission  # net/auth.py Admission: what groupmates must prove (None: nothing)
         self.input_buffer = torch.zeros(numel, dtype=torch.float32)
         super().__init__(
             [self.input_buffer], dht, start=False, prefix=prefix, target_group_size=target_group_size,
@@ -65,6 +66,12 @@ class FragmentAverager(DecentralizedAverager):
         self.chunk_bytes, self.norm_bound = chunk_bytes, norm_bound
         self.start()  # fork: the buffers above are shared, the host's threads are not copied
         self.wait_until_ready(timeout=startup_timeout)
+
+    def step(self, gather: Any = None, **kwargs: Any):
+        """hivemind's step, with this peer's metadata sealed for its groupmates' admission checks."""
+        if self.admission is not None:
+            gather = self.admission.seal(gather, self.peer_id.to_bytes())
+        return super().step(gather=gather, **kwargs)
 
     # ------------------------------------------------------------------ process lifecycle
     def run(self) -> None:
@@ -117,7 +124,14 @@ class FragmentAverager(DecentralizedAverager):
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's matchmaking, but the leader keeps the stream open until the follower closes it:
         otherwise BEGIN_ALLREDUCE is sometimes lost in flight (see protocol.py, "Closing") and the
-        follower misses a group the others run with it."""
+        follower misses a group the others run with it. A follower that fails this peer's
+        admission (run key, fingerprint) is refused before hivemind sees it."""
+        why = None if self.admission is None else self.admission.check_gathered(request.gather,
+                                                                                context.remote_id.to_bytes())
+        if why is not None:
+            logger.info("%s: refused %s: %s", self.prefix, context.remote_id, why)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
         async for response in self._matchmaking.rpc_join_group(request, context):
             yield response
         await asyncio.sleep(self.timeouts.request)  # cancelled as soon as the follower closes
@@ -126,6 +140,10 @@ class FragmentAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info: GroupInfo, **_allreduce_kwargs) -> dict:
         registered = self._running_groups[group_info.group_id]
         try:
+            why = None if self.admission is None else self.admission.check_group(group_info.peer_ids,
+                                                                                 group_info.gathered)
+            if why is not None:  # a leader that admitted an outsider: reduce nothing with it
+                raise RoundError("rejected", f"group refused: {why}")
             runner = self.runner_cls(
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_info=group_info,
                 tensor=self.input_buffer, codec=self.codec, timeouts=self.timeouts, chunk_bytes=self.chunk_bytes,

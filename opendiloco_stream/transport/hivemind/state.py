@@ -15,6 +15,10 @@ that dies mid-stream just ends the stream early (hivemind's own ``load_state_fro
 such a truncated state as a success), and on any failure moves on to the next donor. One donor
 per download, not parts from several: under eager updates donors' states differ slightly and must
 not be mixed.
+
+With an ``admission`` (``net/auth.py``), the joiner's request and the donor's manifest each carry a
+proof of the run key bound to both peer ids (and the run fingerprint): a donor serves nobody
+without the key, and a joiner takes nothing from a donor without it.
 """
 
 from __future__ import annotations
@@ -108,17 +112,30 @@ class _StateServicer(ServicerBase):
     def __init__(self, sharing: "StateSharing"):
         self._sharing = sharing
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    async def rpc_download_state(self, request: averaging_pb2.DownloadData, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        provider = self._sharing.provider
+        # the request is a DownloadData (hivemind's is empty): its metadata carries the joiner's proof
+        provider, admission = self._sharing.provider, self._sharing.admission
         if provider is None:
             return  # an empty stream: the joiner moves on
+        me, joiner = self._sharing.peer_id.to_bytes(), context.remote_id.to_bytes()
+        if admission is not None:
+            try:
+                proof = _loads(request.metadata) if request.metadata else None
+            except Exception:
+                proof = None
+            why = admission.check_state_proof(proof, "request", joiner, me)
+            if why is not None:
+                logger.info("not serving state to %s: %s", context.remote_id, why)
+                return
         loop = asyncio.get_event_loop()
         try:
             manifest, tensors = await loop.run_in_executor(None, lambda: flatten_state(provider()))
         except Exception as e:
             logger.warning("state provider failed, not serving %s: %r", context.remote_id, e)
             return
+        if admission is not None:
+            manifest["auth"] = admission.state_proof("reply", me, joiner)
         yield averaging_pb2.DownloadData(metadata=_dumps(manifest))
         for tensor in tensors:
             serialized = await loop.run_in_executor(None, serialize_torch_tensor, tensor)
@@ -132,8 +149,9 @@ class _StateServicer(ServicerBase):
 class StateSharing:
     """Donor and joiner sides of late joining for one run (see the module docstring)."""
 
-    def __init__(self, dht: DHT, run_id: str, *, can_serve: bool, chunk_timeout: float, declare_period: float = 10.0):
-        self.dht, self.can_serve = dht, can_serve
+    def __init__(self, dht: DHT, run_id: str, *, can_serve: bool, chunk_timeout: float, declare_period: float = 10.0,
+                 admission: Any = None):
+        self.dht, self.can_serve, self.admission = dht, can_serve, admission
         self.key, self.namespace = f"{run_id}_state.donors", f"{run_id}_state"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
@@ -145,6 +163,7 @@ class StateSharing:
         self._thread.start()
         try:
             self._p2p: P2P = self._call(self._connect(), timeout=30.0)
+            self.peer_id = self._p2p.peer_id
         except BaseException:
             self._stop_loop()
             raise
@@ -235,7 +254,11 @@ class StateSharing:
 
     async def _download(self, donor: PeerID) -> dict:
         stub = _StateServicer.get_stub(self._p2p, donor, namespace=self.namespace)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        me, theirs = self.peer_id.to_bytes(), donor.to_bytes()
+        request = averaging_pb2.DownloadData()
+        if self.admission is not None:
+            request.metadata = _dumps(self.admission.state_proof("request", me, theirs))
+        stream = await stub.rpc_download_state(request)
         try:
             it = stream.__aiter__()
             try:
@@ -243,6 +266,10 @@ class StateSharing:
             except StopAsyncIteration:
                 raise StateError("the stream ended before the manifest (the donor left, or has no state)") from None
             manifest = _loads(first.metadata)
+            if self.admission is not None:
+                why = self.admission.check_state_proof(manifest.get("auth"), "reply", theirs, me)
+                if why is not None:
+                    raise StateError(f"the donor is refused: {why}")
             expected = len(manifest["tensors"])
             groups: list[list] = []
 

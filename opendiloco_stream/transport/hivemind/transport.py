@@ -13,9 +13,10 @@ Design (docs/architecture.md, "hivemind transport"):
   each other, and a stuck fragment does not stall the others. hivemind fixes an averager's tensor
   set at construction, which is one fragment's flat outer gradient.
 - Rounds are gated by group-key bits derived from the round, set before every step: peers at
-  different rounds cannot meet. ``target_group_size`` peers start at once; otherwise the group
-  forms with whoever is there after ``matchmaking_time`` (more peers than the target make several
-  disjoint groups: set it to the swarm size).
+  different rounds cannot meet. A round starts as soon as the run's live peers are in the group
+  (``presence.py``: every peer announces itself on the DHT per fragment and round, the count is
+  the round's target), or after ``matchmaking_time`` with whoever is there. A fixed
+  ``target_group_size`` overrides the count (a swarm larger than it splits into disjoint groups).
 - Our all-reduce (``runner.py``, over the shared core ``transport/reduce.py``) replaces hivemind's: quantized contributions, fp32 reduction,
   validation of every contribution, one quantization of each part's average sent as the same bytes
   to everyone (bit-identical results), verdicts exchanged so all parts average the same
@@ -41,10 +42,11 @@ from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco_stream.compression import get_codec
+from opendiloco_stream.compression import all_finite, get_codec
 from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
+from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
 from opendiloco_stream.transport.hivemind.protocol import round_group_bits
 from opendiloco_stream.transport.hivemind.runner import RoundError
 from opendiloco_stream.transport.hivemind.state import StateSharing
@@ -110,8 +112,11 @@ def _classify(error: BaseException, step: StepControl) -> tuple[str, str]:
 class _Lane:
     """One fragment: its averager process and the worker thread that runs its rounds in order."""
 
-    def __init__(self, fragment: int, averager: FragmentAverager, timeouts: RoundTimeouts):
+    def __init__(self, fragment: int, averager: FragmentAverager, timeouts: RoundTimeouts,
+                 presence: Optional[Presence] = None, target: Optional[int] = None):
         self.fragment, self.averager, self.timeouts = fragment, averager, timeouts
+        # a fixed target_group_size wins over the live count of presence.py
+        self.presence, self._target, self.live_target = presence, target, presence is not None and target is None
         self.numel = averager.input_buffer.numel()
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._current: Optional[HivemindSyncHandle] = None
@@ -152,17 +157,25 @@ class _Lane:
             except BaseException:
                 pass  # it failed; it is over, which is all we need
         flat = tensor.detach().reshape(-1)
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
             return
         if not self.averager.is_alive():
             handle.fail("closed", f"the averager of fragment {fragment} is gone")
+            return
+        plan = None if self.presence is None else self.presence.before_round(fragment, int(round_index))
+        if self.live_target and plan.skip:
+            handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
+                                   f"part from round {round_index + 1} on (the others did not count it)")
             return
         self.averager.input_buffer.copy_(flat)
         gather = member_metadata(self.averager.codec, self.numel, (fragment, round_index), weight)
         with self._pipe_lock:
             self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False).result(
                 timeout=self.timeouts.request)
+            if self.live_target and plan.target != self._target:
+                self.averager.set_target_group_size(plan.target).result(timeout=self.timeouts.request)
+                self._target = plan.target
             self._step = step = self.averager.step(
                 gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
                 timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
@@ -183,7 +196,7 @@ class _Lane:
             average=self.averager.output_buffer.clone(), sent=self.averager.sent_buffer.clone(),
             group_size=summary["group_size"], weight_share=summary["weight_share"],
             bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
-            included_self=summary["included_self"], rejected=summary["rejected"]))
+            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=self._target))
 
     def close(self) -> None:
         while True:  # fail what is queued, then stop the worker
@@ -214,8 +227,10 @@ class HivemindTransport(Transport):
         run_id: the run's name ([A-Za-z0-9_-]); peers group only within a run.
         codec, block_size, scale_dtype, stochastic, density: the wire codec (``compression.get_codec``;
             ``block_size`` None: the codec's default, ``density``: sparse codecs only).
-        target_group_size: start a round as soon as this many peers are there; ``None`` waits
-            ``matchmaking_time`` every round. Set it to the number of peers.
+        target_group_size: start every round as soon as this many peers are there (an override);
+            ``None``: as soon as the run's live peers are there (``presence.py``).
+        presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
+            counted, and costs a round ``matchmaking_time``, for at most this long).
         matchmaking_time, request_timeout, allreduce_timeout, next_chunk_timeout, window_s,
             link_mbit: the timeout hierarchy, see ``timeouts.py``.
         client_mode: for peers that cannot accept connections: they send and receive but reduce
@@ -224,18 +239,20 @@ class HivemindTransport(Transport):
         norm_bound: reject contributions whose norm exceeds this multiple of the group median
             (with 3+ contributions); ``None`` disables the check.
         state_timeout: the longest silence tolerated inside a state download.
+        admission: what groupmates, state donors and joiners must prove (``net/auth.py``: the run
+            key, the run fingerprint); ``None`` admits every peer of the run.
     """
 
     averager_cls = FragmentAverager
 
     def __init__(self, dht: DHT, run_id: str, *, codec: str = "fp32", block_size: Optional[int] = None,
                  scale_dtype: str = "fp16", stochastic: bool = False, density: float = DEFAULT_DENSITY,
-                 target_group_size: Optional[int] = None,
+                 target_group_size: Optional[int] = None, presence_ttl: float = DEFAULT_TTL_S,
                  matchmaking_time: float = 5.0, request_timeout: float = 3.0, allreduce_timeout: Optional[float] = None,
                  next_chunk_timeout: Optional[float] = None, link_mbit: float = 100.0, client_mode: bool = False,
                  window_s: Optional[float] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
-                 state_timeout: float = 30.0, startup_timeout: float = 60.0):
+                 state_timeout: float = 30.0, startup_timeout: float = 60.0, admission: Any = None):
         if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
             raise ValueError(f"run_id {run_id!r}: use letters, digits, '_' and '-' only")
         if target_group_size is not None and target_group_size < 2:
@@ -251,11 +268,12 @@ class HivemindTransport(Transport):
                                  allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout)
         derive_timeouts(encoded_bytes=0, numel=0, chunk_bytes=self.chunk_bytes, link_mbit=link_mbit,
                         window_s=window_s, **self.timeout_args)  # fail on a broken hierarchy now, not in prepare
-        self.state_timeout = state_timeout
+        self.state_timeout, self.admission = state_timeout, admission
         self.peer_id = str(dht.peer_id)
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
         self._state: Optional[StateSharing] = None
+        self.presence_ttl, self._presence = presence_ttl, None
         self._closed = False
 
     def timeouts(self, numel: int) -> RoundTimeouts:
@@ -281,12 +299,16 @@ class HivemindTransport(Transport):
                 averagers[p] = (timeouts, self.averager_cls(
                     n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
-                    client_mode=self.client_mode, startup_timeout=self.startup_timeout))
+                    client_mode=self.client_mode, startup_timeout=self.startup_timeout, admission=self.admission))
         except BaseException:
             for _, averager in averagers.values():
                 averager.close()
             raise
-        self._lanes = {p: _Lane(p, averager, timeouts) for p, (timeouts, averager) in averagers.items()}
+        # a round others launched a quarter of the matchmaking time ago is late for a slower peer
+        self._presence = Presence(self.dht, self.run_id, self.peer_id, ttl=self.presence_ttl,
+                                  late_after=self.timeout_args["matchmaking_time"] / 4)
+        self._lanes = {p: _Lane(p, averager, timeouts, self._presence, self.target_group_size)
+                       for p, (timeouts, averager) in averagers.items()}
         self._numels = numels
 
     def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> HivemindSyncHandle:
@@ -306,11 +328,15 @@ class HivemindTransport(Transport):
         lane.submit(handle, tensor, float(weight))
         return handle
 
+    def round_late(self, key: tuple[int, int]) -> bool:
+        presence = self._presence
+        return presence is not None and not self._closed and presence.is_late(*key)
+
     # ------------------------------------------------------------------ late joiners
     def _sharing(self) -> StateSharing:
         if self._state is None:
             self._state = StateSharing(self.dht, self.run_id, can_serve=not self.client_mode,
-                                       chunk_timeout=self.state_timeout)
+                                       chunk_timeout=self.state_timeout, admission=self.admission)
         return self._state
 
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
@@ -328,6 +354,8 @@ class HivemindTransport(Transport):
     def close(self) -> None:
         """Fail pending rounds ("closed"), stop every averager process, stop serving state."""
         self._closed = True
+        if self._presence is not None:  # first: the others stop counting this peer at once
+            self._presence.close()
         lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             try:

@@ -1,0 +1,153 @@
+"""Checks at join: the run key and the run fingerprint, each refused in one line (exit code 2).
+
+    gate = RunGate(dht, run_id, auth)        # auth: net.auth.RunAuth or None
+    gate.check_key()                          # before anything else is stored or read
+    gate.check_fingerprint(fingerprint_fields(cfg, model))   # before state download and rounds
+
+Two records per peer, under the run (``run_key``) with the peer id as subkey, kept alive by a
+background thread until :meth:`RunGate.close`:
+
+* ``keyid``: the id of the peer's run key (``RunAuth.key_id``) or ``""``: public and unsigned, the
+  one record a run key leaves open (``net/auth.py``), so that a peer with another key, or none,
+  is told so instead of finding nobody. It only words the refusal: an outsider can forge it to
+  make joiners refuse (a denial of service), never to get in.
+* ``fingerprint``: what peers must share to average together (:func:`fingerprint_fields`: protocol,
+  mode, codec, H, P, the model's parameter names and shapes). Signed by the run key when there is
+  one. A joiner compares its own with the run's (the oldest record) and is refused with the first
+  field that differs: ``refused: codec differs: this peer fp4-e3m0, the run int8``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from typing import Any, Optional
+
+from opendiloco_stream.net.dht import NetError, run_key
+
+logger = logging.getLogger(__name__)
+
+JOIN_VERSION = 1
+FIELD_NAMES = {"protocol": "protocol", "mode": "mode", "codec": "codec", "codec_params": "codec parameters",
+               "inner_steps": "H (inner steps)", "fragments": "P (fragments)", "fragment_pattern": "fragment pattern",
+               "model": "model (parameter names and shapes)"}
+
+
+class JoinRefused(NetError):
+    """This peer may not join the run (another run key, none, or another fingerprint): one line, exit 2."""
+
+
+def fingerprint_fields(cfg: Any, model: Any) -> dict[str, str]:
+    """The fingerprint of ``cfg`` (a RunConfig) and ``model``, field by field, in the order compared."""
+    from opendiloco_stream.transport.factory import codec_from_config
+    from opendiloco_stream.transport.reduce import PROTOCOL_VERSION, codec_spec
+
+    d = cfg.diloco
+    shapes = [f"{name}:{list(p.shape)}" for name, p in model.named_parameters()]
+    digest = hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
+    numel = sum(p.numel() for p in model.parameters())
+    return {"protocol": f"reduce v{PROTOCOL_VERSION}, join v{JOIN_VERSION}", "mode": d.mode, "codec": d.codec,
+            "codec_params": "/".join(str(x) for x in codec_spec(codec_from_config(cfg))[1:]),
+            "inner_steps": str(d.inner_steps), "fragments": str(d.num_fragments),
+            "fragment_pattern": d.fragment_pattern,
+            "model": f"{len(shapes)} tensors, {numel} parameters, sha256 {digest}"}
+
+
+def fingerprint_digest(fields: dict[str, str]) -> str:
+    """One hash of the fields (what groupmates compare in every round)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def first_difference(mine: dict[str, str], run: dict[str, Any]) -> Optional[str]:
+    """``"<field> differs: this peer X, the run Y"`` for the first field that differs, else None."""
+    for name, label in FIELD_NAMES.items():
+        if mine.get(name) != run.get(name):
+            return f"{label} differs: this peer {mine.get(name)}, the run {run.get(name, '(not set)')}"
+    return None
+
+
+class RunGate:
+    """This peer's join checks and the records that let later joiners check against it."""
+
+    def __init__(self, dht: Any, run_id: str, auth: Any = None, *, expiration: float = 60.0, timeout: float = 15.0):
+        self.dht, self.run_id, self.auth = dht, run_id, auth
+        self.expiration, self.timeout = float(expiration), float(timeout)
+        self.peer_id = str(dht.peer_id)
+        self.key_id = auth.key_id if auth is not None else ""
+        self._records: dict[str, Any] = {}  # part -> the value to keep alive
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ reads
+    def _others(self, part: str) -> list[tuple[Any, float]]:
+        """The unexpired ``(value, expiration)`` of every other peer under ``part``."""
+        from hivemind.utils import get_dht_time
+
+        found = self.dht.get(run_key(self.run_id, part), latest=True, return_future=True).result(self.timeout)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        return [(item.value, item.expiration_time) for subkey, item in found.value.items()
+                if subkey != self.peer_id and item.expiration_time >= now]
+
+    def check_key(self) -> None:
+        """Refuse (JoinRefused) if the run's peers use another run key, or none where this peer has one."""
+        ids = {v.get("key_id") for v, _ in self._others("keyid") if isinstance(v, dict)}
+        ids = {i for i in ids if isinstance(i, str)}
+        if ids and self.key_id not in ids:
+            run = f"run '{self.run_id}'"
+            if not self.key_id:
+                raise JoinRefused(f"refused: {run} requires a run key and this peer has none: pass the run's key "
+                                  "file with --run-key-file (or set ODS_NET__RUN_KEY)")
+            theirs = sorted(ids - {""})
+            if not theirs:
+                raise JoinRefused(f"refused: this peer has a run key but {run} runs without one: drop "
+                                  "--run-key-file / ODS_NET__RUN_KEY, or use another --run-id")
+            raise JoinRefused(f"refused: run key mismatch: {run} uses key {'/'.join(theirs)}, this peer's key is "
+                              f"{self.key_id}: get the run's key file from its operator")
+        self._announce("keyid", {"key_id": self.key_id})
+
+    def check_fingerprint(self, fields: dict[str, str]) -> None:
+        """Refuse (JoinRefused) if the run's fingerprint differs from ``fields``, naming the first field."""
+        from hivemind.utils import get_dht_time
+
+        records = [v for v, _ in self._others("fingerprint")
+                   if isinstance(v, dict) and isinstance(v.get("fields"), dict) and isinstance(v.get("since"), float)]
+        if records:
+            run = min(records, key=lambda v: v["since"])  # the run is what its oldest peer runs
+            why = first_difference(fields, run["fields"])
+            if why is not None:
+                raise JoinRefused(f"refused: {why}")
+        self._announce("fingerprint", {"fields": dict(fields), "since": float(get_dht_time())})
+
+    # ------------------------------------------------------------------ records
+    def _store(self, part: str, value: Any) -> bool:
+        from hivemind.utils import get_dht_time
+
+        future = self.dht.store(run_key(self.run_id, part), value, expiration_time=get_dht_time() + self.expiration,
+                                subkey=self.peer_id, return_future=True)
+        return bool(future.result(timeout=self.timeout))
+
+    def _announce(self, part: str, value: Any) -> None:
+        self._records[part] = value
+        if not self._store(part, value):
+            logger.warning("could not publish this peer's %s record: later joiners cannot check against it", part)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._refresh, name="run-gate", daemon=True)
+            self._thread.start()
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.expiration / 3):
+            for part, value in list(self._records.items()):
+                try:
+                    self._store(part, value)
+                except Exception as e:  # a DHT hiccup: retried at the next refresh
+                    logger.debug("refreshing the %s record: %r", part, e)
+
+    def close(self) -> None:
+        """Stop refreshing (the records expire on their own)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
