@@ -211,3 +211,62 @@ def test_an_outsider_gets_into_no_group_and_downloads_no_state():
         assert state["step"] == 7 and torch.equal(state["outer"], torch.arange(6, dtype=torch.float32))
     finally:
         swarm.close()
+
+
+# ---------------------------------------------------------------------------------------- real peers
+def _refusal(log) -> str:
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    return text.strip().splitlines()[-1]
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_outsiders_and_another_codec_are_refused_with_exit_2_and_the_holders_train_on(tmp_path):
+    from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+    from opendiloco_stream.train.loop import read_metrics
+    from test_peers_hivemind import start_peer, wait_for
+
+    key = tmp_path / "run.key"
+    key.write_text(KEY + "\n")
+    boot, addrs = start_bootstrap(tmp_path, "authrun")  # without the key: an untrusted store, as any node
+    procs = [boot]
+
+    def syncs(name: str) -> list[dict]:
+        return [r for r in read_metrics(tmp_path / f"{name}.jsonl") if r["event"] == "sync"]
+
+    try:
+        common = ["--run-id", "authrun", "--mode", "eager", "--inner-steps", "10", "--steps", "100000",
+                  "--target-group-size", "2", "--no-join"]
+        holders = [start_peer(tmp_path, "h0", addrs, *common, "--codec", "fp4-e3m0", "--run-key-file", str(key),
+                              "--shard", "0/2"),
+                   start_peer(tmp_path, "h1", addrs, *common, "--codec", "fp4-e3m0", "--shard", "1/2",
+                              env={"ODS_NET__RUN_KEY": KEY})]  # the same key, from the environment
+        procs += holders
+        wait_for(lambda: all(any(r["ok"] for r in syncs(h)) for h in ("h0", "h1")), 240, "the holders' rounds", holders)
+        outsiders = {"wrong": start_peer(tmp_path, "wrong", addrs, *common, "--codec", "fp4-e3m0",
+                                         env={"ODS_NET__RUN_KEY": OTHER}),
+                     "none": start_peer(tmp_path, "none", addrs, *common, "--codec", "fp4-e3m0"),
+                     "codec": start_peer(tmp_path, "codec", addrs, *common, "--codec", "int8", "--run-key-file",
+                                         str(key))}
+        procs += outsiders.values()
+        for p in outsiders.values():
+            p.wait(timeout=180)
+        lines = {name: _refusal(tmp_path / f"{name}.log") for name in outsiders}
+        assert {name: p.returncode for name, p in outsiders.items()} == dict.fromkeys(outsiders, 2), lines
+        assert lines["wrong"].startswith("opendiloco-stream peer: error: refused: run key mismatch: run 'authrun'")
+        assert lines["none"].startswith("opendiloco-stream peer: error: refused: run 'authrun' requires a run key")
+        assert lines["codec"] == ("opendiloco-stream peer: error: refused: codec differs: this peer int8, "
+                                  "the run fp4-e3m0")
+        before = len(syncs("h0"))
+        wait_for(lambda: len(syncs("h0")) >= before + 2, 120, "the holders' next rounds", holders)
+        for p in holders:
+            p.terminate()  # SIGTERM: they stop at the next inner step
+            p.wait(timeout=60)
+            assert p.returncode == 0, (tmp_path / "h0.log").read_text()[-3000:]
+        for name in ("h0", "h1"):
+            done = [r for r in syncs(name) if r["ok"]]
+            assert done and all(r["group_size"] == 2 for r in done), done  # never anyone but the two holders
+    finally:
+        stop_processes(procs, grace=10)

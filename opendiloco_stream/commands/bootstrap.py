@@ -6,7 +6,8 @@ line) for scripts, then serves until Ctrl+C / SIGTERM and shuts down cleanly (ex
 
 For peers on other machines: ``--port 31337`` (open it in the firewall), ``--public-ip IP`` behind
 NAT, and ``--identity-path bootstrap.key`` so the address stays the same across restarts. The node
-also answers ``doctor``'s dial-back requests and validates the run's metrics records.
+also answers ``doctor``'s dial-back requests and validates the run's metrics records; with the run's
+``--run-key-file`` (and its ``--run-id``) it also refuses records not signed with the key.
 """
 
 from __future__ import annotations
