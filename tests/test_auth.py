@@ -21,6 +21,7 @@ from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/ (on sys.path: 
 from opendiloco_stream.config import ConfigError, NetConfig, RunConfig, load_config
 from opendiloco_stream.net.auth import Admission, RunAuth, RunKeyValidator, load_run_key, open_keys
 from opendiloco_stream.net.join import JoinRefused, RunGate, first_difference, fingerprint_fields
+from opendiloco_stream.net.metrics import MetricsPublisher, install_validators, read_swarm_metrics
 
 KEY = "correct horse battery staple 42"
 OTHER = "another key of enough length!!"
@@ -53,6 +54,17 @@ def test_bad_run_keys_are_one_line_config_errors(tmp_path):
         load_config(None, {"net": {"run_key_file": "f"}}, environ={"ODS_NET__RUN_KEY": KEY})
     assert load_run_key(load_config(None, environ={"ODS_NET__RUN_KEY": "1234567890123456789"}).net) == \
         b"1234567890123456789"  # an all-digit key parses as a TOML integer: still a key
+
+
+def test_dry_run_checks_the_key_file(tmp_path):
+    from opendiloco_stream.commands.dry_run import check_run_key
+
+    f = tmp_path / "run.key"
+    f.write_text(KEY)
+    assert f"key id {RunAuth(KEY.encode()).key_id}" in check_run_key(RunConfig(net={"run_key_file": str(f)}))
+    f.write_text("")
+    with pytest.raises(ConfigError, match="holds 0 bytes"):
+        check_run_key(RunConfig(net={"run_key_file": str(f)}))
 
 
 # ---------------------------------------------------------------------------------------- DHT records
@@ -158,6 +170,13 @@ def test_join_checks_refuse_another_key_no_key_and_another_fingerprint(tmp_path)
         same.check_fingerprint(_fields())  # still compared with the holder's record: accepted
         seen = [v["fields"]["codec"] for v, _ in same._others("fingerprint")]
         assert seen == ["fp4-e3m0"], seen
+        # the metrics' own validators (RSA signature, schema) work under the run key's
+        publisher = MetricsPublisher(holder, "keyed", name="holder")
+        publisher.publish({"step": 3})
+        assert publisher.flush(10) and publisher.published == 1
+        publisher.close()
+        install_validators(others["same"], "keyed")
+        assert [r["step"] for r in read_swarm_metrics(others["same"], "keyed")] == [3]
     finally:
         for g in gates:
             g.close()
