@@ -85,7 +85,11 @@ class RunGate:
         """The unexpired ``(value, expiration)`` of every other peer under ``part``."""
         from hivemind.utils import get_dht_time
 
-        found = self.dht.get(run_key(self.run_id, part), latest=True, return_future=True).result(self.timeout)
+        try:
+            found = self.dht.get(run_key(self.run_id, part), latest=True, return_future=True).result(self.timeout)
+        except Exception as e:  # cannot check: go on; groups and state downloads check every peer anyway
+            logger.warning("could not read the run's %s records (%r): joining without that check", part, e)
+            return []
         if found is None or not isinstance(found.value, dict):
             return []
         now = get_dht_time()
