@@ -103,6 +103,10 @@ class DiLoCoConfig(_Strict):
                                            "round's outer gradient; default: on for sparse codecs (topk-*)")
     error_feedback_decay: float = Field(1.0, ge=0.0, le=1.0, description="error feedback: the residual is "
                                         "multiplied by this before it is added (1 = nothing is lost)")
+    error_feedback_mode: Literal["parameters", "buffer"] = Field(
+        "parameters", description="error feedback: where what the codec did not send waits for the next round: "
+        "'parameters' keeps it in this peer's local parameters (the inner loop goes on from its own unsent "
+        "progress), 'buffer' adds a residual to the next outer gradient (SparseLoCo's form)")
     weighting: Literal["tokens", "equal"] = "tokens"
     sync_timeout: float = Field(300.0, gt=0.0, description="upper bound on any wait for a round (s)")
     record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "

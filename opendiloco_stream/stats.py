@@ -33,6 +33,7 @@ class SyncStats:
     local_only_steps: int = 0
     wait_s: float = 0.0
     rejected: int = 0
+    caught_up_steps: int = 0  # inner steps skipped to catch up with the swarm (a slower peer)
 
     def merge(self, other: "SyncStats") -> "SyncStats":
         """Counters of both workers: sums, except the peak, which is the larger one."""

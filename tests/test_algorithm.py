@@ -484,3 +484,54 @@ def test_eager_waits_only_for_a_round_that_took_the_whole_window():
         diloco.step()
     # round 0 landed in time: consumed without waiting; round 1 (t = 8) never landed: waited at t = 12
     assert link.waits == [((0, 0), True), ((0, 1), False)]
+
+
+class _SwarmAheadTransport(_SlowLinkTransport):
+    """Rounds land at once; ``late`` holds the (fragment, round) keys the swarm launched a while ago."""
+
+    def __init__(self):
+        super().__init__()
+        self.late, self.launched = set(), []
+
+    def all_reduce(self, key, tensor, weight=1.0):
+        self.launched.append((key, weight))
+        handle = super().all_reduce(key, tensor, weight)
+        handle.landed = True
+        return handle
+
+    def round_late(self, key):
+        return key in self.late
+
+
+def test_a_peer_behind_the_swarm_catches_up_and_sends_the_tokens_it_processed():
+    """H = 10, P = 2 (fragment 0 syncs at 5, 15..., fragment 1 at 10, 20...): told at step 3 that round
+    0 of fragment 0 is late, the peer jumps to step 5 and syncs it with 3 steps' tokens; told at step 6
+    that both next rounds are late, it jumps to step 15, syncing each fragment once on the way."""
+    link = _SwarmAheadTransport()
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=10, num_fragments=2,
+                                                                             mode="eager"), blocks=list(model))
+    data = torch.randn(5, 8)
+
+    def inner_step():
+        model(data).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(tokens=100)
+
+    inner_step(), inner_step()
+    assert diloco.step_count == 2 and not link.launched  # nothing late: the own schedule
+    link.late.add((0, 0))
+    inner_step()
+    assert diloco.step_count == 5 and link.launched == [((0, 0), 300.0)]
+    link.late |= {(1, 0), (0, 1)}
+    inner_step()  # own step 6: fragment 1's round 0 (step 10) and fragment 0's round 1 (step 15)
+    assert diloco.step_count == 15
+    assert link.launched[1:] == [((1, 0), 400.0), ((0, 1), 100.0)]
+    assert diloco.stats.caught_up_steps == 2 + 9
+    assert [(e["from_step"], e["to_step"]) for e in diloco.events if e["event"] == "catch_up"] == [(3, 5), (6, 15)]
+    link.late.clear()
+    for _ in range(5):
+        inner_step()
+    assert diloco.step_count == 20 and link.launched[-1] == ((1, 1), 500.0)  # back on its own schedule

@@ -53,7 +53,11 @@ class StreamingDiLoCo(HasSyncLog):
         self.model, self.optimizer, self.transport, self.config = model, optimizer, transport, config
         self.step_count = 0  # t: inner steps taken
         self.log = SyncLog(on_event, config.record_digests)
-        self.error_feedback = ErrorFeedback(config.error_feedback_decay) if config.use_error_feedback else None
+        # error feedback: what the codec did not send waits in a residual buffer added to the next
+        # outer gradient ('buffer'), or in this peer's local parameters ('parameters', see _keep_unsent)
+        self._unsent_in_params = config.use_error_feedback and config.error_feedback_mode == "parameters"
+        self.error_feedback = (ErrorFeedback(config.error_feedback_decay)
+                               if config.use_error_feedback and not self._unsent_in_params else None)
         self._closed = False
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
@@ -79,25 +83,51 @@ class StreamingDiLoCo(HasSyncLog):
 
     # ------------------------------------------------------------------ the per-step entry point
     def step(self, tokens: Optional[int] = None) -> None:
-        """Call once after every inner optimizer step; ``tokens`` = tokens in that step's batch."""
+        """Call once after every inner optimizer step; ``tokens`` = tokens in that step's batch.
+
+        A peer behind the swarm catches up: when the transport says the others launched the next
+        round of a fragment a while ago (``Transport.round_late``), the step counter jumps to that
+        round's sync step and the syncs it passes run at once, with the tokens processed so far.
+        A slower peer so takes part in the swarm's rounds, weighted by the work it did."""
         if self._closed:
             raise RuntimeError("StreamingDiLoCo.step() after close()")
         with self._lock:
-            self.step_count += 1
-            t, H = self.step_count, self.config.inner_steps
+            self._advance(int(tokens) if tokens else 0)
+            target = self._late_sync_step()
+            if target is not None:
+                start = self.step_count
+                while self.step_count < target:
+                    self._advance(0)
+                self.log.stats.caught_up_steps += target - start
+                self.log.emit({"event": "catch_up", "from_step": start, "to_step": target})
+
+    def _late_sync_step(self) -> Optional[int]:
+        """The latest next-sync step among fragments whose next round the swarm launched already."""
+        round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
+        if round_late is None:
+            return None
+        t, H = self.step_count, self.config.inner_steps
+        late = [s for f in self.frags for s in [fr.next_sync(t, f.offset, H)]
+                if round_late((f.index, fr.round_index(s, f.offset, H)))]
+        return max(late, default=None)
+
+    def _advance(self, tokens: int) -> None:
+        """One inner step of the schedule: count the tokens, apply or land what is due, sync."""
+        self.step_count += 1
+        t, H = self.step_count, self.config.inner_steps
+        for f in self.frags:
+            f.tokens += tokens
+        if self.config.mode == "overlap":
             for f in self.frags:
-                f.tokens += int(tokens) if tokens else 0
-            if self.config.mode == "overlap":
-                for f in self.frags:
-                    if f.pending is not None and f.pending.apply_at == t:
-                        self._apply_overlap(f)
-            if self._on_arrival:
-                for f in self.frags:  # a non-blocking look: nothing waits here
-                    if f.pending is not None and f.pending.launched_at < t and f.pending.handle.done():
-                        self._land(f, shift=True)
-            for f in self.frags:
-                if fr.syncs_at(t, f.offset, H):
-                    self._sync(f, fr.round_index(t, f.offset, H))
+                if f.pending is not None and f.pending.apply_at == t:
+                    self._apply_overlap(f)
+        if self._on_arrival:
+            for f in self.frags:  # a non-blocking look: nothing waits here
+                if f.pending is not None and f.pending.launched_at < t and f.pending.handle.done():
+                    self._land(f, shift=True)
+        for f in self.frags:
+            if fr.syncs_at(t, f.offset, H):
+                self._sync(f, fr.round_index(t, f.offset, H))
 
     # ------------------------------------------------------------------ rounds
     def _launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
@@ -116,7 +146,19 @@ class StreamingDiLoCo(HasSyncLog):
                 self.error_feedback.update(f.index, pending.sent_input, result.sent)
             else:
                 self.error_feedback.reset(f.index)
+        elif self._unsent_in_params and result is not None:
+            # a failed round leaves nothing unsent: theta_bar steps with the whole d (local-only)
+            f.unsent = (pending.sent_input - result.sent) * self.config.error_feedback_decay
         return result, reason, waited
+
+    def _keep_unsent(self, f: FragmentState) -> None:
+        """Error feedback in the parameters: after a round's result is applied, the local
+        parameters move by minus what this peer did not send, so the inner loop goes on from its
+        own unsent progress and the next outer gradient (taken against theta_bar, or ``start``)
+        carries it, instead of re-learning it and adding it to a residual buffer."""
+        if f.unsent is not None:
+            f.set_local([q.detach().float() - u for q, u in zip(f.fragment.params, f.split(f.unsent))])
+            f.unsent = None
 
     def _consume(self, f: FragmentState, pending: _Pending, applied: bool = False) -> Optional[SyncResult]:
         """Wait for a round and record it; ``applied``: the record says what this sync applies
@@ -146,6 +188,7 @@ class StreamingDiLoCo(HasSyncLog):
             self._sync_corrected(f, k, d)
         else:
             self._sync_delayed(f, k, d)
+        self._keep_unsent(f)
 
     def _sync_corrected(self, f: FragmentState, k: int, d: torch.Tensor) -> None:
         """Eager, 'corrected': theta_bar steps only with group averages, one round late (a failed
@@ -180,6 +223,7 @@ class StreamingDiLoCo(HasSyncLog):
             local = [q.detach().float() + o - s_ for q, o, s_ in zip(f.fragment.params, f.outer, f.start)]
             f.restart_from(f.outer)
             f.set_local(local)
+            self._keep_unsent(f)
 
     def _sync_delayed(self, f: FragmentState, k: int, d: torch.Tensor) -> None:
         """Eager 'paper' and naive-delayed: consume round k-1, launch round k, step theta_bar with
@@ -209,6 +253,7 @@ class StreamingDiLoCo(HasSyncLog):
         f.opt.step(result.average if result is not None else pending.outer_grad)
         f.set_local([overlap_merge(q.detach().float(), tb, self.config.alpha)
                      for q, tb in zip(f.fragment.params, f.outer)])
+        self._keep_unsent(f)
         if result is None:
             self.log.stats.local_only_steps += 1
 
@@ -264,6 +309,7 @@ class StreamingDiLoCo(HasSyncLog):
                 else:
                     pending, f.pending = f.pending, None
                     self._consume(f, pending)
+                    self._keep_unsent(f)
 
     def close(self) -> None:
         """Stop using the transport. Rounds still in flight are left to the transport to cancel."""

@@ -73,11 +73,18 @@ class FragmentState:
         self.pending: Optional[_Pending] = None
         self.previous: Optional[_Previous] = None
         self.last: Optional[SyncResult] = None  # eager 'corrected': the last round that landed
+        # error feedback in the parameters: what the last consumed round did not send, until the
+        # local parameters take it (within the same step, so never part of a checkpoint)
+        self.unsent: Optional[torch.Tensor] = None
 
     def outer_grad(self) -> torch.Tensor:
         """d = reference - theta_local, flat fp32 (old minus new); the reference is ``start`` if kept."""
         ref = self.start if self.start is not None else self.outer
         return torch.cat([(r - q.detach().float()).reshape(-1) for r, q in zip(ref, self.fragment.params)])
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A flat fp32 fragment vector as one view per parameter (the outer optimizer's layout)."""
+        return self.opt.split(flat)
 
     def set_local(self, values: list[torch.Tensor]) -> None:
         with torch.no_grad():

@@ -45,6 +45,11 @@ def syncs_at(step: int, offset: int, inner_steps: int) -> bool:
     return step >= 1 and (step - offset) % inner_steps == 0
 
 
+def next_sync(step: int, offset: int, inner_steps: int) -> int:
+    """The first inner step after ``step`` at which a fragment with this offset syncs."""
+    return step + (offset - step - 1) % inner_steps + 1
+
+
 def round_index(step: int, offset: int, inner_steps: int) -> int:
     """0-based index of the fragment's sync at ``step`` (its first sync is round 0)."""
     first = offset if offset > 0 else inner_steps

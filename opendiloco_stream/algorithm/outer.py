@@ -21,7 +21,7 @@ class OuterOptimizer:
         self.opt = torch.optim.SGD(outer_params, lr=lr, momentum=momentum,
                                    nesterov=nesterov and momentum > 0)
 
-    def _split(self, outer_grad: torch.Tensor) -> list[torch.Tensor]:
+    def split(self, outer_grad: torch.Tensor) -> list[torch.Tensor]:
         """The flat outer gradient as one view per parameter (its shape, device and dtype)."""
         total = sum(p.numel() for p in self.params)
         if total != outer_grad.numel():
@@ -33,7 +33,7 @@ class OuterOptimizer:
         return out
 
     def step(self, outer_grad: torch.Tensor) -> None:
-        for p, g in zip(self.params, self._split(outer_grad)):
+        for p, g in zip(self.params, self.split(outer_grad)):
             p.grad = g
         self.opt.step()
         for p in self.params:
@@ -44,7 +44,7 @@ class OuterOptimizer:
         group = self.opt.param_groups[0]
         lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
         out = []
-        for p, g in zip(self.params, self._split(outer_grad)):
+        for p, g in zip(self.params, self.split(outer_grad)):
             if beta > 0:
                 buf = self.opt.state.get(p, {}).get("momentum_buffer")
                 buf = g.clone() if buf is None else buf * beta + g

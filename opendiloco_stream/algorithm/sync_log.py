@@ -41,6 +41,8 @@ class SyncLog:
             rec.update(group_size=result.group_size, bytes_sent=result.bytes_sent,
                        bytes_received=result.bytes_received, weight_share=round(result.weight_share, 6),
                        included_self=result.included_self, rejected=result.rejected)
+            if result.expected_size is not None:
+                rec["expected_size"] = result.expected_size
             s.bytes_sent += result.bytes_sent
             s.bytes_received += result.bytes_received
             s.peak_bytes_per_sync = max(s.peak_bytes_per_sync, result.bytes_sent)

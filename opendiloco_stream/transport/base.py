@@ -58,6 +58,8 @@ class SyncResult:
     included_self: bool = True
     #: contributions dropped by validation (non-finite, wrong size, norm out of bound)
     rejected: int = 0
+    #: the group size the round waited for (the live peers counted for it); None: not known
+    expected_size: Optional[int] = None
 
 
 class SyncHandle(abc.ABC):
@@ -97,6 +99,13 @@ class Transport(abc.ABC):
 
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
         """Register a callable that returns the state a late joiner downloads from this peer."""
+
+    def round_late(self, key: tuple[int, int]) -> bool:
+        """Whether the other peers launched round ``key`` long enough ago that this peer, not yet at
+        that round's sync step, would miss its group: the algorithm then syncs at once (catch-up).
+        Must answer at once (it is asked every inner step); transports without a view of the
+        swarm say False."""
+        return False
 
     def load_state_from_peers(self, timeout: float) -> Optional[dict[str, Any]]:
         """Download the run's state from peers already in it; ``None`` if there are none."""

@@ -31,6 +31,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
+from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
@@ -114,6 +115,20 @@ class FragmentAverager(DecentralizedAverager):
     def shutdown(self) -> None:
         self.close(self.shutdown_timeout)
 
+    def set_target_group_size(self, size: Optional[int]) -> MPFuture:
+        """From the next step on, a leader starts the round as soon as ``size`` peers are in its
+        group (``None``: at the matchmaking deadline); set before each round (presence.py)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [size], dict(future=future)))
+        return future
+
+    async def _set_target_group_size(self, size: Optional[int], future: MPFuture) -> None:
+        self._matchmaking.target_group_size = size
+        # hivemind draws the next group bits from `target` buckets, which fails for a larger group
+        # than this peer's own target; ours are set before every round anyway
+        self._matchmaking.group_key_manager.target_group_size = None
+        future.set_result(None)
+
     @classmethod
     def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
         # hivemind names handlers after the class; subclasses (test fakes) must reach plain peers
@@ -166,12 +181,12 @@ class FragmentAverager(DecentralizedAverager):
         except (Exception, StopAsyncIteration) as e:
             logger.info("%s: a stream from %s ended before its first message: %r", self.prefix, context.remote_id, e)
             return
-        if request.group_id not in self._running_groups:
-            # the leader may have started before our own BEGIN_ALLREDUCE arrived (as in hivemind)
-            try:
-                await asyncio.wait_for(self._pending_groups_registered.wait(), self.timeouts.request)
-            except asyncio.TimeoutError:
-                pass
+        # A groupmate's stream may arrive before our own round is registered or its runner built
+        # (our BEGIN_ALLREDUCE still in flight, or this process starved of CPU): wait as long as a
+        # sender may stay silent before its first contribution, not just one matchmaking request.
+        deadline = asyncio.get_event_loop().time() + self.timeouts.next_chunk
+        while request.group_id not in self._running_groups and asyncio.get_event_loop().time() < deadline:
+            await asyncio.sleep(0.02)  # polled: hivemind's step loop owns _pending_groups_registered
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
@@ -180,8 +195,9 @@ class FragmentAverager(DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
             return
         try:
-            runner = await asyncio.wait_for(asyncio.shield(future), self.timeouts.request)
-        except Exception:  # the runner could not start (e.g. mismatching peers): the sender fails too
+            runner = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - asyncio.get_event_loop().time()))
+        except Exception as e:  # the runner could not start (e.g. mismatching peers): the sender fails too
+            logger.info("%s: no runner for the stream from %s: %r", self.prefix, context.remote_id, e)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             return
         async for message in runner.serve(achain(as_aiter(request), stream), context.remote_id):

@@ -1,0 +1,172 @@
+"""Live peers of a run on the DHT, per fragment and round: how many peers a round waits for.
+
+Without it a round either waits ``matchmaking_time`` for whoever comes, or starts at a fixed
+``target_group_size`` (and a swarm larger than that splits into disjoint groups, with no global
+average). With it the target of every round is the number of live peers of the run::
+
+    key = f"{run_id}_live_f{fragment}_r{round}"   subkey = peer id   value = [ahead, launched_at]
+    expiration = now + ttl, refreshed every ``poll_s`` while the peer lives
+
+- *Ahead.* When a peer launches round k of a fragment it announces round k+1 (``ahead=True``,
+  ``launched_at`` = the DHT time it launched k) and refreshes that announcement until it launches
+  k+1. The target of round k is the number of live ahead announcements for k: the peers that took
+  part in round k-1, this one included. hivemind's leader (the peer that launched first) starts
+  the round as soon as that many joined; one missing (it died in between) costs the others
+  ``matchmaking_time``, after which the round runs with whoever is there.
+- *Death.* A peer that dies stops refreshing: its announcement expires ``ttl`` later and it is not
+  counted in any round the others launch after that. A peer that closes marks its announcements
+  as left at once.
+- *First round* of a fragment (a fresh start, a joiner after its state download): the peer also
+  announces round k itself (``ahead=False``). If others announced k ahead (the run is going), it
+  sits round k out (``SyncFailed`` reason "joining") and is counted from k+1 on: the others did
+  not count it, so it could take the place of one they did. If nobody did (every peer is new: a
+  cold start), round k has no target and forms at ``matchmaking_time`` with everyone there.
+- *Late.* Ahead announcements say when their peer launched the round before, so a slower peer
+  learns that the others launched round k ``late_after`` seconds ago while it has not reached
+  that round's sync step: ``is_late`` tells the algorithm, which syncs at once (catch-up) and
+  contributes the tokens it processed, weighted as such.
+
+All DHT calls run in the caller's thread (a fragment's worker, before its round) or in this
+object's heartbeat thread; never in the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from hivemind.dht import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 10.0
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What presence says about one round before it starts."""
+
+    target: Optional[int]   # start as soon as this many peers are in the group (None: at the deadline)
+    skip: bool = False      # first round of this fragment in a running swarm: sit it out
+
+
+def live_key(run_id: str, fragment: int, round_index: int) -> str:
+    return f"{run_id}_live_f{fragment}_r{round_index}"
+
+
+class Presence:
+    """This peer's announcements and its view of the others' (see the module docstring).
+
+    Args:
+        dht: the running DHT (the caller owns it).
+        run_id, peer_id: the run and this peer (the subkey of its announcements).
+        ttl: seconds an announcement outlives the last refresh (how long a dead peer stays counted).
+        late_after: a round the others launched this long ago is late for a peer that has not.
+        poll_s: refresh and poll period (default ``min(1, ttl / 4)``).
+    """
+
+    def __init__(self, dht: DHT, run_id: str, peer_id: str, *, ttl: float = DEFAULT_TTL_S, late_after: float = 1.0,
+                 poll_s: Optional[float] = None):
+        if not ttl > 0 or not late_after >= 0:
+            raise ValueError(f"presence ttl must be > 0 and late_after >= 0, got {ttl}, {late_after}")
+        self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
+        self.ttl, self.late_after = float(ttl), float(late_after)
+        self.poll_s = min(1.0, self.ttl / 4) if poll_s is None else float(poll_s)
+        self._lock = threading.Lock()
+        self._dht_lock = threading.Lock()  # the DHT's control pipe is not safe for concurrent senders
+        self._ahead: dict[int, tuple[int, float]] = {}    # fragment -> (round announced ahead, launched_at)
+        self._expires: dict[tuple[int, int], float] = {}  # (fragment, round) -> our last expiration there
+        self._watch: dict[int, int] = {}                  # fragment -> the round is_late was asked about
+        self._launched: dict[tuple[int, int], float] = {}  # (fragment, round) -> earliest launch by others
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="hv-presence", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ DHT records
+    def _store(self, fragment: int, round_index: int, value: Optional[list]) -> None:
+        with self._lock:
+            key = (fragment, round_index)
+            # a later expiration wins on the DHT: "left" must outlive the last refresh
+            expiration = max(get_dht_time() + self.ttl, self._expires.get(key, 0.0) + 1e-3)
+            self._expires[key] = expiration
+        try:
+            with self._dht_lock:
+                self.dht.store(live_key(self.run_id, fragment, round_index), subkey=self.peer_id, value=value,
+                               expiration_time=expiration)
+        except Exception as e:  # a DHT hiccup costs one refresh, not the round
+            logger.info("presence: could not announce fragment %d round %d: %r", fragment, round_index, e)
+
+    def _entries(self, fragment: int, round_index: int) -> dict[str, tuple[bool, float]]:
+        """Live announcements for a round: peer id -> (ahead, launched_at); malformed ones are ignored."""
+        try:
+            with self._dht_lock:
+                found = self.dht.get(live_key(self.run_id, fragment, round_index), latest=True)
+        except Exception as e:
+            logger.info("presence: could not read fragment %d round %d: %r", fragment, round_index, e)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        out = {}
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            if (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], bool)
+                    and isinstance(value[1], (int, float))):
+                out[str(subkey)] = (value[0], float(value[1]))
+        return out
+
+    # ------------------------------------------------------------------ rounds
+    def before_round(self, fragment: int, round_index: int) -> RoundPlan:
+        """Announce this peer for the round after ``round_index`` and plan ``round_index``."""
+        launched_at = get_dht_time()
+        with self._lock:
+            new = fragment not in self._ahead
+            self._ahead[fragment] = (round_index + 1, launched_at)
+        if new:
+            self._store(fragment, round_index, [False, launched_at])
+        self._store(fragment, round_index + 1, [True, launched_at])
+        ahead = {peer for peer, (is_ahead, _) in self._entries(fragment, round_index).items() if is_ahead}
+        if new:
+            if ahead - {self.peer_id}:
+                return RoundPlan(target=None, skip=True)
+            return RoundPlan(target=None)  # a cold start: nobody knows the size yet
+        count = len(ahead | {self.peer_id})
+        return RoundPlan(target=count if count >= 2 else None)
+
+    def is_late(self, fragment: int, round_index: int) -> bool:
+        """Whether other peers launched this round at least ``late_after`` seconds ago (non-blocking:
+        answers from the last poll and asks the heartbeat to watch this round)."""
+        with self._lock:
+            if self._watch.get(fragment) != round_index:
+                self._watch[fragment] = round_index
+            launched = self._launched.get((fragment, round_index))
+        return launched is not None and get_dht_time() - launched >= self.late_after
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                ahead, watch = dict(self._ahead), dict(self._watch)
+            for fragment, (round_index, launched_at) in ahead.items():
+                self._store(fragment, round_index, [True, launched_at])
+            for fragment, round_index in watch.items():
+                if self._stop.is_set():
+                    return
+                # others announce k+1 ahead when they launch k
+                others = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
+                          if is_ahead and peer != self.peer_id]
+                if others:
+                    with self._lock:
+                        self._launched[(fragment, round_index)] = min(others)
+                        for key in [k for k in self._launched if k[0] == fragment and k[1] < round_index]:
+                            del self._launched[key]
+
+    def close(self) -> None:
+        """Stop refreshing and mark this peer's announcements as left (others stop counting it now)."""
+        self._stop.set()
+        self._thread.join(timeout=5 * self.poll_s + 5)
+        with self._lock:
+            ahead, self._ahead = dict(self._ahead), {}
+        for fragment, (round_index, _) in ahead.items():
+            self._store(fragment, round_index, None)

@@ -1,0 +1,66 @@
+"""Group size from the live peers of a run (transport/hivemind/presence.py), no --target-group-size.
+
+Real peers on 127.0.0.1 (``LoopbackSwarm``: one process per peer, its own DHT, averager and p2p
+daemon), tiny tensors. The swarm is closed, every peer's process group SIGKILLed, in ``finally``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
+
+MODULE = __name__
+NUMEL = 1000
+
+
+def live_ahead(peer, fragment: int, round_index: int) -> int:
+    """Inside a peer: how many peers are announced for a round (what its target would be)."""
+    entries = peer.transport._presence._entries(fragment, round_index)
+    return sum(1 for ahead, _ in entries.values() if ahead)
+
+
+def run_round(swarm, peers, rnd):
+    args = [dict(seed=10 * rnd + p.index, numel=NUMEL, return_tensors=False) for p in peers]
+    return swarm.call_all("all_reduce", (0, rnd), per_peer=args, peers=peers, timeout=60)
+
+
+def sizes(results):
+    return [(r["ok"], r.get("group_size"), r.get("expected_size")) for r in results]
+
+
+@pytest.mark.network
+@pytest.mark.timeout(240)
+def test_one_group_of_every_live_peer_follows_deaths_and_joins():
+    """6 peers, no target: round 0 (cold start) forms one group of 6 at the matchmaking deadline,
+    later rounds start with the 6 announced peers; two SIGKILLed peers drop out once their
+    announcements expire (groups of 4 that expect 4); a joiner sits its first round out and is in
+    the next one (5)."""
+    swarm = LoopbackSwarm(6, run_id="live6", transport_kwargs=dict(
+        codec="fp32", matchmaking_time=3.0, request_timeout=1.0, presence_ttl=3.0))
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: NUMEL}, timeout=120)
+        for rnd in (0, 1, 2):
+            results = run_round(swarm, swarm.peers, rnd)
+            expected = None if rnd == 0 else 6
+            assert sizes(results) == [(True, 6, expected)] * 6, (rnd, results)
+            assert len({r["sha256"] for r in results}) == 1
+        for victim in swarm.peers[4:]:
+            victim.kill()
+        survivors = swarm.peers[:4]
+        deadline = time.monotonic() + 60
+        while swarm.peers[0].call("call", f"{MODULE}:live_ahead", fragment=0, round_index=3) != 4:
+            assert time.monotonic() < deadline, "the killed peers' announcements never expired"
+            time.sleep(0.5)
+        for rnd in (3, 4):
+            assert sizes(run_round(swarm, survivors, rnd)) == [(True, 4, 4)] * 4, rnd
+        joiner = swarm.add_peer()
+        joiner.call("prepare", {0: NUMEL}, timeout=120)
+        results = run_round(swarm, survivors + [joiner], 5)
+        assert sizes(results[:4]) == [(True, 4, 4)] * 4 and results[4]["reason"] == "joining", results
+        assert sizes(run_round(swarm, survivors + [joiner], 6)) == [(True, 5, 5)] * 5
+    finally:
+        swarm.close()
