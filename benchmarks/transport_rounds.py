@@ -13,6 +13,11 @@ and one peer's whole process group is SIGKILLed mid-round (at 40% of a measured 
 report how long after the kill the survivors got their failure, and how long the next round (two
 peers, after ``matchmaking_time`` since the target of 3 is no longer reachable) took.
 
+With ``--gloo``, the same run also times ``torch.distributed.all_reduce`` (gloo backend) of the
+same fp32 tensor between the same number of processes on 127.0.0.1 (one thread each, like the
+peers), and writes it as ``gloo_round_s`` next to each row's ``round_s_median``: the reference for
+"as fast as the link". ``--numels 10000000 50000000`` gives the 10M and 50M rows.
+
 Loopback numbers measure CPU (encode, decode, reduce) and the p2p daemons, not a network: on a
 real link add bytes / rate. All peers share this machine's cores.
 """
@@ -21,17 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
-from hv_loopback import LoopbackSwarm  # benchmarks/hv_loopback.py, next to this script
+from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/hv_loopback.py, next to this script
 
 PEERS = 3
 
 
-def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float) -> list[dict]:
+def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
+                  gloo: Optional[dict[int, float]] = None) -> list[dict]:
     rows = []
     kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0)
     with LoopbackSwarm(PEERS, run_id=f"bench_{codec.replace('-', '_')}", transport_kwargs=kwargs) as swarm:
@@ -56,6 +65,8 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                              round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
                              bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
                              wire_bits_per_element=8 * statistics.mean(sent) / numel))
+            if gloo and numel in gloo:
+                rows[-1]["gloo_round_s"] = gloo[numel]
             print(_row(rows[-1]), flush=True)
     return rows
 
@@ -87,10 +98,53 @@ def measure_kill(numel: int, codec: str, matchmaking_time: float) -> dict:
         return out
 
 
+def _gloo_rank(rank: int, world: int, port: int, numel: int, rounds: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as the loopback peers
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        tensor = make_tensor(rank, numel)
+        times = []
+        for rnd in range(rounds + 1):
+            work = tensor.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(work)
+            if rnd:  # round 0 is the warm-up
+                times.append(time.perf_counter() - t0)
+        out.put((rank, times))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo(numel: int, rounds: int, peers: int = PEERS) -> float:
+    """Median over rounds of the slowest rank's ``all_reduce`` time (gloo, fp32, 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, peers, port, numel, rounds, out), daemon=True)
+             for r in range(peers)]
+    for proc in procs:
+        proc.start()
+    try:
+        per_rank = dict(out.get(timeout=600) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return statistics.median(max(per_rank[r][i] for r in per_rank) for i in range(rounds))
+
+
 def _row(r: dict) -> str:
+    gloo = f" {r['gloo_round_s']:7.3f} | {r['round_s_median'] / r['gloo_round_s']:6.1f}x |" if "gloo_round_s" in r else ""
     return (f"| {r['codec']:>9} | {r['numel']:>10,} | {r['round_s_median']:8.3f} | {r['round_s_min']:6.3f}-{r['round_s_max']:6.3f} "
             f"| {r['bytes_sent_per_peer'] / 2**20:9.2f} | {r['bytes_received_per_peer'] / 2**20:9.2f} "
-            f"| {r['wire_bits_per_element']:6.2f} |")
+            f"| {r['wire_bits_per_element']:6.2f} |" + gloo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,15 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--matchmaking-time", type=float, default=3.0)
     p.add_argument("--no-kill", action="store_true", help="skip the killed-peer scenario")
+    p.add_argument("--gloo", action="store_true",
+                   help="also time a torch.distributed gloo fp32 all_reduce of each size (gloo_round_s per row)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
-    print("| codec     | elements   | median s | min-max s     | sent MiB  | recv MiB  | bits/el |")
-    print("|-----------|------------|----------|---------------|-----------|-----------|---------|", flush=True)
+    gloo = {}
+    if args.gloo:  # first, on a quiet machine (the peers' daemons are not up yet)
+        for numel in args.numels:
+            gloo[numel] = measure_gloo(numel, args.rounds)
+            print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
+    extra = (" gloo s  | ours/gloo |", "---------|-----------|") if gloo else ("", "")
+    print("| codec     | elements   | median s | min-max s     | sent MiB  | recv MiB  | bits/el |" + extra[0])
+    print("|-----------|------------|----------|---------------|-----------|-----------|---------|" + extra[1], flush=True)
     rows = []
     for codec in args.codecs:
-        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time)
-    report = dict(peers=PEERS, rows=rows)
+        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo)
+    report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()})
     if not args.no_kill:
         kill = measure_kill(max(args.numels), "fp32", args.matchmaking_time)
         report["kill"] = kill

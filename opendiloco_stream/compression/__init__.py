@@ -21,12 +21,14 @@ from opendiloco_stream.compression.wire import (
     read_header,
 )
 
-_LAZY = {"Codec": "codecs", "decode": "codecs", "get_codec": "codecs", "ErrorFeedback": "error_feedback"}
+_LAZY = {"Codec": "codecs", "all_finite": "codecs", "decode": "codecs", "get_codec": "codecs",
+         "ErrorFeedback": "error_feedback"}
 
 __all__ = [
     "CODEC_NAMES",
     "HEADER_SIZE",
     "Codec",
+    "all_finite",
     "ErrorFeedback",
     "NonFiniteError",
     "WireHeader",

@@ -25,6 +25,7 @@ in ``wire.py``. Bytes are little-endian.
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 
@@ -46,6 +47,13 @@ from opendiloco_stream.compression.wire import (
 )
 
 _SCALE_NUMPY = {"fp16": np.float16, "fp32": np.float32}
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """``bool(torch.isfinite(tensor).all())``, 20-40x faster on CPU for finite tensors: one read-only
+    sum instead of a bool tensor (NaN and Inf make the sum non-finite; a finite tensor whose sum
+    overflows gets the exact check)."""
+    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 class Codec:
@@ -172,7 +180,7 @@ class Codec:
             parts = [scales.view(torch.uint8), codes]
         else:
             x32 = flat.to(torch.float32)
-            if not bool(torch.isfinite(x32).all()):
+            if not all_finite(x32):
                 raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({self.name}, numel={flat.numel()})")
             parts = [casts.encode_cast(x32, self.name, generator)]
         return b"".join([header, *(part.cpu().numpy() for part in parts)])
@@ -234,7 +242,7 @@ def decode_with_header(
     codes = _owned_slice(data, codes_offset, header.codes_nbytes, np.uint8).to(device)
     if header.scale_dtype is None:
         values = casts.decode_cast(codes, header.codec)
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise NonFiniteError(f"malformed {header.codec} data: it holds NaN or Inf")
         return values
     scales = _owned_slice(data, HEADER_SIZE, header.n_blocks, _SCALE_NUMPY[header.scale_dtype]).to(device)

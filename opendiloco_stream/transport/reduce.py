@@ -36,7 +36,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from opendiloco_stream.compression import Codec, NonFiniteError
+from opendiloco_stream.compression import Codec, NonFiniteError, all_finite
 from opendiloco_stream.transport.bundle import pack_bundle, unpack_bundle
 
 PROTOCOL_VERSION = 1
@@ -162,9 +162,16 @@ def check_chunk(codec: Codec, payload: bytes, numel: int) -> tuple[Optional[torc
         return None, str(e)
     if values.numel() != numel:
         return None, f"decoded {values.numel()} values, expected {numel}"
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         return None, "non-finite values"
     return values, ""
+
+
+def sum_of_squares(values: torch.Tensor) -> float:
+    """``sum(values**2)`` for the norm check: fp32 (pairwise-summed, ~1e-7 relative), or fp64
+    where fp32 overflows."""
+    sumsq = float(values.square().sum())
+    return sumsq if math.isfinite(sumsq) else float(values.double().square().sum())
 
 
 def norm_verdict(status: list[int], sumsq: Sequence[float], norm_bound: Optional[float]) -> list[int]:
@@ -229,7 +236,7 @@ class PartReducer:
         payload itself where the result forwards it (sparse codecs)."""
         lo, hi = self.chunks[j]
         values, why = check_chunk(self.codec, payload, hi - lo)
-        sumsq = float(values.double().square().sum()) if values is not None else 0.0
+        sumsq = sum_of_squares(values) if values is not None else 0.0
         return values, why, sumsq, bytes(payload) if self.codec.is_sparse and values is not None else None
 
     def accept(self, s: int, j: int, checked: tuple[Optional[torch.Tensor], str, float, Optional[bytes]]) -> str:

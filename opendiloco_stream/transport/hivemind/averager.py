@@ -7,8 +7,13 @@ and ``rpc_aggregate_part`` routes streams to it), the shutdown (hivemind's calls
 futures) and the signal handling (hivemind ignores SIGINT in the *host* when it forks).
 
 Buffers (shared memory, fixed size): ``input_buffer`` (the host writes the tensor to send before a
-step), ``output_buffer`` and ``sent_buffer`` (the averager writes the average and ``deQ(Q(input))``
-when a step succeeds). The host touches them only between steps, never mid-round.
+step), ``output_buffer`` and ``sent_buffer`` (the runner writes the average and ``deQ(Q(input))``
+there during a step; the host reads them only after a step succeeded). The host touches them
+only between steps, never mid-round.
+
+Data path: a round's streams go over direct TCP connections between groupmates where they can
+be opened (``direct.py``; each reducing averager listens on a port advertised in its gathered
+metadata), else through the p2p daemon.
 
 These overrides touch hivemind internals, hence the exact pin ``hivemind==1.1.12`` and
 ``tests/test_hivemind_transport.py``.
@@ -34,6 +39,8 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import Codec
+from opendiloco_stream.transport.hivemind.direct import DirectListener, serve_connections
+from opendiloco_stream.transport.hivemind.protocol import as_protobufs
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
 from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, RoundTimeouts
 
@@ -52,7 +59,8 @@ class FragmentAverager(DecentralizedAverager):
 
     def __init__(self, numel: int, dht: DHT, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
                  chunk_bytes: int, norm_bound: Optional[float], target_group_size: Optional[int],
-                 client_mode: bool, startup_timeout: float = 60.0, admission: Optional[Any] = None):
+                 client_mode: bool, startup_timeout: float = 60.0, admission: Optional[Any] = None,
+                 direct: bool = True):
         self.admission = admission  # net/auth.py Admission: what groupmates must prove (None: nothing)
         self.input_buffer = torch.zeros(numel, dtype=torch.float32)
         super().__init__(
@@ -65,11 +73,18 @@ class FragmentAverager(DecentralizedAverager):
         self.sent_buffer = torch.zeros(numel, dtype=torch.float32).share_memory_()
         self.codec, self.timeouts = codec, timeouts
         self.chunk_bytes, self.norm_bound = chunk_bytes, norm_bound
+        # direct TCP data path (direct.py): a listener if we reduce; addresses that failed us
+        self.direct, self.direct_failed, self._direct_task = direct, set(), None
+        self._direct = DirectListener.for_dht(dht) if direct and not client_mode else None
         self.start()  # fork: the buffers above are shared, the host's threads are not copied
+        if self._direct is not None:
+            self._direct.sock.close()  # the averager process holds the listening socket now
         self.wait_until_ready(timeout=startup_timeout)
 
     def step(self, gather: Any = None, **kwargs: Any):
         """hivemind's step, with this peer's metadata sealed for its groupmates' admission checks."""
+        if self._direct is not None and isinstance(gather, dict):
+            gather = dict(gather, direct=self._direct.addresses)  # where to stream our part (direct.py)
         if self.admission is not None:
             gather = self.admission.seal(gather, self.peer_id.to_bytes())
         return super().step(gather=gather, **kwargs)
@@ -90,7 +105,17 @@ class FragmentAverager(DecentralizedAverager):
             time.sleep(1.0)
         os._exit(0)
 
+    async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        """Serving starts here (in the averager process): hivemind's handlers and our direct listener."""
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
+        if self._direct is not None and self._direct_task is None:
+            self._direct_task = asyncio.ensure_future(
+                serve_connections(self._direct, self._running_groups, self.prefix, self.timeouts.next_chunk))
+
     async def _shutdown(self, timeout: Optional[float]) -> None:
+        if self._direct_task is not None:
+            self._direct_task.cancel()
+            self._direct.close()
         if not self.client_mode:
             await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
         for future in list(self._running_groups.values()):
@@ -162,16 +187,14 @@ class FragmentAverager(DecentralizedAverager):
             runner = self.runner_cls(
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_info=group_info,
                 tensor=self.input_buffer, codec=self.codec, timeouts=self.timeouts, chunk_bytes=self.chunk_bytes,
-                norm_bound=self.norm_bound)
+                norm_bound=self.norm_bound, direct_failed=self.direct_failed if self.direct else None,
+                result=self.output_buffer, sent=self.sent_buffer)
         except RoundError as e:
             registered.set_exception(e)
             registered.exception()  # retrieved: a late sender's handler may never look at it
             raise
         registered.set_result(runner)
-        summary = await runner.run()
-        self.output_buffer.copy_(runner.result)  # synchronous: a cancellation cannot cut it in half
-        self.sent_buffer.copy_(runner.sent)
-        return summary
+        return await runner.run()  # it wrote output_buffer and sent_buffer (read only if it succeeds)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -200,5 +223,5 @@ class FragmentAverager(DecentralizedAverager):
             logger.info("%s: no runner for the stream from %s: %r", self.prefix, context.remote_id, e)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             return
-        async for message in runner.serve(achain(as_aiter(request), stream), context.remote_id):
+        async for message in as_protobufs(runner.serve(achain(as_aiter(request), stream), context.remote_id)):
             yield message

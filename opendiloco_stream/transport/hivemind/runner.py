@@ -3,9 +3,11 @@
 Replaces hivemind's ``AllReduceRunner`` (which returns ``avg - decoded(part)`` deltas, so peers end
 with different results under lossy codecs, and silently keeps local values for parts whose reducer
 failed). The reduction itself is ``transport/reduce.py`` (shared with ``LocalSwarm``); this module
-moves it over hivemind's P2P streams in the frames of ``protocol.py``: each sender opens one ``rpc_aggregate_part`` stream per remote reducer, sends its
-contribution chunks and (if it reduces a part itself) its verdict on it, then reads the averaged
-chunks back on the same stream.
+moves it between peers in the frames of ``protocol.py``: each sender opens one stream per remote
+reducer, sends its contribution chunks and (if it reduces a part itself) its verdict on it, then
+reads the averaged chunks back on the same stream. A stream is a direct TCP connection to the
+address the reducer advertised (``direct.py``) or, where none can be opened, an
+``rpc_aggregate_part`` stream through hivemind's p2p daemon; both carry the same messages.
 
 Every wait is bounded: ``next_chunk`` between two messages of a stream (and for a sender to show
 up), the round deadline (``allreduce``) for the verdicts and the first result. Any part that does
@@ -21,15 +23,16 @@ from typing import AsyncIterator, Optional
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from opendiloco_stream.compression import Codec
-from opendiloco_stream.transport.hivemind.protocol import (
-    CONTRIB, DONE, RESULT, VERDICT, ProtocolError, pack_frame, unpack_frame,
+from opendiloco_stream.compression import Codec, all_finite
+from opendiloco_stream.transport.hivemind.direct import DirectStream, make_hello, parse_address
+from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
+    CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, pack_frame, unpack_frame,
 )
+from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 from opendiloco_stream.transport.reduce import (
     MISSING, OK, GroupLayout, GroupMismatch, PartReducer, combine_verdicts, judge_members,
@@ -37,25 +40,6 @@ from opendiloco_stream.transport.reduce import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class RoundError(AllreduceException):
-    """A round without a complete, consistent average; ``reason`` as in ``SyncFailed``."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(reason, message)  # args must rebuild the exception: it is pickled to the host
-        self.reason, self.message = reason, message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def _message(frame: bytes, group_id: bytes = b"", code: int = averaging_pb2.PART_FOR_AVERAGING) -> averaging_pb2.AveragingData:
-    return averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=frame))
-
-
-def _error(code: int = averaging_pb2.INTERNAL_ERROR) -> averaging_pb2.AveragingData:
-    return averaging_pb2.AveragingData(code=code)
 
 
 class HvAllReduceRunner:
@@ -67,7 +51,9 @@ class HvAllReduceRunner:
     """
 
     def __init__(self, *, p2p: P2P, servicer_type: type, prefix: str, group_info: GroupInfo, tensor: torch.Tensor,
-                 codec: Codec, timeouts: RoundTimeouts, chunk_bytes: int, norm_bound: Optional[float]):
+                 codec: Codec, timeouts: RoundTimeouts, chunk_bytes: int, norm_bound: Optional[float],
+                 direct_failed: Optional[set] = None, result: Optional[torch.Tensor] = None,
+                 sent: Optional[torch.Tensor] = None):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_info.group_id, tuple(group_info.peer_ids)
         self.me = self.peer_ids.index(p2p.peer_id)
@@ -86,9 +72,16 @@ class HvAllReduceRunner:
         self.is_reducer = [m == AveragingMode.NODE for m in self.modes]
         self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
         self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, chunk_bytes)
+        # direct TCP streams (direct.py): None where disabled; addresses whose connection failed
+        self.direct_failed = direct_failed
+        self.direct = [parse_address(u.get("direct")) if isinstance(u, dict) else None for u in users]
+        largest = max((hi - lo for chunks in self.layout.chunks for lo, hi in chunks), default=0)
+        self.max_message_bytes = n * codec.encoded_size(largest) + 65536  # a result bundles <= n contributions
         self.my_chunks = self.layout.chunks[self.me]
-        self.result = torch.empty(tensor.numel(), dtype=torch.float32)
-        self.sent = torch.empty(tensor.numel(), dtype=torch.float32)
+        # written in place: the averager passes its (already paged-in) shared buffers, read only
+        # after a successful round; a fresh 40 MB tensor costs more in page faults than a copy
+        self.result = torch.empty(tensor.numel(), dtype=torch.float32) if result is None else result
+        self.sent = torch.empty(tensor.numel(), dtype=torch.float32) if sent is None else sent
         self.bytes_sent = self.bytes_received = 0
         # reducer state: decoded contributions to my part, their squared norms, per-sender status
         self.part = PartReducer(codec, self.my_chunks, status, norm_bound)
@@ -287,12 +280,27 @@ class HvAllReduceRunner:
             self.bytes_sent += msg.ByteSize()
             yield msg
 
+    async def _open_stream(self, q: int) -> AsyncIterator:
+        """A stream to reducer ``q``: direct TCP if it advertised an address we can connect to, else
+        the p2p daemon (and no more direct attempts to that address from this averager)."""
+        address = self.direct[q] if self.direct_failed is not None else None
+        if address is not None and address not in self.direct_failed:
+            try:
+                return await DirectStream.open(address, make_hello(self.group_id, self.prefix, self.me, q),
+                                               lambda: self._contributions_for(q), min(self.t.request, self._remaining()),
+                                               self.max_message_bytes)
+            except (OSError, asyncio.TimeoutError) as e:
+                logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon",
+                            self.key, self._name(q), address, e)
+                self.direct_failed.add(address)
+        stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
+        return await asyncio.wait_for(stub.rpc_aggregate_part(as_protobufs(self._contributions_for(q))),
+                                      min(self.t.next_chunk, self._remaining()))
+
     async def _exchange_with(self, q: int) -> None:
         stream = None
         try:
-            stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_aggregate_part(self._contributions_for(q)),
-                                            min(self.t.next_chunk, self._remaining()))
+            stream = await self._open_stream(q)
             it = stream.__aiter__()
             for j, (lo, hi) in enumerate(self.layout.chunks[q]):
                 timeout = self._remaining() if j == 0 else min(self.t.next_chunk, self._remaining())
@@ -374,7 +382,7 @@ class HvAllReduceRunner:
             raise RoundError("partial", f"round {self.key}: parts were averaged over different groups")
         final, total_weight = verdicts.pop()
         outcome = summarize_verdict(final, self.weights, self.me)
-        if not bool(torch.isfinite(self.result).all()):
+        if not all_finite(self.result):
             raise RoundError("partial", f"round {self.key}: the average holds non-finite values")
         return dict(
             group_size=outcome.group_size,
