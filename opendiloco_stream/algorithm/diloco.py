@@ -15,8 +15,9 @@ No networking here: everything goes through a Transport. docs/algorithm.md state
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -310,6 +311,20 @@ class StreamingDiLoCo(HasSyncLog):
                     pending, f.pending = f.pending, None
                     self._consume(f, pending)
                     self._keep_unsent(f)
+
+    @contextlib.contextmanager
+    def global_params(self) -> Iterator[None]:
+        """Within the block the model holds theta_bar in every fragment (the outer parameters every
+        peer agrees on, without this peer's local progress since its last restart); restored after."""
+        with self._lock:
+            saved = [[q.detach().clone() for q in f.fragment.params] for f in self.frags]
+            try:
+                for f in self.frags:
+                    f.set_local(f.outer)
+                yield
+            finally:
+                for f, values in zip(self.frags, saved):
+                    f.set_local(values)
 
     def close(self) -> None:
         """Stop using the transport. Rounds still in flight are left to the transport to cancel."""

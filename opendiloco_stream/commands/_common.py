@@ -75,6 +75,8 @@ def print_summary(s: dict[str, Any]) -> None:
         ("workers x steps", f"{s['workers']} x {s['steps']}  ({s['tokens']:,} tokens)"),
         ("eval loss", f"{s['eval_loss_initial']:.4f} -> {s['eval_loss']:.4f}"
                       + (f"  (before the in-flight rounds landed: {before:.4f})" if before == before else "")),
+        ("eval loss, outer parameters", f"{s.get('eval_loss_global', float('nan')):.4f}  (theta_bar, the model "
+                                        "every peer agrees on)"),
         ("train loss (last 20 steps)", f"{s['train_loss']:.4f}"),
         ("bytes sent per worker", _fmt_bytes(s["bytes_sent_per_worker"])),
         ("peak bytes per sync", f"{_fmt_bytes(s['peak_bytes_per_sync'])}  (whole outer gradient: "

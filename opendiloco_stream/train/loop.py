@@ -60,6 +60,7 @@ class WorkerReport:
     eval_loss_initial: float = float("nan")
     eval_loss: float = float("nan")
     eval_loss_before_finish: float = float("nan")  # before the in-flight rounds landed (eager, overlap)
+    eval_loss_global: float = float("nan")  # the outer parameters theta_bar (not data-parallel)
     train_loss: float = float("nan")
     compute_s: float = 0.0
     wall_s: float = 0.0
@@ -185,6 +186,11 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         diloco.finish()
     report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
     emit({"event": "eval", "rank": rank, "step": end_step, "eval_loss": report.eval_loss})
+    if hasattr(diloco, "global_params"):  # the run's consensus model: theta_bar in every fragment
+        with diloco.global_params():
+            report.eval_loss_global = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+        emit({"event": "eval", "rank": rank, "step": end_step, "stage": "global",
+              "eval_loss": report.eval_loss_global})
     report.train_loss = float(sum(recent) / max(1, len(recent)))
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)
@@ -208,6 +214,7 @@ def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_
         "eval_loss_initial": _mean([r.eval_loss_initial for r in reports]),
         "eval_loss": _mean([r.eval_loss for r in reports]),
         "eval_loss_before_finish": _mean([r.eval_loss_before_finish for r in reports]),
+        "eval_loss_global": _mean([r.eval_loss_global for r in reports]),
         "train_loss": _mean([r.train_loss for r in reports]),
         **stats.summary_fields(n),
         "model_outer_gradient_bytes": codec_bytes(numel),
