@@ -168,6 +168,10 @@ def sparse_variants(P: int) -> list[Variant]:
                                f"{words} topk-int2 {100 * density:g}% + EF",
                                {"mode": mode, "codec": "topk-int2", "density": density, "error_feedback": None},
                                reference=ref))
+        # error feedback as a residual buffer added to the next outer gradient (SparseLoCo's form)
+        out.append(Variant(f"{ref}-topk-int2-2pct-ef-buffer", "codec", f"{words} topk-int2 2% + EF (buffer)",
+                           {"mode": mode, "codec": "topk-int2", "density": 0.02, "error_feedback": None,
+                            "error_feedback_mode": "buffer"}, reference=ref))
     return out
 
 
@@ -335,7 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         payload["runs"].append({"variant": v.name, "group": v.group, "seed": seed,
                                 "config": cfg.diloco.model_dump(mode="json"), **result})
         print(f"[{i}/{len(jobs)}] {v.name} seed {seed}: eval loss {s['eval_loss_initial']:.3f} -> "
-              f"{s['eval_loss']:.4f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+              f"{s['eval_loss']:.4f}, outer parameters {s.get('eval_loss_global', float('nan')):.4f} "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         payload["wall_time_s"] = time.perf_counter() - started
         write_json(out, payload)  # after every run: an interrupted benchmark keeps what it finished
     return report(payload, preset, variant_list, out, img_dir, args.no_plots)
