@@ -171,10 +171,10 @@ def test_join_checks_refuse_another_key_no_key_and_another_fingerprint(tmp_path)
         seen = [v["fields"]["codec"] for v, _ in same._others("fingerprint")]
         assert seen == ["fp4-e3m0"], seen
         # the metrics' own validators (RSA signature, schema) work under the run key's
+        # (a store's result is the first replica's answer: the outsiders' nodes may refuse it)
         publisher = MetricsPublisher(holder, "keyed", name="holder")
         publisher.publish({"step": 3})
-        assert publisher.flush(10) and publisher.published == 1
-        publisher.close()
+        publisher.close(timeout=10)
         install_validators(others["same"], "keyed")
         assert [r["step"] for r in read_swarm_metrics(others["same"], "keyed")] == [3]
     finally:

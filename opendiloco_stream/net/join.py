@@ -136,8 +136,9 @@ class RunGate:
 
     def _announce(self, part: str, value: Any) -> None:
         self._records[part] = value
-        if not self._store(part, value):
-            logger.warning("could not publish this peer's %s record: later joiners cannot check against it", part)
+        if not self._store(part, value):  # the first replica's answer: a node without the key refuses it
+            logger.info("the DHT did not confirm this peer's %s record (refreshed every %.0f s)", part,
+                        self.expiration / 3)
         if self._thread is None:
             self._thread = threading.Thread(target=self._refresh, name="run-gate", daemon=True)
             self._thread.start()
