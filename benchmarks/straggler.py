@@ -1,0 +1,145 @@
+"""Stragglers: the fast peers' compute utilization with and without a peer twice as slow.
+
+    .venv/bin/python benchmarks/straggler.py --out benchmarks/results/straggler.json
+
+Each scenario starts a ``bootstrap`` node and N real ``peer`` processes on 127.0.0.1 (no
+``--target-group-size``: groups follow the run's live peers), eager mode, tiny model. Inner steps
+are made regular with ``--step-delay-s`` (``train.step_delay_s``, a knob for benchmarks and tests
+only: a sleep in every inner step, counted as compute): the fast peers sleep ``D`` per step, the
+straggler ``2 D`` plus the measured time of a bare step, so it is about twice as slow; the ratio
+actually measured is reported.
+
+Reported per peer: compute utilization (whole run, and *steady*: compute / (compute + time
+blocked in ``diloco.step``) after the first ``2 H`` steps, which leaves out the start-up, when
+peers come up seconds apart), steps trained, steps skipped to catch up with the swarm, rounds ok
+/ failed, mean group size, and the peer's mean weight share in the groups it was in (weights are
+tokens: the straggler processed fewer per round). All peers share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from opendiloco_stream.train.loop import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, environment, markdown_table, write_json  # noqa: E402
+
+TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
+
+
+def run_scenario(workdir: Path, run_id: str, delays: list[float], *, steps: int, inner_steps: int, fragments: int,
+                 codec: str = "fp32", matchmaking_time: float = 5.0, request_timeout: float = 3.0,
+                 timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Train ``len(delays)`` peers (peer i sleeps ``delays[i]`` per inner step); their metrics records."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    boot, addrs = start_bootstrap(workdir, run_id)
+    procs = [boot]
+    try:
+        n = len(delays)
+        for i, delay in enumerate(delays):
+            cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", run_id,
+                   "--mode", "eager", "--codec", codec, "--fragments", str(fragments), "--inner-steps",
+                   str(inner_steps), "--steps", str(steps), "--step-delay-s", f"{delay:.4f}", "--matchmaking-time",
+                   str(matchmaking_time), "--request-timeout", str(request_timeout), "--shard", f"{i}/{n}",
+                   "--no-join", *TINY, "--metrics-file", str(workdir / f"peer-{i}.jsonl")]
+            procs.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer-{i}.log", "w"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(procs[1:]):
+            p.wait(max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"peer {i} exited with {p.returncode}:\n"
+                                   f"{(workdir / f'peer-{i}.log').read_text()[-2000:]}")
+        return [{"records": read_metrics(workdir / f"peer-{i}.jsonl"), "delay_s": d} for i, d in enumerate(delays)]
+    finally:
+        stop_processes(procs, grace=10)
+
+
+def peer_figures(records: list[dict[str, Any]], warmup_steps: int) -> dict[str, Any]:
+    """One peer's figures from its metrics records (see the module docstring)."""
+    summary = next(r for r in records if r.get("event") == "summary")
+    steps = [r for r in records if r.get("event") == "step"]
+    steady = [r for r in steps if r["step"] > warmup_steps]
+    compute = sum(r["compute_s"] for r in steady)
+    blocked = sum(r["sync_s"] for r in steady)
+    syncs = [r for r in records if r.get("event") == "sync"]
+    ok = [r for r in syncs if r["ok"]]
+    return dict(
+        compute_utilization=summary["compute_utilization"],
+        steady_utilization=compute / (compute + blocked) if compute + blocked > 0 else float("nan"),
+        step_s=statistics.median(r["compute_s"] for r in steps) if steps else float("nan"),
+        steps_trained=summary["steps"], caught_up_steps=summary.get("caught_up_steps", 0),
+        blocked_s=summary["wait_s"], rounds_ok=len(ok), rounds_failed=len(syncs) - len(ok),
+        mean_group_size=statistics.fmean(r["group_size"] for r in ok) if ok else float("nan"),
+        mean_weight_share=statistics.fmean(r["weight_share"] for r in ok) if ok else float("nan"),
+        tokens=summary["tokens"], eval_loss=summary["eval_loss"])
+
+
+def bare_step_s(workdir: Path, steps: int = 20) -> float:
+    """Median time of one bare inner step of the tiny model here (one peer alone, no delay)."""
+    out = run_scenario(workdir, f"straggler-probe-{os.getpid()}", [0.0], steps=steps, inner_steps=steps * 2,
+                       fragments=1)
+    return statistics.median(r["compute_s"] for r in out[0]["records"] if r.get("event") == "step")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", type=int, default=4, help="peers per scenario (one of them the straggler)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--inner-steps", type=int, default=20)
+    ap.add_argument("--fragments", type=int, default=2)
+    ap.add_argument("--delay", type=float, default=0.2, help="seconds slept per inner step by the fast peers")
+    ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--out", default=None, help="JSON results (e.g. benchmarks/results/straggler.json)")
+    args = ap.parse_args(argv)
+
+    root = Path(tempfile.mkdtemp(prefix="ods-straggler-"))
+    bare = bare_step_s(root / "probe")
+    slow = 2 * args.delay + bare  # (bare + slow) = 2 (bare + delay)
+    scenarios = {"no straggler": [args.delay] * args.peers,
+                 "one peer 2x slower": [args.delay] * (args.peers - 1) + [slow]}
+    results = []
+    for name, delays in scenarios.items():
+        t0 = time.perf_counter()
+        peers = run_scenario(root / name.replace(" ", "-"), f"straggler-{os.getpid()}-{len(results)}", delays,
+                             steps=args.steps, inner_steps=args.inner_steps, fragments=args.fragments,
+                             codec=args.codec)
+        figures = [dict(peer_figures(p["records"], 2 * args.inner_steps), delay_s=p["delay_s"]) for p in peers]
+        fast = figures[:-1] if name != "no straggler" else figures
+        results.append(dict(scenario=name, wall_s=time.perf_counter() - t0, peers=figures,
+                            fast_steady_utilization=statistics.fmean(f["steady_utilization"] for f in fast),
+                            fast_compute_utilization=statistics.fmean(f["compute_utilization"] for f in fast)))
+    fast_step = statistics.fmean(f["step_s"] for f in results[1]["peers"][:-1])
+    slowdown = results[1]["peers"][-1]["step_s"] / fast_step
+    rows = []
+    for res in results:
+        for i, f in enumerate(res["peers"]):
+            role = "straggler" if res["scenario"] != "no straggler" and i == len(res["peers"]) - 1 else "fast"
+            rows.append([res["scenario"], f"{i} ({role})", f"{f['step_s']:.3f}", f"{100 * f['compute_utilization']:.1f}%",
+                         f"{100 * f['steady_utilization']:.1f}%", f["steps_trained"], f["caught_up_steps"],
+                         f"{f['rounds_ok']}/{f['rounds_ok'] + f['rounds_failed']}", f"{f['mean_group_size']:.2f}",
+                         f"{f['mean_weight_share']:.3f}", f"{f['blocked_s']:.1f}"])
+    table = markdown_table(["scenario", "peer", "step s", "utilization", "steady util.", "steps", "skipped",
+                            "rounds ok", "mean group", "weight share", "blocked s"], rows)
+    print(table)
+    print(f"\nstraggler step / fast step: {slowdown:.2f}x; fast peers' steady utilization: "
+          + ", ".join(f"{r['scenario']} {100 * r['fast_steady_utilization']:.1f}%" for r in results))
+    if args.out:
+        write_json(args.out, dict(command=command_line(argv), environment=environment(), bare_step_s=bare,
+                                  slowdown=slowdown, settings=vars(args), scenarios=results, table=table))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""A peer twice as slow as the others: real ``peer`` processes on 127.0.0.1 (benchmarks/straggler.py
+starts them, each in its own session, and kills every process tree in a ``finally`` block)."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import pytest
+
+from straggler import run_scenario  # benchmarks/ (on sys.path: conftest.py)
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+STEPS = 60
+
+
+@pytest.mark.timeout(400)
+def test_fast_peers_keep_training_and_the_straggler_counts_by_its_tokens(tmp_path):
+    """2 peers sleep 0.1 s per inner step, the third 0.3 s (about 2x slower, the knob counts as
+    compute). No target group size. The fast peers train to the end without waiting for it; the
+    straggler catches up with their rounds (skipping steps of its schedule) and is in their groups
+    with the tokens it processed, so its weight share is below theirs."""
+    peers = run_scenario(tmp_path, f"stragglers-{os.getpid()}", [0.1, 0.1, 0.3], steps=STEPS, inner_steps=10,
+                         fragments=2, matchmaking_time=3.0, request_timeout=1.0, timeout=360)
+    summaries = [next(r for r in p["records"] if r.get("event") == "summary") for p in peers]
+    for s in summaries:  # every peer reached the end of the schedule (trained or caught up)
+        assert s["steps"] + s["caught_up_steps"] == STEPS, s
+    assert summaries[2]["caught_up_steps"] > 0
+    assert summaries[2]["steps"] < min(s["steps"] for s in summaries[:2])
+    rounds = defaultdict(dict)
+    for i, p in enumerate(peers):
+        for r in p["records"]:
+            if r.get("event") == "sync":
+                rounds[(r["fragment"], r["round"])][i] = r
+    # rounds 0-1 are the start-up (peers come up seconds apart, late ones catch up too)
+    together = [by_peer for (_, k), by_peer in rounds.items() if k >= 2 and len(by_peer) == 3
+                and all(r["ok"] and r["group_size"] == 3 for r in by_peer.values())]
+    assert len(together) >= 4, {k: [(i, r["ok"], r.get("group_size")) for i, r in v.items()] for k, v in rounds.items()}
+    for by_peer in together:  # weights are tokens: the straggler did about half the work of a fast peer
+        assert by_peer[2]["weight_share"] < 1 / 3, by_peer
