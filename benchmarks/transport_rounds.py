@@ -39,6 +39,16 @@ from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/hv_loopback.py,
 PEERS = 3
 
 
+def stage_tensor(peer, seed: int, numel: int) -> None:
+    """Inside a peer (``LoopbackPeer.call``): draw the tensor of the next round."""
+    peer.staged = make_tensor(seed, numel)
+
+
+def reduce_staged(peer, key: tuple, weight: float) -> dict:
+    """Inside a peer: the round, on the staged tensor."""
+    return peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False)
+
+
 def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
                   gloo: Optional[dict[int, float]] = None) -> list[dict]:
     rows = []
@@ -48,9 +58,12 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
         for fragment, numel in enumerate(numels):
             times, sent, received = [], [], []
             for rnd in range(rounds + 1):
-                per_peer = [dict(seed=1000 * rnd + i, numel=numel, weight=1.0 + i, return_tensors=False)
-                            for i in range(PEERS)]
-                results = swarm.call_all("all_reduce", (fragment, rnd), per_peer=per_peer, timeout=600)
+                # tensors first, on every peer, then the round: as gloo's barrier, so that no peer's
+                # round time includes waiting for another one still drawing its random tensor
+                swarm.call_all("call", function="transport_rounds:stage_tensor", numel=numel, timeout=300,
+                               per_peer=[dict(seed=1000 * rnd + i) for i in range(PEERS)])
+                results = swarm.call_all("call", function="transport_rounds:reduce_staged", key=(fragment, rnd),
+                                         per_peer=[dict(weight=1.0 + i) for i in range(PEERS)], timeout=600)
                 failed = [r for r in results if not r["ok"]]
                 if failed:
                     raise RuntimeError(f"{codec} numel={numel} round {rnd}: {failed[0]['reason']}: {failed[0]['message']}")

@@ -47,6 +47,7 @@ from opendiloco_stream.compression.wire import (
 )
 
 _SCALE_NUMPY = {"fp16": np.float16, "fp32": np.float32}
+_NUMPY_CASTS = {"fp32": np.float32, "fp16": np.float16}  # casts numpy reads (and widens) exactly
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -199,13 +200,29 @@ class Codec:
         ``numel`` (optional) is the size the receiver expects. Raises ``ValueError`` with one line
         for truncated, malformed or mismatching bytes, ``NonFiniteError`` for NaN/Inf content.
         """
+        return decode_with_header(data, self._checked_header(data, numel), device)
+
+    def _checked_header(self, data: bytes | bytearray | memoryview, numel: int | None) -> WireHeader:
         header = read_header(data)
         expected = self._header(header.numel)
         if header != expected:
             raise ValueError(f"bytes were encoded as {_describe(header)}, but this codec is {_describe(expected)}")
         if numel is not None and header.numel != numel:
             raise ValueError(f"encoded tensor has {header.numel} elements, expected {numel}")
-        return decode_with_header(data, header, device)
+        return header
+
+    def decode_into(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> torch.Tensor:
+        """``out[:] = decode(data, numel=out.numel())`` (same checks and errors), without an
+        intermediate tensor where the format allows it: plain fp32 / fp16 bytes are copied
+        straight into ``out`` (a contiguous fp32 CPU tensor). Returns ``out``."""
+        if self.name in _NUMPY_CASTS and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous():
+            header = self._checked_header(data, out.numel())
+            np.copyto(out.numpy(), np.frombuffer(data, dtype=_NUMPY_CASTS[self.name], count=header.numel,
+                                                 offset=HEADER_SIZE))
+            if not all_finite(out):
+                raise NonFiniteError(f"malformed {self.name} data: it holds NaN or Inf")
+            return out
+        return out.copy_(self.decode(data, numel=out.numel()))
 
     def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
         """``decode(encode(tensor))`` shaped like ``tensor``, fp32, on its device: what a peer sends."""

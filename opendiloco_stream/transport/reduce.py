@@ -287,15 +287,18 @@ class PartReducer:
         return payload, result
 
 
-def decode_result(codec: Codec, payload: bytes, final: bytes, weights: Sequence[float], numel: int) -> torch.Tensor:
+def decode_result(codec: Codec, payload: bytes, final: bytes, weights: Sequence[float], numel: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """What a member makes of a result chunk under the verdict ``final`` (the reducer's own result
-    is the same tensor, bit for bit). Raises ``ValueError`` for bytes that do not fit the verdict."""
+    is the same tensor, bit for bit), written into ``out`` if given. Raises ``ValueError`` for
+    bytes that do not fit the verdict."""
     accepted = [s for s in range(len(final)) if final[s] == OK]
     fmt = codec.result_codec(len(accepted))
     if fmt is not None:
-        return fmt.decode(payload, numel=numel)
+        return fmt.decode(payload, numel=numel) if out is None else fmt.decode_into(payload, out)
     values = [codec.decode(p, numel=numel) for p in unpack_bundle(payload, len(accepted))]
-    return weighted_mean(values, [weights[s] for s in accepted])
+    mean = weighted_mean(values, [weights[s] for s in accepted])
+    return mean if out is None else out.copy_(mean)
 
 
 @dataclass

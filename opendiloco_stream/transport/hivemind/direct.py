@@ -157,9 +157,12 @@ async def write_message(sock: socket.socket, msg: Any) -> None:
     loop = asyncio.get_event_loop()
     if isinstance(msg, Message):
         prefix = msg.pb_prefix()
-        await loop.sock_sendall(sock, _LENGTH.pack(len(prefix) + len(msg.buffer)) + prefix)
-        if len(msg.buffer):
-            await loop.sock_sendall(sock, msg.buffer)
+        head, parts = _LENGTH.pack(len(prefix) + msg.nbytes) + prefix, list(msg.parts)
+        while parts and len(parts[0]) <= 4096:  # small parts (a frame's head) go in one send with it
+            head += bytes(parts.pop(0))
+        await loop.sock_sendall(sock, head)
+        for part in parts:  # a chunk's bytes, as they are
+            await loop.sock_sendall(sock, part)
     else:  # a protobuf (test doubles may yield them)
         data = msg.SerializeToString()
         await loop.sock_sendall(sock, _LENGTH.pack(len(data)) + data)
@@ -290,7 +293,8 @@ async def _serve_connection(sock: socket.socket, groups: dict, prefix: str, wait
         try:
             async for msg in replies:
                 await write_message(sock, msg)
-                if msg.code != averaging_pb2.AVERAGED_PART or frame_kind(msg.tensor_part.buffer) == DONE:
+                head = msg.parts[0] if isinstance(msg, Message) and msg.parts else msg.tensor_part.buffer
+                if msg.code != averaging_pb2.AVERAGED_PART or frame_kind(head) == DONE:
                     break  # our last message: no linger on TCP (see the module docstring)
         finally:
             await replies.aclose()

@@ -49,7 +49,14 @@ class Frame:
 
 
 def pack_frame(kind: int, chunk: int = 0, payload: bytes = b"", status: bytes = b"", total_weight: float = 0.0) -> bytes:
-    return _FRAME.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, chunk, len(status), total_weight) + status + payload
+    return b"".join(frame_parts(kind, chunk, payload, status, total_weight))
+
+
+def frame_parts(kind: int, chunk: int = 0, payload: Buffer = b"", status: bytes = b"", total_weight: float = 0.0
+                ) -> tuple[bytes, Buffer]:
+    """A frame as (head, payload), whose concatenation is ``pack_frame``: a message can carry the
+    chunk's bytes without copying them into one buffer."""
+    return _FRAME.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, chunk, len(status), total_weight) + status, payload
 
 
 def unpack_frame(data: "Buffer") -> Frame:
@@ -97,12 +104,23 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
 
 
 class Message:
-    """One stream message, field for field an ``AveragingData`` (code, group_id, tensor_part.buffer)."""
+    """One stream message, field for field an ``AveragingData`` (code, group_id, tensor_part.buffer);
+    the buffer may be given in parts (``frame_parts``), sent one after the other."""
 
-    __slots__ = ("code", "group_id", "buffer", "has_part")
+    __slots__ = ("code", "group_id", "parts", "has_part")
 
-    def __init__(self, code: int, group_id: bytes = b"", buffer: Buffer = b"", has_part: bool = True):
-        self.code, self.group_id, self.buffer, self.has_part = code, group_id, buffer, has_part
+    def __init__(self, code: int, group_id: bytes = b"", buffer: Union[Buffer, tuple] = b"", has_part: bool = True):
+        self.code, self.group_id, self.has_part = code, group_id, has_part
+        self.parts = tuple(p for p in buffer if len(p)) if isinstance(buffer, tuple) else (buffer,)
+
+    @property
+    def buffer(self) -> Buffer:
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        """Length of the buffer."""
+        return sum(len(p) for p in self.parts)
 
     @property
     def tensor_part(self) -> "Message":  # msg.tensor_part.buffer, as on the protobuf
@@ -114,13 +132,13 @@ class Message:
         if self.group_id:
             out += b"\x12" + _varint(len(self.group_id)) + bytes(self.group_id)
         if self.has_part:
-            n = len(self.buffer)
+            n = self.nbytes
             inner = b"\x0a" + _varint(n) if n else b""
             out += b"\x22" + _varint(len(inner) + n) + inner
         return out
 
     def ByteSize(self) -> int:  # noqa: N802 (the protobuf's name: the runner counts either kind)
-        return len(self.pb_prefix()) + len(self.buffer)
+        return len(self.pb_prefix()) + self.nbytes
 
     def to_pb(self) -> averaging_pb2.AveragingData:
         if not self.has_part:
@@ -157,7 +175,7 @@ def parse_message(body: Buffer) -> Message:
         if field == 2:
             msg.group_id = bytes(value)
         elif field == 4:
-            msg.has_part, msg.buffer = True, _tensor_buffer(value)
+            msg.has_part, msg.parts = True, (_tensor_buffer(value),)
     if pos != len(data):
         raise ProtocolError("message truncated")
     return msg
@@ -197,7 +215,7 @@ class RoundError(AllreduceException):
         return self.message
 
 
-def message(frame: Buffer, group_id: bytes = b"", code: int = averaging_pb2.PART_FOR_AVERAGING) -> Message:
+def message(frame: Union[Buffer, tuple], group_id: bytes = b"", code: int = averaging_pb2.PART_FOR_AVERAGING) -> Message:
     return Message(code, group_id, frame)
 
 

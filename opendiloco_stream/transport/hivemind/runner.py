@@ -30,7 +30,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from opendiloco_stream.compression import Codec, all_finite
 from opendiloco_stream.transport.hivemind.direct import DirectStream, make_hello, parse_address
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
-    CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, pack_frame, unpack_frame,
+    CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
@@ -114,7 +114,7 @@ class HvAllReduceRunner:
         """Encode one chunk of our tensor and record what it decodes to in ``sent`` (executor)."""
         payload = self.encode_contribution(self.tensor[lo:hi])
         try:
-            self.sent[lo:hi] = self.codec.decode(payload, numel=hi - lo)
+            self.codec.decode_into(payload, self.sent[lo:hi])
         except ValueError:  # only a faked sender gets here: what it sent is not a tensor
             self.sent[lo:hi] = float("nan")
         return payload
@@ -192,7 +192,7 @@ class HvAllReduceRunner:
             final, total_weight = await asyncio.wait_for(asyncio.shield(self.final), self._remaining())
             for j in range(len(self.my_chunks)):
                 payload = await asyncio.wait_for(asyncio.shield(self.result_chunks[j]), self._remaining())
-                msg = _message(pack_frame(RESULT, j, payload, final, total_weight), code=averaging_pb2.AVERAGED_PART)
+                msg = _message(frame_parts(RESULT, j, payload, final, total_weight), code=averaging_pb2.AVERAGED_PART)
                 self.bytes_sent += msg.ByteSize()
                 yield msg
             msg = _message(pack_frame(DONE, len(self.my_chunks), b"", final, total_weight), code=averaging_pb2.AVERAGED_PART)
@@ -268,7 +268,7 @@ class HvAllReduceRunner:
     async def _contributions_for(self, q: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         for j, (lo, hi) in enumerate(self.layout.chunks[q]):
             payload = await self._in_executor(self._encode_chunk, lo, hi)
-            msg = _message(pack_frame(CONTRIB, j, payload), self.group_id)
+            msg = _message(frame_parts(CONTRIB, j, payload), self.group_id)
             self.bytes_sent += msg.ByteSize()
             yield msg
         if self.is_reducer[self.me]:
@@ -346,8 +346,7 @@ class HvAllReduceRunner:
 
     def _take_result(self, payload: bytes, lo: int, hi: int, final: bytes) -> None:
         # the result's format follows from the verdict (sparse codecs: the accepted contributions)
-        values = decode_result(self.codec, payload, final, self.weights, hi - lo)  # ValueError -> partial
-        self.result[lo:hi] = values
+        decode_result(self.codec, payload, final, self.weights, hi - lo, out=self.result[lo:hi])  # ValueError -> partial
 
     # ------------------------------------------------------------------ the round
     async def run(self) -> dict:

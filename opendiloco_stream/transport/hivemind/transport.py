@@ -239,6 +239,9 @@ class HivemindTransport(Transport):
         norm_bound: reject contributions whose norm exceeds this multiple of the group median
             (with 3+ contributions); ``None`` disables the check.
         state_timeout: the longest silence tolerated inside a state download.
+        direct: stream a round's bytes over direct TCP connections between groupmates (each
+            reducing peer listens on one port per fragment, next to the DHT's address), with the
+            p2p daemon as fallback; ``False``: p2p daemon only (encrypted, slower). See ``direct.py``.
         admission: what groupmates, state donors and joiners must prove (``net/auth.py``: the run
             key, the run fingerprint); ``None`` admits every peer of the run.
     """
@@ -252,7 +255,8 @@ class HivemindTransport(Transport):
                  next_chunk_timeout: Optional[float] = None, link_mbit: float = 100.0, client_mode: bool = False,
                  window_s: Optional[float] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
-                 state_timeout: float = 30.0, startup_timeout: float = 60.0, admission: Any = None):
+                 state_timeout: float = 30.0, startup_timeout: float = 60.0, admission: Any = None,
+                 direct: bool = True):
         if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
             raise ValueError(f"run_id {run_id!r}: use letters, digits, '_' and '-' only")
         if target_group_size is not None and target_group_size < 2:
@@ -268,7 +272,7 @@ class HivemindTransport(Transport):
                                  allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout)
         derive_timeouts(encoded_bytes=0, numel=0, chunk_bytes=self.chunk_bytes, link_mbit=link_mbit,
                         window_s=window_s, **self.timeout_args)  # fail on a broken hierarchy now, not in prepare
-        self.state_timeout, self.admission = state_timeout, admission
+        self.state_timeout, self.admission, self.direct = state_timeout, admission, direct
         self.peer_id = str(dht.peer_id)
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
@@ -299,7 +303,8 @@ class HivemindTransport(Transport):
                 averagers[p] = (timeouts, self.averager_cls(
                     n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
-                    client_mode=self.client_mode, startup_timeout=self.startup_timeout, admission=self.admission))
+                    client_mode=self.client_mode, startup_timeout=self.startup_timeout, admission=self.admission,
+                    direct=self.direct))
         except BaseException:
             for _, averager in averagers.values():
                 averager.close()

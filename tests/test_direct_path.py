@@ -1,0 +1,177 @@
+"""The direct TCP data path of the hivemind transport (``transport/hivemind/direct.py``).
+
+In-process: messages encode exactly as hivemind's protobufs (so bytes are counted the same on both
+paths), hellos authenticate a sender of a group. Networked (3 peers on 127.0.0.1): the streams of
+a round go direct on loopback; a reducer whose advertised port is unreachable is reached through
+the p2p daemon instead, in the same round; results are bit-identical on every peer either way.
+Peers record which path each exchange took in files under ``ODS_TEST_PATH_LOG`` (``PathLoggingRunner``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from hivemind.proto import averaging_pb2
+
+from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
+from opendiloco_stream.transport.hivemind import HivemindTransport
+from opendiloco_stream.transport.hivemind.averager import FragmentAverager
+from opendiloco_stream.transport.hivemind.direct import (
+    DirectStream, group_tag, hello_is_valid, make_hello, parse_address, read_hello,
+)
+from opendiloco_stream.transport.hivemind.protocol import (
+    CONTRIB, DONE, Message, ProtocolError, frame_parts, pack_frame, parse_message, unpack_frame,
+)
+from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
+
+MODULE = __name__
+
+
+# ---------------------------------------------------------------------------------------- in-process
+@pytest.mark.parametrize("message", [
+    Message(averaging_pb2.PART_FOR_AVERAGING, b"g" * 20, frame_parts(CONTRIB, 3, b"x" * 300)),
+    Message(averaging_pb2.AVERAGED_PART, b"", pack_frame(DONE, 2, b"", bytes([0, 0, 2]), 1.5)),
+    Message(averaging_pb2.AVERAGED_PART, b"", b""),  # an empty part is still a part
+    Message(averaging_pb2.INTERNAL_ERROR, has_part=False),
+])
+def test_messages_encode_as_hivemind_protobufs_and_parse_back(message):
+    pb = message.to_pb()
+    wire = message.pb_prefix() + bytes(message.buffer)
+    assert wire == pb.SerializeToString() and message.ByteSize() == pb.ByteSize() == len(wire)
+    back = parse_message(bytearray(wire))
+    assert (back.code, back.group_id, bytes(back.buffer), back.has_part) == (
+        message.code, message.group_id, bytes(message.buffer), message.has_part)
+    assert back.ByteSize() == pb.ByteSize()
+
+
+def test_parsed_frames_are_views_and_truncated_messages_are_refused():
+    wire = Message(averaging_pb2.PART_FOR_AVERAGING, b"gid", frame_parts(CONTRIB, 1, b"payload")).to_pb().SerializeToString()
+    frame = unpack_frame(parse_message(bytearray(wire)).buffer)
+    assert isinstance(frame.payload, memoryview) and frame.payload == b"payload"
+    with pytest.raises(ProtocolError):
+        parse_message(wire[:-3])
+
+
+def test_hello_authenticates_one_sender_of_one_group():
+    group, other = os.urandom(32), os.urandom(32)
+    tag, sender, mac = read_hello(make_hello(group, "run_f0", 2, 1))
+    assert (tag, sender) == (group_tag(group), 2) and tag != group_tag(other)
+    assert hello_is_valid(group, "run_f0", 2, 1, mac)
+    for args in ((other, "run_f0", 2, 1), (group, "run_f1", 2, 1), (group, "run_f0", 0, 1), (group, "run_f0", 2, 0)):
+        assert not hello_is_valid(*args, mac)
+    with pytest.raises(ProtocolError):
+        read_hello(b"GET / HTTP/1.1\r\n" + bytes(39))
+
+
+def test_advertised_addresses_are_validated():
+    assert parse_address([["127.0.0.1", 4000]]) == ("127.0.0.1", 4000)
+    assert parse_address([["not an ip", 1], ["10.0.0.2", 70000], ["10.0.0.3", 5]]) == ("10.0.0.3", 5)
+    for bad in (None, "127.0.0.1:4000", [["::1", 4000]], [[1, 2, 3]], [["127.0.0.1", "4000"]]):
+        assert parse_address(bad) is None
+
+
+# ---------------------------------------------------------------------------------------- fakes
+class PathLoggingRunner(HvAllReduceRunner):
+    """The real runner; logs which path each of its exchanges took."""
+
+    async def _open_stream(self, q):
+        stream = await super()._open_stream(q)
+        path = "direct" if isinstance(stream, DirectStream) else "p2p"
+        with open(Path(os.environ["ODS_TEST_PATH_LOG"]) / f"{self.me}-{q}-{self.key[1]}", "w") as f:
+            f.write(path)
+        return stream
+
+
+class PathLoggingAverager(FragmentAverager):
+    runner_cls = PathLoggingRunner
+
+
+class UnreachableAverager(PathLoggingAverager):
+    """Advertises a direct port nobody listens on (as a peer behind NAT would): groupmates must
+    reach it through the p2p daemon."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        self._direct.addresses = [["127.0.0.1", closed]]  # what step() advertises (the host's copy)
+
+
+class PathLoggingTransport(HivemindTransport):
+    averager_cls = PathLoggingAverager
+
+
+class UnreachableTransport(HivemindTransport):
+    averager_cls = UnreachableAverager
+
+
+def _paths(log_dir: Path, rnd: int) -> dict[tuple[int, int], str]:
+    """(sender, reducer) -> path, in group order (peer order may differ from it)."""
+    out = {}
+    for f in log_dir.iterdir():
+        sender, reducer, r = map(int, f.name.split("-"))
+        if r == rnd:
+            out[(sender, reducer)] = f.read_text()
+    return out
+
+
+# ---------------------------------------------------------------------------------------- networked
+@pytest.mark.network
+def test_rounds_go_direct_on_loopback_and_fall_back_to_p2p_for_an_unreachable_port(tmp_path, monkeypatch):
+    monkeypatch.setenv("ODS_TEST_PATH_LOG", str(tmp_path))  # spawned peers inherit it
+    numel = 200_003
+    swarm = LoopbackSwarm(3, run_id="hvdirect", transport_kwargs=dict(
+        codec="fp32", chunk_bytes=1 << 16, target_group_size=3, matchmaking_time=3.0, request_timeout=1.0,
+        next_chunk_timeout=15.0, allreduce_timeout=40.0), transport_cls=f"{MODULE}:PathLoggingTransport",
+        peer_overrides={2: dict(transport_cls=f"{MODULE}:UnreachableTransport")})
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: numel}, timeout=120)
+        args = [dict(seed=10 + i, numel=numel, weight=1.0 + i, return_tensors=False) for i in range(3)]
+        for rnd in (0, 1):
+            results = swarm.call_all("all_reduce", (0, rnd), per_peer=args, timeout=90)
+            assert [(r["ok"], r["group_size"]) for r in results] == [(True, 3)] * 3, results
+            assert len({r["sha256"] for r in results}) == 1  # bit-identical whatever the path
+            paths = _paths(tmp_path, rnd)
+            assert len(paths) == 6, paths  # every member sends to both others
+            peer_ids = [p.peer_id for p in swarm.peers]
+            order = results[0]["peers"]  # the group order the runner indexes by
+            unreachable = order.index(peer_ids[2])
+            for (sender, reducer), path in paths.items():
+                assert path == ("p2p" if reducer == unreachable else "direct"), (sender, reducer, paths)
+    finally:
+        swarm.close()
+
+
+def count_bytes(peer, numel: int, rounds: int) -> list[tuple[int, int]]:
+    """Inside a peer: bytes sent and received in ``rounds`` rounds."""
+    out = []
+    for rnd in range(rounds):
+        r = peer.all_reduce((0, rnd), seed=rnd, numel=numel, return_tensors=False)
+        assert r["ok"], r
+        out.append((r["bytes_sent"], r["bytes_received"]))
+    return out
+
+
+@pytest.mark.network
+def test_bytes_are_counted_the_same_on_both_paths():
+    """The direct path writes the protobuf encoding of each message: a round's byte counts do not
+    depend on the path (2 peers, fp4; encoded sizes depend on sizes only, parts are equal)."""
+    numel = 100_096  # 1564 blocks of 64: two parts of 782
+    counts = {}
+    for direct in (True, False):
+        swarm = LoopbackSwarm(2, run_id=f"hvbytes{int(direct)}", transport_kwargs=dict(
+            codec="fp4-e3m0", chunk_bytes=1 << 12, target_group_size=2, matchmaking_time=3.0, request_timeout=1.0,
+            direct=direct))
+        try:
+            swarm.start()
+            swarm.call_all("prepare", {0: numel}, timeout=120)
+            counts[direct] = swarm.call_all("call", function=f"{MODULE}:count_bytes", numel=numel, rounds=2, timeout=120)
+        finally:
+            swarm.close()
+    assert counts[True] == counts[False], counts
+    assert len({c for peer in counts[True] for c in peer}) == 1  # symmetric, round after round
