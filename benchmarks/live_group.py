@@ -1,0 +1,98 @@
+"""Group size from the live peers: round times through deaths and a join (loopback, real peers).
+
+    .venv/bin/python benchmarks/live_group.py --out benchmarks/results/live-group.json
+
+Six ``HivemindTransport`` peers (``benchmarks/hv_loopback.py``: one process each, own DHT,
+averager and p2p daemon), no ``target_group_size``, default timeouts (matchmaking 5 s, request 3 s,
+presence ttl 10 s), one fragment of 1000 fp32 elements, rounds driven by this script:
+
+1. rounds 0-2 with the 6 peers (round 0 is a cold start: no target yet);
+2. two peers SIGKILLed (whole process groups) right after round 2; rounds 3 and 4 launched at once
+   by the 4 survivors: the dead announced round 3 (when they launched round 2), not round 4;
+3. one more peer SIGKILLed right after round 4; the time until its announcement of round 5
+   expires (the survivors' count drops to 3), then round 5;
+4. a new peer joins: round 6 (it sits out), round 7 (it is in).
+
+Per round: each peer's time from ``all_reduce`` to its result (max over peers), group size,
+expected size. Loopback: these are matchmaking and CPU times, not link times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, environment, markdown_table, write_json  # noqa: E402
+from hv_loopback import LoopbackSwarm  # noqa: E402
+
+NUMEL = 1000
+
+
+def live_ahead(peer, fragment: int, round_index: int) -> int:
+    """Inside a peer: the live peers announced for a round (its target if it launched it now)."""
+    entries = peer.transport._presence._entries(fragment, round_index)
+    return sum(1 for ahead, _ in entries.values() if ahead)
+
+
+def run_round(swarm: LoopbackSwarm, peers: list, rnd: int, note: str) -> dict:
+    args = [dict(seed=10 * rnd + p.index, numel=NUMEL, return_tensors=False) for p in peers]
+    results = swarm.call_all("all_reduce", (0, rnd), per_peer=args, peers=peers, timeout=120)
+    ok = [r for r in results if r["ok"]]
+    row = dict(round=rnd, note=note, peers=len(peers), ok=len(ok),
+               failed=[r["reason"] for r in results if not r["ok"]],
+               group_size=sorted({r["group_size"] for r in ok}), expected_size=sorted({str(r["expected_size"]) for r in ok}),
+               round_s=max(r["elapsed_s"] for r in ok) if ok else None)
+    print(row, flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    swarm = LoopbackSwarm(6, run_id=f"livegroup{os.getpid()}", transport_kwargs=dict(codec="fp32"))
+    rows, events = [], {}
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: NUMEL}, timeout=120)
+        for rnd in (0, 1, 2):
+            rows.append(run_round(swarm, swarm.peers, rnd, "6 peers" + (" (cold start)" if rnd == 0 else "")))
+        killed_at = time.monotonic()
+        for victim in swarm.peers[4:]:  # their process groups: DHT, averager and p2p daemon die too
+            os.killpg(victim.pid, 9)
+        survivors = swarm.peers[:4]
+        rows.append(run_round(swarm, survivors, 3, "2 peers killed just before (they announced it)"))
+        rows.append(run_round(swarm, survivors, 4, "the round after (not announced by the dead)"))
+        killed_at = time.monotonic()
+        os.killpg(survivors[3].pid, 9)
+        survivors = survivors[:3]
+        while swarm.peers[0].call("call", f"{__name__}:live_ahead", fragment=0, round_index=5) != 3:
+            time.sleep(0.2)
+        events["announcement_expired_after_s"] = time.monotonic() - killed_at
+        print(events, flush=True)
+        rows.append(run_round(swarm, survivors, 5, "1 more killed, its announcement expired"))
+        t0 = time.monotonic()
+        joiner = swarm.add_peer()
+        joiner.call("prepare", {0: NUMEL}, timeout=120)
+        events["joiner_start_s"] = time.monotonic() - t0
+        rows.append(run_round(swarm, survivors + [joiner], 6, "joiner's first round"))
+        rows.append(run_round(swarm, survivors + [joiner], 7, "joiner's second round"))
+    finally:
+        swarm.close()
+    table = markdown_table(["round", "what", "ok", "group size", "expected", "round s (max)"],
+                           [[r["round"], r["note"], f"{r['ok']}/{r['peers']}", ",".join(map(str, r["group_size"])),
+                             ",".join(r["expected_size"]), f"{r['round_s']:.2f}" if r["round_s"] else "—"]
+                            for r in rows])
+    print(table)
+    if args.out:
+        write_json(args.out, dict(command=command_line(argv), environment=environment(), rows=rows, events=events,
+                                  table=table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
