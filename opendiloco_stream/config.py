@@ -214,8 +214,9 @@ class NetConfig(_Strict):
     metrics_expiration: float = Field(60.0, gt=0, description="seconds a peer's monitor record lives on the DHT")
     metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="serve Prometheus metrics on "
                                         "http://0.0.0.0:PORT/metrics (0: a free port)")
-    target_group_size: Optional[int] = Field(None, ge=1, description="expected number of peers (groups form at "
-                                             "once when reached; set it to the swarm size)")
+    target_group_size: Optional[int] = Field(None, ge=1, description="override: start every round at this many "
+                                             "peers (a larger swarm splits into disjoint groups); unset: each round "
+                                             "waits for the run's live peers, counted on the DHT")
     chunk_bytes: int = Field(1 << 20, ge=1024, description="encoded bytes per streamed chunk of a part "
                              "(the local transport cuts parts the same way)")
     norm_bound: Optional[float] = Field(10.0, gt=1.0, description="reject a contribution whose norm exceeds this "
