@@ -36,6 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a launcher re-runs this command line (peer_ranks.py)
     try:
         return int(args.func(args) or 0)
     except (UsageError, ConfigError) as e:

@@ -108,6 +108,9 @@ class DiLoCoConfig(_Strict):
         "'parameters' keeps it in this peer's local parameters (the inner loop goes on from its own unsent "
         "progress), 'buffer' adds a residual to the next outer gradient (SparseLoCo's form)")
     weighting: Literal["tokens", "equal"] = "tokens"
+    outer_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's device), "
+        "'cpu' (in pinned memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
     sync_timeout: float = Field(300.0, gt=0.0, description="upper bound on any wait for a round (s)")
     record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "
                                  "records (to verify peers hold bit-identical results)")
@@ -165,7 +168,14 @@ class TrainConfig(_Strict):
     clip_grad_norm: float = Field(1.0, ge=0.0)
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: start and end only)")
     seed: int = 0
-    device: str = "cpu"
+    device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N' (with nproc_per_node > 1, rank r uses "
+                        "cuda:r)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="inner steps' compute: 'bf16' autocast, 'fp32', or 'auto' (bf16 autocast on CUDA, "
+        "fp32 elsewhere); parameters, optimizer states and outer state stay in model.dtype / fp32")
+    nproc_per_node: int = Field(1, ge=1, description="local ranks of one peer (torch.distributed DDP, gloo on CPU, "
+                                "nccl on CUDA): the peer command starts them; rank 0 runs the transport and the "
+                                "outer steps (docs/multi-gpu.md)")
     metrics_file: Optional[str] = None
     checkpoint_dir: Optional[str] = Field(None, description="where worker-<rank>.pt checkpoints go")
     checkpoint_every: int = Field(0, ge=0, description="save every N inner steps (0: only at the end)")

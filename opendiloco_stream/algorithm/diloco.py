@@ -16,6 +16,7 @@ No networking here: everything goes through a Transport. docs/algorithm.md state
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Iterator, Optional
 
@@ -141,6 +142,9 @@ class StreamingDiLoCo(HasSyncLog):
 
     def _wait(self, f: FragmentState, pending: _Pending) -> tuple[Optional[SyncResult], Optional[str], float]:
         result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout)
+        if result is not None and result.average.device != f.device:  # transports hand back CPU tensors
+            result = dataclasses.replace(result, average=f.to_outer_device(result.average),
+                                         sent=f.to_outer_device(result.sent))
         if self.error_feedback is not None:
             # residual = what we meant to send minus what went on the wire; dropped if the round failed
             if result is not None:
@@ -158,7 +162,7 @@ class StreamingDiLoCo(HasSyncLog):
         own unsent progress and the next outer gradient (taken against theta_bar, or ``start``)
         carries it, instead of re-learning it and adding it to a residual buffer."""
         if f.unsent is not None:
-            f.set_local([q.detach().float() - u for q, u in zip(f.fragment.params, f.split(f.unsent))])
+            f.set_local([q - u for q, u in zip(f.local(), f.split(f.unsent))])
             f.unsent = None
 
     def _consume(self, f: FragmentState, pending: _Pending, applied: bool = False) -> Optional[SyncResult]:
@@ -221,7 +225,7 @@ class StreamingDiLoCo(HasSyncLog):
         f.opt.step(result.average if result is not None else pending.outer_grad)
         f.last = result if result is not None and result.included_self else None
         if shift:
-            local = [q.detach().float() + o - s_ for q, o, s_ in zip(f.fragment.params, f.outer, f.start)]
+            local = [q + o - s_ for q, o, s_ in zip(f.local(), f.outer, f.start)]
             f.restart_from(f.outer)
             f.set_local(local)
             self._keep_unsent(f)
@@ -252,8 +256,7 @@ class StreamingDiLoCo(HasSyncLog):
         pending, f.pending = f.pending, None
         result = self._consume(f, pending, applied=True)
         f.opt.step(result.average if result is not None else pending.outer_grad)
-        f.set_local([overlap_merge(q.detach().float(), tb, self.config.alpha)
-                     for q, tb in zip(f.fragment.params, f.outer)])
+        f.set_local([overlap_merge(q, tb, self.config.alpha) for q, tb in zip(f.local(), f.outer)])
         self._keep_unsent(f)
         if result is None:
             self.log.stats.local_only_steps += 1

@@ -1,5 +1,12 @@
 """Per-fragment state of StreamingDiLoCo: outer parameters and optimizer, the look-ahead start
-point (eager 'corrected'), the round in flight, and checkpoint / donor state."""
+point (eager 'corrected'), the round in flight, and checkpoint / donor state.
+
+The outer state (theta_bar, its momentum, ``start``) is fp32 on the outer device
+(``DiLoCoConfig.outer_device``): the model's device by default, or the CPU, in pinned memory when
+the model is on CUDA (copies to and from the GPU are then DMA transfers). Outer gradients and
+transport results are brought there; the local parameters are written back with ``copy_``, which
+casts and moves.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +59,17 @@ class _ResolvedHandle(SyncHandle):
         return self._result
 
 
+def resolve_outer_device(setting: str, like: torch.Tensor) -> torch.device:
+    """Where the outer state of a fragment whose parameters look like ``like`` lives."""
+    if setting == "auto":
+        return like.device
+    if setting == "cpu":
+        return torch.device("cpu")
+    if like.device.type != "cuda":
+        raise ValueError(f"outer_device 'cuda' needs the model on a CUDA device; it is on {like.device}")
+    return like.device
+
+
 class FragmentState:
     """Everything one fragment carries between its syncs.
 
@@ -64,11 +82,14 @@ class FragmentState:
     def __init__(self, fragment: fr.Fragment, offset: int, config: DiLoCoConfig):
         self.fragment, self.offset = fragment, offset
         self.index = fragment.index
-        self.outer = [p.detach().float().clone() for p in fragment.params]
+        first = fragment.params[0]
+        self.device = resolve_outer_device(config.outer_device, first)
+        self._pin = self.device.type == "cpu" and first.device.type == "cuda"
+        self.outer = [self._fp32(p) for p in fragment.params]
         self.opt = OuterOptimizer(self.outer, config.outer_lr, config.outer_momentum, config.outer_nesterov)
         self.start: Optional[list[torch.Tensor]] = None
         if config.mode == "eager" and config.eager_rule == "corrected":
-            self.start = [t.clone() for t in self.outer]
+            self.start = [self._fp32(t) for t in self.outer]
         self.tokens = 0
         self.pending: Optional[_Pending] = None
         self.previous: Optional[_Previous] = None
@@ -77,10 +98,23 @@ class FragmentState:
         # local parameters take it (within the same step, so never part of a checkpoint)
         self.unsent: Optional[torch.Tensor] = None
 
+    def _fp32(self, t: torch.Tensor) -> torch.Tensor:
+        """A new fp32 copy of ``t`` on the outer device (pinned if the outer state is pinned)."""
+        if not self._pin:
+            return t.detach().to(self.device, torch.float32, copy=True)
+        return torch.empty(t.shape, dtype=torch.float32, pin_memory=True).copy_(t.detach())
+
+    def local(self) -> list[torch.Tensor]:
+        """The local parameters as fp32 tensors on the outer device (themselves if they already are)."""
+        return [q.detach().to(self.device, torch.float32) for q in self.fragment.params]
+
+    def to_outer_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.to(self.device)
+
     def outer_grad(self) -> torch.Tensor:
         """d = reference - theta_local, flat fp32 (old minus new); the reference is ``start`` if kept."""
         ref = self.start if self.start is not None else self.outer
-        return torch.cat([(r - q.detach().float()).reshape(-1) for r, q in zip(ref, self.fragment.params)])
+        return torch.cat([(r - q).reshape(-1) for r, q in zip(ref, self.local())])
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat fp32 fragment vector as one view per parameter (the outer optimizer's layout)."""
@@ -124,17 +158,22 @@ class FragmentState:
         if st["pending"] is not None:
             pend, res, result = st["pending"], st["pending"]["result"], None
             if res is not None:
-                result = SyncResult(average=res["average"], group_size=res["group_size"], weight_share=res["share"],
-                                    sent=res["sent"], included_self=res["included_self"] and not joiner,
+                result = SyncResult(average=self.to_outer_device(res["average"]), group_size=res["group_size"],
+                                    weight_share=res["share"], sent=self.to_outer_device(res["sent"]),
+                                    included_self=res["included_self"] and not joiner,
                                     bytes_sent=0 if joiner else res["bytes_sent"],
                                     bytes_received=0 if joiner else res["bytes_received"])
             self.pending = _Pending(_ResolvedHandle((self.index, pend["round"]), result), pend["round"],
-                                    pend["launched_at"], pend["apply_at"], pend["outer_grad"], pend["sent_input"])
+                                    pend["launched_at"], pend["apply_at"], self.to_outer_device(pend["outer_grad"]),
+                                    self.to_outer_device(pend["sent_input"]))
         last = st.get("last")
         self.last = None if last is None or joiner else SyncResult(
-            average=last["average"], group_size=last["group_size"], weight_share=last["share"], sent=last["sent"])
+            average=self.to_outer_device(last["average"]), group_size=last["group_size"],
+            weight_share=last["share"], sent=self.to_outer_device(last["sent"]))
         pr = st["previous"]
-        self.previous = None if pr is None else _Previous(**{**pr, "included_self": pr["included_self"] and not joiner})
+        self.previous = None if pr is None else _Previous(**{
+            **pr, "average": self.to_outer_device(pr["average"]), "sent": self.to_outer_device(pr["sent"]),
+            "included_self": pr["included_self"] and not joiner})
         if joiner:
             # a joiner has not trained: it starts from the outer parameters
             self.restart_from(self.outer)

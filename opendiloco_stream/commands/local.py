@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         cfg, sources = config_from_args(args, return_sources=True)
         return dry_run(cfg, sources, command="local", config_path=args.config, workers=args.workers)
     cfg = config_from_args(args)
+    if cfg.train.nproc_per_node > 1 and args.transport != "hivemind":
+        raise UsageError("--nproc-per-node needs --transport hivemind: the local transport runs the workers as "
+                         "threads of one process (each hivemind peer starts its own ranks)")
     if args.transport == "hivemind":
         from opendiloco_stream.commands.local_hivemind import run_hivemind
 

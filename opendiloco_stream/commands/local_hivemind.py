@@ -120,7 +120,7 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
     run_id = cfg.net.run_id if cfg.net.run_id != "opendiloco" else f"local-{os.getpid()}"
     workdir = Path(tempfile.mkdtemp(prefix="ods-local-"))
     (workdir / "run.toml").write_text(to_toml(cfg))
-    threads = args.threads or max(1, (os.cpu_count() or 1) // M)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (M * cfg.train.nproc_per_node))  # per rank
     procs: list[subprocess.Popen] = []
     with GracefulShutdown() as stop:
         try:
@@ -135,7 +135,8 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
                 peers.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer-{r}.log", "w"),
                                               stderr=subprocess.STDOUT, start_new_session=True))
             procs.extend(peers)
-            print(f"local run '{run_id}': bootstrap + {M} peers on 127.0.0.1; logs and metrics in {workdir}",
+            ranks = f" x {cfg.train.nproc_per_node} ranks" if cfg.train.nproc_per_node > 1 else ""
+            print(f"local run '{run_id}': bootstrap + {M} peers{ranks} on 127.0.0.1; logs and metrics in {workdir}",
                   file=sys.stderr)
             tails = [MetricsTail(workdir / f"peer-{r}.jsonl") for r in range(M)]
             summaries: list[Optional[dict]] = [None] * M

@@ -12,6 +12,10 @@ With a run key (``--run-key-file F`` or ``ODS_NET__RUN_KEY``), only peers holdin
 its groups, write its DHT records and download its state (docs/security.md). Before its first round
 a peer checks that the run uses its key and its fingerprint (mode, codec, H, P, model shapes), and
 is refused in one line (exit code 2) naming what differs.
+
+``--nproc-per-node K`` trains the peer on K local ranks (DDP; on CUDA one GPU each): the command
+starts them itself (``commands/peer_ranks.py``); rank 0 joins the DHT and runs the transport and the
+outer steps, every rank reads its share of the peer's data shard (docs/multi-gpu.md).
 """
 
 from __future__ import annotations
@@ -44,21 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.commands._common import prepare_data, print_summary
-    from opendiloco_stream.net.auth import Admission, RunAuth
-    from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
-    from opendiloco_stream.net.join import RunGate, fingerprint_digest, fingerprint_fields
-    from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
-    from opendiloco_stream.net.metrics import MetricsPublisher, live_values
-    from opendiloco_stream.net.prometheus import PrometheusExporter
-    from opendiloco_stream.train.loggers import Fanout, build_loggers
+    from opendiloco_stream.net.auth import RunAuth
     from opendiloco_stream.net.flags import quiet_hivemind
-    from opendiloco_stream.stats import SyncStats
-    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
-    from opendiloco_stream.transport.factory import codec_from_config, hivemind_transport
+    from opendiloco_stream.net.lifecycle import die_with_parent
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -75,6 +68,44 @@ def run(args: argparse.Namespace) -> int:
     auth = RunAuth.from_config(cfg.net)  # a missing or short key file fails here, before anything starts
     if args.threads:
         torch.set_num_threads(args.threads)
+    from opendiloco_stream.commands import peer_ranks
+
+    ranks = peer_ranks.ranks_for(args, cfg)  # None: one process; K > 1 and no rank yet: launched them
+    if isinstance(ranks, int):
+        return ranks
+    if ranks is not None and not ranks.leader:
+        return peer_ranks.follow(cfg, ranks)
+    try:
+        return _lead(args, cfg, auth, ranks)
+    except RuntimeError as e:
+        if ranks is None or not peer_ranks.lost_rank(e):
+            raise
+        print(f"opendiloco-stream peer: another rank of this peer stopped ({peer_ranks.first_line(e)}); "
+              "leaving the run", file=sys.stderr)
+        return 1
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
+    """The peer itself (rank 0 of a multi-rank peer): DHT, transport, metrics, training."""
+    from tqdm import tqdm
+
+    from opendiloco_stream.commands._common import prepare_data, print_summary
+    from opendiloco_stream.net.auth import Admission
+    from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
+    from opendiloco_stream.net.join import RunGate, fingerprint_digest, fingerprint_fields
+    from opendiloco_stream.net.lifecycle import GracefulShutdown
+    from opendiloco_stream.net.metrics import MetricsPublisher, live_values
+    from opendiloco_stream.net.prometheus import PrometheusExporter
+    from opendiloco_stream.train.loggers import Fanout, build_loggers
+    from opendiloco_stream.train.ranks import data_shard
+    from opendiloco_stream.stats import SyncStats
+    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
+    from opendiloco_stream.transport.factory import codec_from_config, hivemind_transport
+    from opendiloco_stream.cli import UsageError
+
     train_source, val, vocab_size = prepare_data(cfg)
     sinks = build_loggers(cfg)
     exporter = None
@@ -97,10 +128,15 @@ def run(args: argparse.Namespace) -> int:
             gate.check_key()  # a peer with another key (or none) stops here, having stored nothing
             peer_id = str(dht.peer_id)
             rank, world = parse_shard(cfg.data.shard, peer_id)
+            data_rank, data_world = rank, world
+            if ranks is not None:  # the peer's shard, split between its ranks
+                ranks.share((rank, world))
+                data_rank, data_world = data_shard((rank, world), 0, ranks.world)
             if exporter is not None:
                 exporter.labels["peer"] = peer_id
                 print(f"prometheus metrics on {exporter.url}", file=sys.stderr, flush=True)
-            print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}); "
+            on_ranks = f", {ranks.world} ranks" if ranks is not None else ""
+            print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}{on_ranks}); "
                   f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
             admission = Admission(auth)
             transport = hivemind_transport(cfg, dht, admission)
@@ -113,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                                          name=peer_id[-8:])
             writer = MetricsWriter(cfg.train.metrics_file)
             writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",
-                          **cfg.model_dump(mode="json")})
+                          "ranks": ranks.world if ranks is not None else 1, **cfg.model_dump(mode="json")})
             live: dict[str, Any] = {"step": 0, "loss": float("nan"), "tokens": 0, "t0": time.perf_counter(),
                                     "compute_s": 0.0, "stats": SyncStats(), "last_pub": 0.0}
 
@@ -148,9 +184,9 @@ def run(args: argparse.Namespace) -> int:
                     bar.set_postfix(loss=f"{loss:.3f}")
 
             start = time.perf_counter()
-            report = train_worker(rank, world, cfg, transport, train_source, val, vocab_size, emit,
+            report = train_worker(data_rank, data_world, cfg, transport, train_source, val, vocab_size, emit,
                                   on_step=on_step, should_stop=lambda: stop.requested,
-                                  join_running=not args.no_join, before_join=before_join)
+                                  join_running=not args.no_join, before_join=before_join, ranks=ranks)
             bar.close()
             wall = time.perf_counter() - start
             summary = summarize(cfg, [report], wall, codec_from_config(cfg).encoded_size)

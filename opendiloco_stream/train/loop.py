@@ -1,7 +1,9 @@
 """The training loop one worker runs: a vanilla AdamW loop plus one ``diloco.step()`` per step.
 
-Used by ``local`` (M workers as threads over a LocalSwarm) and ``peer`` (one worker over hivemind):
-the CLI trainer is one user of the public StreamingDiLoCo API, not a separate code path.
+Used by ``local`` (M workers as threads over a LocalSwarm) and ``peer`` (one worker over hivemind,
+or K ranks of one worker with DDP: ``train/ranks.py``): the CLI trainer is one user of the public
+StreamingDiLoCo API, not a separate code path. ``train.precision``: the forward passes run under
+bf16 autocast on CUDA by default (fp32 on CPU); parameters, optimizer and outer state keep their dtypes.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,9 @@ from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoi
 from opendiloco_stream.train.metrics_file import MetricsWriter, read_metrics  # noqa: F401 (re-exported)
 from opendiloco_stream.train.models import build_model, transformer_blocks
 from opendiloco_stream.transport.base import Transport
+
+if TYPE_CHECKING:
+    from opendiloco_stream.train.ranks import Ranks
 
 
 # Model init seeds torch's process-global RNG: workers running as threads must not interleave it.
@@ -36,15 +41,22 @@ def lr_factor(step: int, warmup: int, total: int, final: float = 0.1) -> float:
     return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def use_bf16_autocast(precision: str, device: Any) -> bool:
+    """``train.precision``: 'bf16' always, 'auto' on CUDA, 'fp32' never."""
+    return precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda")
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val: torch.Tensor, batch_size: int, max_batches: int, device: str) -> float:
+def evaluate(model: torch.nn.Module, val: torch.Tensor, batch_size: int, max_batches: int, device: Any,
+             bf16: bool = False) -> float:
     """Mean next-token cross-entropy over the first ``max_batches`` validation batches."""
     was_training = model.training
     model.eval()
     losses = []
     for i in range(0, min(len(val), batch_size * max_batches), batch_size):
         batch = val[i:i + batch_size].to(device)
-        logits = model(input_ids=batch[:, :-1]).logits
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=batch[:, :-1]).logits
         losses.append(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)).item())
     model.train(was_training)
     return float(sum(losses) / max(1, len(losses)))
@@ -67,13 +79,15 @@ class WorkerReport:
     stats: SyncStats = field(default_factory=SyncStats)
     params: int = 0
     outer_gradient_numel: int = 0
+    rank_digests: list[str] = field(default_factory=list)  # a multi-rank peer: each rank's parameter digest
 
 
 def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transport, train_source, val: torch.Tensor,
                  vocab_size: int, emit: Callable[[dict[str, Any]], None],
                  on_step: Optional[Callable[[int, float, SyncStats], None]] = None,
                  should_stop: Optional[Callable[[], bool]] = None, join_running: bool = False,
-                 before_join: Optional[Callable[[torch.nn.Module], None]] = None) -> WorkerReport:
+                 before_join: Optional[Callable[[torch.nn.Module], None]] = None,
+                 ranks: Optional["Ranks"] = None) -> WorkerReport:
     """Train one worker for ``cfg.train.steps`` inner steps; return its report.
 
     ``join_running``: download the run's state from peers first (late joiner) and start at the
@@ -81,8 +95,13 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     loss, stats)`` is called after every inner step with the worker's sync counters so far.
     ``before_join(model)`` runs once the model is built, before the transport is prepared, any state
     is downloaded or any round runs (the join checks of ``net/join.py``); it may raise to refuse.
+    ``ranks``: this worker is one rank of a multi-rank peer (``train/ranks.py``): DDP inner steps on
+    ``ranks.device``; only rank 0 has a transport (None elsewhere), evaluates and saves checkpoints.
     """
-    tc, device = cfg.train, cfg.train.device
+    tc = cfg.train
+    device = ranks.device if ranks is not None else tc.device
+    leader = ranks is None or ranks.leader
+    bf16 = use_bf16_autocast(tc.precision, device)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     with _BUILD_LOCK:
         model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
@@ -93,11 +112,16 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
     diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model),
-                  on_event=lambda rec: emit({**rec, "rank": rank}))
+                  on_event=lambda rec: emit({**rec, "rank": rank})) if leader else None
+    net = model
+    if ranks is not None:
+        net = ranks.ddp(model)
+        diloco = ranks.replicate(model, diloco, stop_source=should_stop)
+        should_stop = lambda: diloco.stopped  # noqa: E731 (rank 0's flag, the same on every rank)
     report = WorkerReport(rank=rank, params=sum(p.numel() for p in model.parameters()),
                           outer_gradient_numel=sum(f.numel for f in diloco.fragments))
     start_step, data_position = 0, None
-    ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir else None
+    ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir and leader else None
     if ckpt is not None and tc.resume:
         resumed = restore_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco)
         if resumed is not None:
@@ -114,8 +138,13 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             for _ in range(start_step):
                 sched.step()
             emit({"event": "joined", "rank": rank, "step": start_step})
+    if ranks is not None:
+        start_step = ranks.share_start(model, opt, sched, start_step)
 
-    report.eval_loss_initial = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+    def ev() -> float:  # evaluations are rank 0's
+        return evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device, bf16) if leader else float("nan")
+
+    report.eval_loss_initial = ev()
     emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial})
     wall_start, eval_s = time.perf_counter(), 0.0  # utilization counts the training loop, not evals
     if data_position is not None:  # a streamed dataset resumes at the recorded position, not by re-reading
@@ -130,7 +159,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     while step < tc.steps:
         t0 = time.perf_counter()
         batch = next(batches).to(device)
-        logits = model(input_ids=batch[:, :-1]).logits
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            logits = net(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
         loss.backward()
         if tc.clip_grad_norm > 0:
@@ -141,7 +171,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         if tc.step_delay_s > 0:  # benchmarks and tests only: a slower peer (the delay counts as compute)
             time.sleep(tc.step_delay_s)
         t1 = time.perf_counter()
-        tokens = batch[:, 1:].numel()
+        tokens = batch[:, 1:].numel() * (ranks.world if ranks is not None else 1)  # the peer's, all ranks
         diloco.step(tokens=tokens)
         # a peer behind the swarm caught up (StreamingDiLoCo.step): its schedule jumps with it
         for _ in range(getattr(diloco, "step_count", step + 1) - (step + 1)):
@@ -160,9 +190,9 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             on_step(rank, loss_value, diloco.stats)
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
             e0 = time.perf_counter()
-            ev = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+            ev_loss = ev()
             eval_s += time.perf_counter() - e0
-            emit({"event": "eval", "rank": rank, "step": step + 1, "eval_loss": ev})
+            emit({"event": "eval", "rank": rank, "step": step + 1, "eval_loss": ev_loss})
         if ckpt is not None and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
             save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco, step=step + 1,
                             data=position())
@@ -180,20 +210,22 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
                         step=end_step, data=position())
     if diloco.in_flight:
         # the rounds still in flight land in the final model (finish); the loss before is kept for comparison
-        report.eval_loss_before_finish = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+        report.eval_loss_before_finish = ev()
         emit({"event": "eval", "rank": rank, "step": end_step, "stage": "before-finish",
               "eval_loss": report.eval_loss_before_finish})
         diloco.finish()
-    report.eval_loss = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+    report.eval_loss = ev()
     emit({"event": "eval", "rank": rank, "step": end_step, "eval_loss": report.eval_loss})
     if hasattr(diloco, "global_params"):  # the run's consensus model: theta_bar in every fragment
         with diloco.global_params():
-            report.eval_loss_global = evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+            report.eval_loss_global = ev()
         emit({"event": "eval", "rank": rank, "step": end_step, "stage": "global",
               "eval_loss": report.eval_loss_global})
     report.train_loss = float(sum(recent) / max(1, len(recent)))
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)
+    if ranks is not None:
+        report.rank_digests = ranks.digests(model)
     diloco.close()
     return report
 
@@ -218,6 +250,8 @@ def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_
         "train_loss": _mean([r.train_loss for r in reports]),
         **stats.summary_fields(n),
         "model_outer_gradient_bytes": codec_bytes(numel),
+        **({"ranks": len(reports[0].rank_digests), "rank_digests": reports[0].rank_digests}
+           if reports and reports[0].rank_digests else {}),
         "compute_utilization": compute / walls if walls > 0 else 0.0,
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,

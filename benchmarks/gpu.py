@@ -1,0 +1,146 @@
+"""One worker on a CUDA device: the trainer's inner loop with StreamingDiLoCo, per model preset.
+
+    python benchmarks/gpu.py                                # tiny and 100M, 300 timed steps each
+    python benchmarks/gpu.py --presets 100M --steps 500 --outer-device cpu --out /tmp/gpu.json
+
+For each preset: the model on ``cuda:0`` (fp32 parameters), AdamW, the forward under bf16 autocast
+(``train.precision`` 'auto' on CUDA, as the trainer runs it) and ``StreamingDiLoCo`` (eager, fp4-e3m0,
+P=4, H=100 by default) over a ``LocalSwarm`` of one worker: each round is the fragment's copy to the
+host, the codec's encode and decode and the one-member reduction, in-process (no network). Tokens
+are random ids (throughput does not depend on the text). Every step is timed with
+``torch.cuda.synchronize()`` around the inner step (forward, backward, clip, AdamW) and around
+``diloco.step()``; the first ``--warmup`` steps are not timed.
+
+Reported per preset: tokens/s over the timed steps, peak GPU memory
+(``torch.cuda.max_memory_allocated``, reset per preset), the inner step's mean, ``diloco.step()``'s
+mean and max (the max is a sync step) and its share of the step time (the sum of ``diloco.step()``
+times over the sum of step times). A table on stdout, JSON in ``--out``.
+
+Without a CUDA device it prints one line on stderr and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+
+try:
+    from benchmarks._common import RESULTS_DIR, command_line, environment, markdown_table, relative, write_json
+except ImportError:  # run as a script: python benchmarks/gpu.py
+    from _common import RESULTS_DIR, command_line, environment, markdown_table, relative, write_json
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["tiny", "100M"], help="model presets (default: tiny 100M)")
+    p.add_argument("--steps", type=int, default=300, help="timed inner steps per preset (default 300)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--vocab-size", type=int, default=32_000, help="the paper's vocabulary (default 32000)")
+    p.add_argument("--mode", default="eager")
+    p.add_argument("--codec", default="fp4-e3m0")
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--inner-steps", type=int, default=100)
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
+    p.add_argument("--outer-device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", default=str(RESULTS_DIR / "gpu.json"), help="JSON results (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0") -> dict[str, Any]:
+    """One preset's row. ``device``: the tests run the same loop on the CPU (no memory figure there)."""
+    import torch.nn.functional as F
+
+    from opendiloco_stream.algorithm.diloco import wrap
+    from opendiloco_stream.config import load_config
+    from opendiloco_stream.train.loop import use_bf16_autocast
+    from opendiloco_stream.train.models import build_model, transformer_blocks
+    from opendiloco_stream.transport.factory import local_swarm
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    cfg = load_config(overrides={
+        "diloco": {"mode": args.mode, "codec": args.codec, "num_fragments": args.fragments,
+                   "inner_steps": args.inner_steps, "outer_device": args.outer_device},
+        "model": {"name": name, "seq_len": args.seq_len},
+        "train": {"batch_size": args.batch_size, "precision": args.precision, "device": str(device)}}, environ={})
+    model = build_model(name, vocab_size=args.vocab_size, seq_len=args.seq_len, seed=0).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                            weight_decay=cfg.train.weight_decay)
+    diloco = wrap(model, opt, transport=local_swarm(cfg, 1).transport(0), config=cfg.diloco,
+                  blocks=transformer_blocks(model))
+    bf16 = use_bf16_autocast(cfg.train.precision, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    inner, wrapper, losses = [], [], []
+    for step in range(args.warmup + args.steps):
+        batch = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=gen)
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        t1 = time.perf_counter()
+        diloco.step(tokens=batch[:, 1:].numel())
+        _sync(device)
+        t2 = time.perf_counter()
+        if step >= args.warmup:
+            inner.append(t1 - t0)
+            wrapper.append(t2 - t1)
+            losses.append(loss.item())
+    diloco.close()
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    params = sum(p.numel() for p in model.parameters())
+    del model, opt, diloco, logits, loss
+    if cuda:
+        torch.cuda.empty_cache()
+    total = sum(inner) + sum(wrapper)
+    return {"preset": name, "params": params, "steps": len(inner), "tokens_per_step": args.batch_size * args.seq_len,
+            "tokens_per_s": args.batch_size * args.seq_len * len(inner) / total,
+            "peak_memory_gib": peak / 2**30, "inner_step_ms": 1e3 * sum(inner) / len(inner),
+            "wrapper_step_ms_mean": 1e3 * sum(wrapper) / len(wrapper), "wrapper_step_ms_max": 1e3 * max(wrapper),
+            "wrapper_share": sum(wrapper) / total, "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine",
+              file=sys.stderr)
+        return 2
+    rows = [run_preset(name, args) for name in args.presets]
+    table = markdown_table(
+        ["preset", "parameters", "tokens/s", "peak GPU memory (GiB)", "inner step (ms)", "diloco.step mean (ms)",
+         "diloco.step max (ms)", "wrapper share"],
+        [[r["preset"], f"{r['params']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['peak_memory_gib']:.2f}",
+          f"{r['inner_step_ms']:.1f}", f"{r['wrapper_step_ms_mean']:.2f}", f"{r['wrapper_step_ms_max']:.1f}",
+          f"{100 * r['wrapper_share']:.2f}%"] for r in rows])
+    print(f"{torch.cuda.get_device_name(0)}; {args.mode} {args.codec}, P={args.fragments}, H={args.inner_steps}, "
+          f"precision {args.precision}, outer device {args.outer_device}; batch {args.batch_size} x {args.seq_len}")
+    print(table)
+    out = write_json(args.out, {"command": command_line(argv), "environment": environment(),
+                                "device": torch.cuda.get_device_name(0), "settings": vars(args), "rows": rows})
+    print(f"wrote {relative(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

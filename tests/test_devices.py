@@ -1,0 +1,215 @@
+"""The GPU path as far as a CPU can check it: the outer-device and precision knobs, the multi-rank
+plumbing (rank environment, data shards, two gloo ranks of one peer over a LocalSwarm), and the GPU
+benchmark's loop and its one-line refusal without CUDA. Nothing here needs or skips for a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from opendiloco_stream import DiLoCoConfig, wrap
+from opendiloco_stream.cli import main as cli_main
+from opendiloco_stream.config import ConfigError, load_config
+from opendiloco_stream.train.loop import use_bf16_autocast
+from opendiloco_stream.train.ranks import data_shard, rank_device, rank_env
+from opendiloco_stream.transport.local import LocalSwarm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------- outer device
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+
+
+def _train_two_workers(config: DiLoCoConfig, steps: int = 14):
+    torch.manual_seed(3)
+    data = [[torch.randn(5, 8) for _ in range(3)] for _ in range(2)]  # a different stream per worker
+    swarm, models, wrappers = LocalSwarm(num_workers=2, codec=config.codec), [_mlp(), _mlp()], [None, None]
+
+    def worker(rank):
+        model = models[rank]
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        diloco = wrappers[rank] = wrap(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
+        for i in range(steps):
+            model(data[rank][i % 3]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step(tokens=5 + rank)
+        diloco.finish()
+        diloco.close()
+
+    swarm.run(worker)
+    return models, wrappers
+
+
+@pytest.mark.parametrize("extra", [
+    {"mode": "blocking"}, {"mode": "eager"}, {"mode": "eager", "eager_rule": "paper"},
+    {"mode": "overlap", "overlap_steps": 1}, {"mode": "eager", "codec": "topk-int2"},
+    {"mode": "eager", "codec": "fp4-e3m0", "error_feedback": True, "error_feedback_mode": "buffer"},
+])
+def test_outer_device_cpu_on_a_cpu_model_is_bit_identical_to_the_default(extra):
+    base = dict(inner_steps=4, num_fragments=2, **extra)
+    (auto_models, auto_wrappers) = _train_two_workers(DiLoCoConfig(**base))
+    (cpu_models, cpu_wrappers) = _train_two_workers(DiLoCoConfig(**base, outer_device="cpu"))
+    for a_model, c_model in zip(auto_models, cpu_models):
+        for a, c in zip(a_model.parameters(), c_model.parameters()):
+            assert torch.equal(a, c)
+    for a_w, c_w in zip(auto_wrappers, cpu_wrappers):
+        for a_frag, c_frag in zip(a_w.outer_params, c_w.outer_params):
+            assert all(torch.equal(a, c) and c.device.type == "cpu" and c.dtype == torch.float32
+                       and not c.is_pinned() for a, c in zip(a_frag, c_frag))  # pinned only for a CUDA model
+
+
+def test_outer_device_cuda_needs_a_model_on_cuda():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="outer_device 'cuda' needs the model on a CUDA device"):
+        wrap(model, opt, transport=LocalSwarm(1).transport(0), config=DiLoCoConfig(inner_steps=4, outer_device="cuda"),
+             blocks=list(model))
+
+
+# ---------------------------------------------------------------------------- precision and flags
+def test_precision_auto_is_bf16_autocast_on_cuda_only():
+    assert use_bf16_autocast("auto", "cuda") and use_bf16_autocast("auto", torch.device("cuda:1"))
+    assert not use_bf16_autocast("auto", "cpu")
+    assert use_bf16_autocast("bf16", "cpu") and not use_bf16_autocast("fp32", "cuda:0")
+
+
+def test_flags_reach_the_config():
+    from opendiloco_stream.cli import build_parser
+    from opendiloco_stream.config_cli import config_from_args
+
+    args = build_parser().parse_args(["peer", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--nproc-per-node",
+                                      "2", "--precision", "bf16", "--outer-device", "cpu"])
+    cfg = config_from_args(args)
+    assert (cfg.train.nproc_per_node, cfg.train.precision, cfg.diloco.outer_device) == (2, "bf16", "cpu")
+    assert load_config(environ={}).train.precision == "auto" and load_config(environ={}).diloco.outer_device == "auto"
+    with pytest.raises(ConfigError):
+        load_config(overrides={"train": {"nproc_per_node": 0}}, environ={})
+
+
+def test_bf16_autocast_trains_a_fp32_model_on_cpu():
+    from opendiloco_stream.commands._common import prepare_data
+    from opendiloco_stream.train.loop import train_worker
+
+    def run(precision):
+        cfg = load_config(overrides={"model": {"name": "tiny", "seq_len": 32},
+                                     "train": {"steps": 3, "batch_size": 2, "precision": precision},
+                                     "diloco": {"inner_steps": 2, "mode": "blocking"},
+                                     "data": {"max_val_batches": 1}}, environ={})
+        train_source, val, vocab = prepare_data(cfg)
+        records = []
+        train_worker(0, 1, cfg, LocalSwarm(1).transport(0), train_source, val, vocab, records.append)
+        return [r["loss"] for r in records if r["event"] == "step"]
+
+    fp32, bf16 = run("fp32"), run("bf16")
+    assert all(abs(a - b) < 0.1 for a, b in zip(fp32, bf16)) and fp32 != bf16  # the same run, in bf16 compute
+
+
+def test_local_threads_refuse_several_ranks(capsys):
+    assert cli_main(["local", "--workers", "2", "--nproc-per-node", "2", "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--nproc-per-node needs --transport hivemind" in err[0]
+
+
+# ---------------------------------------------------------------------------- ranks
+def test_rank_environment_and_shards():
+    assert rank_env({}) is None and rank_env({"RANK": "0", "WORLD_SIZE": "1"}) is None
+    env = rank_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert (env.rank, env.world, env.local_rank) == (1, 2, 1)
+    with pytest.raises(ConfigError, match="one machine"):
+        rank_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError):
+        rank_env({"RANK": "2", "WORLD_SIZE": "2"})
+    assert rank_device("cuda", 1) == torch.device("cuda:1") and rank_device("cuda:0", 3) == torch.device("cuda:3")
+    assert rank_device("cpu", 1) == torch.device("cpu")
+    # the K ranks' shards partition the peer's shard r/W
+    W, K, windows = 3, 2, range(60)
+    for r in range(W):
+        peer = {i for i in windows if i % W == r}
+        parts = [{i for i in windows if i % data_shard((r, W), k, K)[1] == data_shard((r, W), k, K)[0]}
+                 for k in range(K)]
+        assert set().union(*parts) == peer and sum(map(len, parts)) == len(peer)
+
+
+_RANK_SCRIPT = r"""
+import json, os, sys
+from opendiloco_stream.commands._common import prepare_data
+from opendiloco_stream.config import load_config
+from opendiloco_stream.train.loop import train_worker
+from opendiloco_stream.train.ranks import Ranks, data_shard, rank_env
+from opendiloco_stream.transport.local import LocalSwarm
+
+ranks = Ranks(rank_env(), "cpu", 120)
+out = []
+for diloco in json.loads(sys.argv[1]):
+    cfg = load_config(overrides={"model": {"name": "tiny", "seq_len": 32}, "data": {"max_val_batches": 1},
+                                 "train": {"steps": 12, "batch_size": 2, "warmup_steps": 2}, "diloco": diloco},
+                      environ={})
+    train_source, val, vocab = prepare_data(cfg)
+    rank, world = data_shard((0, 1), ranks.rank, ranks.world)
+    transport = LocalSwarm(1, codec=cfg.diloco.codec).transport(0) if ranks.leader else None
+    report = train_worker(rank, world, cfg, transport, train_source, val, vocab, lambda rec: None, ranks=ranks)
+    out.append({"digests": report.rank_digests, "syncs": report.stats.syncs, "tokens": report.tokens})
+ranks.close()
+if ranks.leader:
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_two_gloo_ranks_of_one_peer_keep_bit_identical_parameters():
+    """Rank 0 runs StreamingDiLoCo over a one-worker LocalSwarm, rank 1 follows: after every mode's
+    writes (eager on-arrival landings, error feedback in the parameters, overlap merges) the
+    ranks end with the same bytes."""
+    configs = [{"mode": "eager", "inner_steps": 4, "num_fragments": 2, "codec": "topk-int2"},
+               {"mode": "overlap", "inner_steps": 4, "num_fragments": 2, "overlap_steps": 1, "codec": "fp4-e3m0"}]
+    from opendiloco_stream.commands.peer_ranks import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, json.dumps(configs)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    results = json.loads(outs[0][0].strip().splitlines()[-1])
+    for res in results:
+        assert len(res["digests"]) == 2 and res["digests"][0] == res["digests"][1], res
+        assert res["syncs"] >= 4 and res["tokens"] == 12 * 2 * 2 * 32  # steps x ranks x batch x seq
+
+
+# ---------------------------------------------------------------------------- GPU benchmark
+def test_gpu_benchmark_says_in_one_line_that_it_needs_cuda():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", os.devnull],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr
+
+
+def test_gpu_benchmark_loop_runs_on_cpu():
+    import gpu  # benchmarks/ is on sys.path (conftest.py)
+
+    args = gpu.parse_args(["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--vocab-size",
+                           "256", "--fragments", "2", "--inner-steps", "2", "--precision", "fp32"])
+    assert isinstance(args, Namespace)
+    row = gpu.run_preset("tiny", args, device="cpu")
+    assert row["steps"] == 4 and row["tokens_per_s"] > 0 and row["peak_memory_gib"] == 0
+    assert 0 < row["wrapper_share"] < 1 and row["wrapper_step_ms_max"] >= row["wrapper_step_ms_mean"]

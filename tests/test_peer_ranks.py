@@ -1,0 +1,81 @@
+"""Multi-rank peers (``peer --nproc-per-node 2``, gloo on CPU): two real peers of two ranks each train
+together over hivemind; a SIGKILLed rank stops its own peer cleanly and the other peer goes on.
+
+Every process is started by PID in its own session and killed (whole tree) in a finally block.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+
+import pytest
+
+from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from opendiloco_stream.net.lifecycle import descendants, wait_gone
+from opendiloco_stream.train.loop import read_metrics as records
+from test_peers_hivemind import start_peer, wait_for
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The pid of rank ``rank`` among the launcher's children (from their environment)."""
+    for pid in descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and env.get(b"MASTER_ADDR") == b"127.0.0.1":
+            return pid
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+@pytest.mark.timeout(300)
+def test_two_peers_of_two_ranks_train_together_and_a_killed_rank_stops_only_its_peer(tmp_path):
+    boot, addrs = start_bootstrap(tmp_path, "ranks")
+    procs = [boot]
+    try:
+        common = ["--run-id", "ranks", "--mode", "eager", "--codec", "fp32", "--fragments", "2",
+                  "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--nproc-per-node", "2",
+                  "--sync-timeout", "30"]
+        a = start_peer(tmp_path, "a", addrs, *common, "--steps", "48", "--shard", "0/2")
+        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2")
+        procs += [a, b]
+
+        def shared_rounds() -> int:
+            return sum(r["event"] == "sync" and r["ok"] and r["group_size"] == 2 for r in records(tmp_path / "b.jsonl"))
+        wait_for(lambda: shared_rounds() >= 2, 180, "two rounds of the two peers", [a, b])
+        tree = descendants(b.pid)  # b's two ranks, rank 0's DHT and averager processes, p2pd
+        victim = rank_pid(b.pid, 1)
+        os.kill(victim, signal.SIGKILL)
+        b.wait(timeout=60)
+        assert b.returncode != 0
+        orphans = wait_gone(tree, timeout=30)
+        for p in orphans:  # clean up before failing
+            os.kill(p, signal.SIGKILL)
+        assert not orphans, "a peer whose rank was killed left processes behind"
+        assert "rank 1 ended with signal SIGKILL" in (tmp_path / "b.log").read_text()
+
+        a.wait(timeout=180)  # the other peer trains on alone
+        assert a.returncode == 0, (tmp_path / "a.log").read_text()[-3000:]
+        recs_a, recs_b = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
+        summary = recs_a[-1]
+        assert summary["event"] == "summary", summary
+        assert max(r["step"] for r in recs_a if r["event"] == "step") == 48  # (catch-up jumps count as steps)
+        assert summary["ranks"] == 2 and len(set(summary["rank_digests"])) == 1, summary  # bit-identical ranks
+        assert summary["eval_loss"] < summary["eval_loss_initial"] - 0.3, summary
+        step_a = [r for r in recs_a if r["event"] == "step"]
+        assert step_a[0]["tokens"] == 2 * 4 * 64  # both ranks' batches count (batch 4, seq 64)
+        rounds = defaultdict(list)
+        for r in recs_a + recs_b:
+            if r["event"] == "sync" and r["ok"] and r["group_size"] == 2:
+                rounds[(r["fragment"], r["round"])].append(r["digest"])
+        both = {k: v for k, v in rounds.items() if len(v) == 2}
+        assert len(both) >= 2, rounds
+        assert all(len(set(v)) == 1 for v in both.values()), both  # the same average on both peers
+    finally:
+        stop_processes(procs, grace=10)
