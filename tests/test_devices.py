@@ -142,6 +142,14 @@ def test_rank_environment_and_shards():
         assert set().union(*parts) == peer and sum(map(len, parts)) == len(peer)
 
 
+def test_ranks_on_cuda_need_one_device_each(monkeypatch):
+    from opendiloco_stream.train.ranks import RankEnv, Ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # checked before any process group exists
+    with pytest.raises(ConfigError, match="2 ranks on 'cuda' need 2 CUDA devices; this machine has 1"):
+        Ranks(RankEnv(0, 2, 0), "cuda", 10.0)
+
+
 _RANK_SCRIPT = r"""
 import json, os, sys
 from opendiloco_stream.commands._common import prepare_data

@@ -59,7 +59,7 @@ class DataParallel(HasSyncLog):
         if result is not None:
             for p, g in zip(params, fr.unflatten(result.average, grads)):
                 if p.grad is None:
-                    p.grad = g.to(p.dtype).clone()
+                    p.grad = g.to(p.device, p.dtype, copy=True)  # the transport's result is on the CPU
                 else:
                     p.grad.copy_(g)
         self.log.record(0, t, self.step_count, result, reason, waited, "average" if result is not None else "local-only")

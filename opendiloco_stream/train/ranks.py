@@ -112,6 +112,9 @@ class Ranks:
         self.leader = env.rank == 0
         self.device = rank_device(device, env.local_rank)
         if self.device.type == "cuda":
+            if env.world > torch.cuda.device_count():
+                raise ConfigError(f"{env.world} ranks on '{device}' need {env.world} CUDA devices; this machine has "
+                                  f"{torch.cuda.device_count()} (lower --nproc-per-node)")
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world,
