@@ -11,7 +11,9 @@ presence ttl 10 s), one fragment of 1000 fp32 elements, rounds driven by this sc
    by the 4 survivors: the dead announced round 3 (when they launched round 2), not round 4;
 3. one more peer SIGKILLed right after round 4; the time until its announcement of round 5
    expires (the survivors' count drops to 3), then round 5;
-4. a new peer joins: round 6 (it sits out), round 7 (it is in).
+4. a joiner (as after a state download: it announces the round it expects, ``expect_rounds``) is
+   in round 6 at once; a fresh peer that did not (a restart without state) sits round 7 out and
+   is in round 8.
 
 Per round: each peer's time from ``all_reduce`` to its result (max over peers), group size,
 expected size. Loopback: these are matchmaking and CPU times, not link times.
@@ -36,6 +38,11 @@ def live_ahead(peer, fragment: int, round_index: int) -> int:
     """Inside a peer: the live peers announced for a round (its target if it launched it now)."""
     entries = peer.transport._presence._entries(fragment, round_index)
     return sum(1 for ahead, _ in entries.values() if ahead)
+
+
+def expect(peer, fragment: int, round_index: int) -> None:
+    """Inside a peer: what a joiner does after its state download (StreamingDiLoCo.load_state_dict)."""
+    peer.transport.expect_rounds([(fragment, round_index)])
 
 
 def run_round(swarm: LoopbackSwarm, peers: list, rnd: int, note: str) -> dict:
@@ -75,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         events["announcement_expired_after_s"] = time.monotonic() - killed_at
         print(events, flush=True)
         rows.append(run_round(swarm, survivors, 5, "1 more killed, its announcement expired"))
-        t0 = time.monotonic()
         joiner = swarm.add_peer()
         joiner.call("prepare", {0: NUMEL}, timeout=120)
-        events["joiner_start_s"] = time.monotonic() - t0
-        rows.append(run_round(swarm, survivors + [joiner], 6, "joiner's first round"))
-        rows.append(run_round(swarm, survivors + [joiner], 7, "joiner's second round"))
+        joiner.call("call", f"{__name__}:expect", fragment=0, round_index=6)
+        survivors.append(joiner)
+        rows.append(run_round(swarm, survivors, 6, "a joiner that announced it"))
+        fresh = swarm.add_peer()
+        fresh.call("prepare", {0: NUMEL}, timeout=120)
+        rows.append(run_round(swarm, survivors + [fresh], 7, "a fresh peer's first round"))
+        rows.append(run_round(swarm, survivors + [fresh], 8, "its second round"))
     finally:
         swarm.close()
     table = markdown_table(["round", "what", "ok", "group size", "expected", "round s (max)"],

@@ -491,7 +491,7 @@ class _SwarmAheadTransport(_SlowLinkTransport):
 
     def __init__(self):
         super().__init__()
-        self.late, self.launched = set(), []
+        self.late, self.launched, self.expected = set(), [], []
 
     def all_reduce(self, key, tensor, weight=1.0):
         self.launched.append((key, weight))
@@ -501,6 +501,9 @@ class _SwarmAheadTransport(_SlowLinkTransport):
 
     def round_late(self, key):
         return key in self.late
+
+    def expect_rounds(self, keys):
+        self.expected.append(list(keys))
 
 
 def test_a_peer_behind_the_swarm_catches_up_and_sends_the_tokens_it_processed():
@@ -535,3 +538,23 @@ def test_a_peer_behind_the_swarm_catches_up_and_sends_the_tokens_it_processed():
     for _ in range(5):
         inner_step()
     assert diloco.step_count == 20 and link.launched[-1] == ((1, 1), 500.0)  # back on its own schedule
+
+
+def test_a_joiner_announces_its_next_round_of_every_fragment():
+    """After loading a running swarm's state (joiner=True), the transport hears which rounds this peer
+    takes part in next, so the others count it there; a checkpoint restore announces nothing."""
+    config = DiLoCoConfig(inner_steps=10, num_fragments=2, mode="eager")
+    donor_model = make_mlp()
+    donor = StreamingDiLoCo(donor_model, torch.optim.SGD(donor_model.parameters(), lr=0.05),
+                            transport=_SwarmAheadTransport(), config=config, blocks=list(donor_model))
+    for _ in range(12):
+        donor.step(tokens=1)
+    state = donor.state_dict()
+    link = _SwarmAheadTransport()
+    model = make_mlp(1)
+    joiner = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
+                             blocks=list(model))
+    joiner.load_state_dict(state)
+    assert link.expected == []
+    joiner.load_state_dict(state, joiner=True)
+    assert link.expected == [[(0, 1), (1, 1)]]  # step 12: fragment 0 syncs next at 15, fragment 1 at 20

@@ -14,6 +14,7 @@ from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
 
 NUMEL = 1000
 LIVE_AHEAD = "live_group:live_ahead"  # benchmarks/live_group.py: run inside a peer, its count of a round
+EXPECT = "live_group:expect"  # inside a peer: what a joiner does after its state download
 
 
 def run_round(swarm, peers, rnd):
@@ -30,8 +31,9 @@ def sizes(results):
 def test_one_group_of_every_live_peer_follows_deaths_and_joins():
     """6 peers, no target: round 0 (cold start) forms one group of 6 at the matchmaking deadline,
     later rounds start with the 6 announced peers; two SIGKILLed peers drop out once their
-    announcements expire (groups of 4 that expect 4); a joiner sits its first round out and is in
-    the next one (5)."""
+    announcements expire (groups of 4 that expect 4); a joiner that announced its first round (as
+    after a state download) is in it (5); a fresh peer that did not sits it out and is in the
+    next one (6)."""
     swarm = LoopbackSwarm(6, run_id="live6", transport_kwargs=dict(
         codec="fp32", matchmaking_time=3.0, request_timeout=1.0, presence_ttl=3.0))
     try:
@@ -53,8 +55,13 @@ def test_one_group_of_every_live_peer_follows_deaths_and_joins():
             assert sizes(run_round(swarm, survivors, rnd)) == [(True, 4, 4)] * 4, rnd
         joiner = swarm.add_peer()
         joiner.call("prepare", {0: NUMEL}, timeout=120)
-        results = run_round(swarm, survivors + [joiner], 5)
-        assert sizes(results[:4]) == [(True, 4, 4)] * 4 and results[4]["reason"] == "joining", results
-        assert sizes(run_round(swarm, survivors + [joiner], 6)) == [(True, 5, 5)] * 5
+        joiner.call("call", EXPECT, fragment=0, round_index=5)
+        survivors.append(joiner)
+        assert sizes(run_round(swarm, survivors, 5)) == [(True, 5, 5)] * 5
+        fresh = swarm.add_peer()
+        fresh.call("prepare", {0: NUMEL}, timeout=120)
+        results = run_round(swarm, survivors + [fresh], 6)
+        assert sizes(results[:5]) == [(True, 5, 5)] * 5 and results[5]["reason"] == "joining", results
+        assert sizes(run_round(swarm, survivors + [fresh], 7)) == [(True, 6, 6)] * 6
     finally:
         swarm.close()

@@ -107,10 +107,8 @@ def test_late_joiner_downloads_state_converges_and_contributes(tmp_path):
     boot, addrs = start_bootstrap(tmp_path, "jointest")
     procs = [boot]
     try:
-        # rounds start as soon as the live peers are there: slow the steps (0.4 s, test knob) so that
-        # the first peers are still training when the joiner is up (a cold start takes ~20 s here)
         common = ["--run-id", "jointest", "--mode", "blocking", "--codec", "fp32", "--fragments", "2",
-                  "--inner-steps", "10", "--steps", "100", "--step-delay-s", "0.4", "--checkpoint-dir"]
+                  "--inner-steps", "10", "--steps", "100", "--checkpoint-dir"]
         # the first peers pace themselves (>= 25 s for 100 steps): on a loaded machine they must not
         # finish before the joiner's interpreter and DHT are up, or there is no one to join
         first = [start_peer(tmp_path, f"p{r}", addrs, *common, str(tmp_path / f"ck{r}"), "--shard", f"{r}/3",

@@ -288,6 +288,11 @@ class StreamingDiLoCo(HasSyncLog):
                 self.error_feedback = ErrorFeedback(self.config.error_feedback_decay)
                 if not joiner and state.get("error_feedback") is not None:
                     self.error_feedback.load_state_dict(state["error_feedback"])
+            expect_rounds = getattr(self.transport, "expect_rounds", None)
+            if joiner and expect_rounds is not None:  # so that the others count this peer in them
+                t, H = self.step_count, self.config.inner_steps
+                expect_rounds([(f.index, fr.round_index(fr.next_sync(t, f.offset, H), f.offset, H))
+                               for f in self.frags])
 
     @property
     def in_flight(self) -> bool:

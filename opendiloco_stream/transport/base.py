@@ -107,6 +107,10 @@ class Transport(abc.ABC):
         swarm say False."""
         return False
 
+    def expect_rounds(self, keys: list[tuple[int, int]]) -> None:
+        """This peer just loaded a running swarm's state and takes part in these rounds (its next
+        round of every fragment): a networked transport announces it now, so the others wait for it."""
+
     def load_state_from_peers(self, timeout: float) -> Optional[dict[str, Any]]:
         """Download the run's state from peers already in it; ``None`` if there are none."""
         return None

@@ -16,9 +16,12 @@ average). With it the target of every round is the number of live peers of the r
 - *Death.* A peer that dies stops refreshing: its announcement expires ``ttl`` later and it is not
   counted in any round the others launch after that. A peer that closes marks its announcements
   as left at once.
-- *First round* of a fragment (a fresh start, a joiner after its state download): the peer also
-  announces round k itself (``ahead=False``). If others announced k ahead (the run is going), it
-  sits round k out (``SyncFailed`` reason "joining") and is counted from k+1 on: the others did
+- *Joiners.* A peer that downloaded the run's state announces its next round of every fragment
+  ahead at once (``expect``, with ``launched_at`` = 0: it launched nothing), so the others count
+  it in the round after its download.
+- *First round* of a fragment without that (a fresh start, a restart from a checkpoint): the peer
+  also announces round k itself (``ahead=False``). If others announced k ahead (the run is going),
+  it sits round k out (``SyncFailed`` reason "joining") and is counted from k+1 on: the others did
   not count it, so it could take the place of one they did. If nobody did (every peer is new: a
   cold start), round k has no target and forms at ``matchmaking_time`` with everyone there.
 - *Late.* Ahead announcements say when their peer launched the round before, so a slower peer
@@ -135,6 +138,14 @@ class Presence:
         count = len(ahead | {self.peer_id})
         return RoundPlan(target=count if count >= 2 else None)
 
+    def expect(self, fragment: int, round_index: int) -> None:
+        """A joiner: announce this peer ahead for ``round_index``, its first round of ``fragment``."""
+        with self._lock:
+            if fragment in self._ahead:
+                return
+            self._ahead[fragment] = (round_index, 0.0)
+        self._store(fragment, round_index, [True, 0.0])
+
     def is_late(self, fragment: int, round_index: int) -> bool:
         """Whether other peers launched this round at least ``late_after`` seconds ago (non-blocking:
         answers from the last poll and asks the heartbeat to watch this round)."""
@@ -155,7 +166,7 @@ class Presence:
                     return
                 # others announce k+1 ahead when they launch k
                 others = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
-                          if is_ahead and peer != self.peer_id]
+                          if is_ahead and t > 0 and peer != self.peer_id]  # t = 0: a joiner's, nothing launched
                 if others:
                     with self._lock:
                         self._launched[(fragment, round_index)] = min(others)

@@ -337,6 +337,11 @@ class HivemindTransport(Transport):
         presence = self._presence
         return presence is not None and not self._closed and presence.is_late(*key)
 
+    def expect_rounds(self, keys: list[tuple[int, int]]) -> None:
+        if self._presence is not None and not self._closed:
+            for fragment, round_index in keys:
+                self._presence.expect(fragment, round_index)
+
     # ------------------------------------------------------------------ late joiners
     def _sharing(self) -> StateSharing:
         if self._state is None:
