@@ -7,14 +7,68 @@ daemon), tiny tensors. The swarm is closed, every peer's process group SIGKILLed
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import pytest
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
+from opendiloco_stream.transport.hivemind.presence import Presence
 
 NUMEL = 1000
 LIVE_AHEAD = "live_group:live_ahead"  # benchmarks/live_group.py: run inside a peer, its count of a round
 EXPECT = "live_group:expect"  # inside a peer: what a joiner does after its state download
+
+
+class FakeDHT:
+    """The part of hivemind.DHT presence uses: subkey records, the latest expiration wins, expired ones vanish."""
+
+    def __init__(self):
+        self.records: dict = {}
+
+    @staticmethod
+    def _done(value):
+        future = Future()
+        future.set_result(value)
+        return future
+
+    def store(self, key, subkey, value, expiration_time, return_future=False):
+        old = self.records.setdefault(key, {}).get(subkey)
+        if old is None or old.expiration_time < expiration_time:
+            self.records[key][subkey] = ValueWithExpiration(value, expiration_time)
+        return self._done(True)
+
+    def get(self, key, latest=False, return_future=False):
+        live = {k: v for k, v in self.records.get(key, {}).items() if v.expiration_time > get_dht_time()}
+        return self._done(ValueWithExpiration(live, max(v.expiration_time for v in live.values())) if live else None)
+
+
+def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apart():
+    """In-process, a fake DHT, no heartbeat (``beat`` by hand): a cold start has no target; then the
+    target is the peers that launched the round before; a fresh peer sits its first round out, a
+    joiner that announced its round is counted; a round the others launched is late for a peer
+    behind; a closed peer is no longer counted."""
+    dht = FakeDHT()
+    peers = {name: Presence(dht, "run", name, ttl=60, late_after=0, poll_s=1000) for name in "abc"}
+    peers.update(fresh=Presence(dht, "run", "fresh", ttl=60, poll_s=1000),
+                 joiner=Presence(dht, "run", "joiner", ttl=60, poll_s=1000))
+    try:
+        plans = [peers[n].before_round(0, 0) for n in "abc"]
+        assert [(p.target, p.skip) for p in plans] == [(None, False)] * 3  # a cold start: no target
+        assert not peers["c"].is_late(0, 1)  # asked once: now watched by c's heartbeat
+        peers["joiner"].expect(0, 1)  # as after a state download
+        peers["c"].beat()
+        assert not peers["c"].is_late(0, 1)  # nobody launched round 1 (the joiner's is no launch)
+        plans = [peers[n].before_round(0, 1) for n in "ab"]
+        assert [(p.target, p.skip) for p in plans] == [(4, False)] * 2  # a, b, c and the joiner
+        peers["c"].beat()
+        assert peers["c"].is_late(0, 1)  # a and b launched round 1: c, still short of it, is late
+        assert peers["fresh"].before_round(0, 1).skip  # the others announced round 1, not this peer
+        peers["b"].close()  # b's announcement of round 2 is marked as left
+        assert peers["a"].before_round(0, 2).target == 2  # a and the fresh peer launched round 1
+    finally:
+        for p in peers.values():
+            p.close()
 
 
 def run_round(swarm, peers, rnd):

@@ -69,15 +69,17 @@ class Presence:
         ttl: seconds an announcement outlives the last refresh (how long a dead peer stays counted).
         late_after: a round the others launched this long ago is late for a peer that has not.
         poll_s: refresh and poll period (default ``min(1, ttl / 4)``).
+        dht_timeout: bound on one DHT store or lookup (a stuck DHT costs a refresh, never a hang).
     """
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, *, ttl: float = DEFAULT_TTL_S, late_after: float = 1.0,
-                 poll_s: Optional[float] = None):
+                 poll_s: Optional[float] = None, dht_timeout: float = 3.0):
         if not ttl > 0 or not late_after >= 0:
             raise ValueError(f"presence ttl must be > 0 and late_after >= 0, got {ttl}, {late_after}")
         self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
         self.ttl, self.late_after = float(ttl), float(late_after)
         self.poll_s = min(1.0, self.ttl / 4) if poll_s is None else float(poll_s)
+        self.dht_timeout = float(dht_timeout)
         self._lock = threading.Lock()
         self._dht_lock = threading.Lock()  # the DHT's control pipe is not safe for concurrent senders
         self._ahead: dict[int, tuple[int, float]] = {}    # fragment -> (round announced ahead, launched_at)
@@ -97,8 +99,9 @@ class Presence:
             self._expires[key] = expiration
         try:
             with self._dht_lock:
-                self.dht.store(live_key(self.run_id, fragment, round_index), subkey=self.peer_id, value=value,
-                               expiration_time=expiration)
+                future = self.dht.store(live_key(self.run_id, fragment, round_index), subkey=self.peer_id,
+                                        value=value, expiration_time=expiration, return_future=True)
+            future.result(timeout=self.dht_timeout)
         except Exception as e:  # a DHT hiccup costs one refresh, not the round
             logger.info("presence: could not announce fragment %d round %d: %r", fragment, round_index, e)
 
@@ -106,7 +109,8 @@ class Presence:
         """Live announcements for a round: peer id -> (ahead, launched_at); malformed ones are ignored."""
         try:
             with self._dht_lock:
-                found = self.dht.get(live_key(self.run_id, fragment, round_index), latest=True)
+                future = self.dht.get(live_key(self.run_id, fragment, round_index), latest=True, return_future=True)
+            found = future.result(timeout=self.dht_timeout)
         except Exception as e:
             logger.info("presence: could not read fragment %d round %d: %r", fragment, round_index, e)
             return {}
@@ -157,21 +161,25 @@ class Presence:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.poll_s):
-            with self._lock:
-                ahead, watch = dict(self._ahead), dict(self._watch)
-            for fragment, (round_index, launched_at) in ahead.items():
-                self._store(fragment, round_index, [True, launched_at])
-            for fragment, round_index in watch.items():
-                if self._stop.is_set():
-                    return
-                # others announce k+1 ahead when they launch k
-                others = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
-                          if is_ahead and t > 0 and peer != self.peer_id]  # t = 0: a joiner's, nothing launched
-                if others:
-                    with self._lock:
-                        self._launched[(fragment, round_index)] = min(others)
-                        for key in [k for k in self._launched if k[0] == fragment and k[1] < round_index]:
-                            del self._launched[key]
+            self.beat()
+
+    def beat(self) -> None:
+        """One refresh of this peer's announcements and one look at the watched rounds."""
+        with self._lock:
+            ahead, watch = dict(self._ahead), dict(self._watch)
+        for fragment, (round_index, launched_at) in ahead.items():
+            self._store(fragment, round_index, [True, launched_at])
+        for fragment, round_index in watch.items():
+            if self._stop.is_set():
+                return
+            # others announce k+1 ahead when they launch k
+            others = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
+                      if is_ahead and t > 0 and peer != self.peer_id]  # t = 0: a joiner's, nothing launched
+            if others:
+                with self._lock:
+                    self._launched[(fragment, round_index)] = min(others)
+                    for key in [k for k in self._launched if k[0] == fragment and k[1] < round_index]:
+                        del self._launched[key]
 
     def close(self) -> None:
         """Stop refreshing and mark this peer's announcements as left (others stop counting it now)."""
