@@ -31,6 +31,8 @@ TINY_LAYERS = 4
 
 def wire_bits(codec: str, block: int = 64) -> float:
     """Bits per value on the wire, the fp16 per-block scale of the <= 8-bit codecs included."""
+    if codec.startswith("topk-"):  # the sparse codecs' defaults: 2 % of 1024-value chunks, fp16 scales
+        return 16.0 / 1024 + 0.02 * (10 + (2 if codec == "topk-int2" else 4))
     bits = CODEC_BITS[codec]
     return bits + (16.0 / block if bits <= 8 else 0.0)
 
@@ -181,16 +183,19 @@ def bytes_per_token(records: list[dict[str, Any]]) -> list[str]:
     out = []
     for rate in sorted({r["link_mbit"] for r in runs(records)}):
         at = {(r["mode"], r["codec"]): r for r in runs(records) if r["link_mbit"] == rate and r["status"] == "ok"}
-        dp, eager = at.get(("data-parallel", "fp32")), at.get(("streaming-eager", "fp4-e3m0"))
-        if dp is None or eager is None:
+        dp = at.get(("data-parallel", "fp32"))
+        if dp is None:
             continue
-        expected = eager["inner_steps"] * 32 / wire_bits("fp4-e3m0")
-        ours = dp["bytes_per_token"] / eager["bytes_per_token"]
-        iface = dp["iface_bytes_per_token"] / eager["iface_bytes_per_token"]
-        out.append(f"- {rate:g} Mbit/s: data-parallel fp32 {dp['bytes_per_token']:.0f} B/token, streaming eager fp4 "
-                   f"{eager['bytes_per_token']:.2f} B/token (ours, every round launched): **{ours:.0f}x**; "
-                   f"interface tx bytes per token: {iface:.0f}x; "
-                   f"payload arithmetic H x 32 / {wire_bits('fp4-e3m0'):g} bits = {expected:.0f}x")
+        for (mode, codec), eager in at.items():
+            if mode != "streaming-eager" or codec not in ("fp4-e3m0", "topk-int2", "topk-int4"):
+                continue
+            expected = eager["inner_steps"] * 32 / wire_bits(codec)
+            ours = dp["bytes_per_token"] / eager["bytes_per_token"]
+            iface = dp["iface_bytes_per_token"] / eager["iface_bytes_per_token"]
+            out.append(f"- {rate:g} Mbit/s: data-parallel fp32 {dp['bytes_per_token']:.0f} B/token, streaming eager "
+                       f"{codec} (H = {eager['inner_steps']}) {eager['bytes_per_token']:.3f} B/token (ours, every "
+                       f"round launched): **{ours:.0f}x**; interface tx bytes per token: {iface:.0f}x; payload "
+                       f"arithmetic H x 32 / {wire_bits(codec):.3g} bits = {expected:.0f}x")
     return out
 
 
