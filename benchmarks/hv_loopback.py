@@ -104,9 +104,25 @@ def _recv(conn) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transport_kwargs: dict, signal_event) -> None:
+def _enter_netns(name: str) -> None:
+    """Move this process (and so everything it forks later: DHT, averagers, p2pd) into the network
+    namespace ``/var/run/netns/<name>`` (``ip netns add``); needs root. Python 3.11 has no os.setns."""
+    import ctypes
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns({name})")
+    finally:
+        os.close(fd)
+
+
+def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transport_kwargs: dict, signal_event,
+               netns: Optional[str] = None, host: str = "127.0.0.1") -> None:
     global _SIGNAL
     os.setsid()  # our own process group: DHT, averagers and p2pd die with us when the parent kills it
+    if netns:
+        _enter_netns(netns)
     mp.set_start_method("fork", force=True)  # a spawned child inherits 'spawn'; hivemind averagers fork
     _SIGNAL = signal_event
     torch.set_num_threads(1)  # N peers share the machine's cores
@@ -118,7 +134,7 @@ def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transp
     dht = transport = None
     try:
         try:
-            dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers or None)
+            dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=initial_peers or None)
             transport = resolve(transport_cls)(dht, **transport_kwargs)
         except BaseException as e:
             _send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -204,10 +220,15 @@ class LoopbackSwarm:
         index = len(self.peers)
         spec = dict(self.peer_overrides.get(index, {}), **overrides)
         cls = spec.pop("transport_cls", self.transport_cls)
+        # peer-side options, not transport arguments: a network namespace to run in and the address
+        # to listen on there (tests/test_faults.py), the addresses to bootstrap from (default: peer 0's)
+        netns, host = spec.pop("netns", None), spec.pop("host", "127.0.0.1")
+        initial = spec.pop("initial_peers", None)
+        if initial is None:
+            initial = self.peers[0].maddrs if self.peers else []
         kwargs = dict(self.transport_kwargs, run_id=self.run_id, **spec)
-        initial = self.peers[0].maddrs if self.peers else []
         parent, child = self.ctx.Pipe()
-        process = self.ctx.Process(target=_peer_main, args=(child, index, initial, cls, kwargs, self.signal),
+        process = self.ctx.Process(target=_peer_main, args=(child, index, initial, cls, kwargs, self.signal, netns, host),
                                    name=f"loopback-peer-{index}")  # not daemonic: it forks the DHT
         process.start()
         peer = LoopbackPeer(index, process, parent)
@@ -219,7 +240,8 @@ class LoopbackSwarm:
         return peer
 
     def add_peer(self, **overrides) -> LoopbackPeer:
-        """Start one more peer (joined to peer 0), e.g. a late joiner; ``overrides`` go to its transport."""
+        """Start one more peer (joined to peer 0, or to ``initial_peers=[...]``), e.g. a late joiner;
+        other ``overrides`` go to its transport."""
         return self._await_ready(self._spawn(overrides))
 
     def start(self) -> "LoopbackSwarm":
