@@ -40,6 +40,8 @@ import netns  # noqa: E402
 import wan_records as wr  # noqa: E402
 import wan_report  # noqa: E402
 from wan_report import CODEC_BITS, wire_bits  # noqa: E402
+
+SPARSE = ("topk-int2", "topk-int4")  # at their defaults (2 %, 1024-value chunks)
 from _common import command_line, environment, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,8 +297,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if m not in MODES:
             p.error(f"--modes: unknown mode {m!r}; use some of {', '.join(MODES)}")
     for c in args.codecs + args.dp_codecs:
-        if c not in CODEC_BITS:
-            p.error(f"--codecs: unknown codec {c!r}; use some of {', '.join(CODEC_BITS)}")
+        if c not in CODEC_BITS and c not in SPARSE:
+            p.error(f"--codecs: unknown codec {c!r}; use some of {', '.join([*CODEC_BITS, *SPARSE])}")
     # DiLoCo is the fp32 reference; --quick: fp32 for every mode plus the headline, eager fp4
     args.codecs_for = {"data-parallel": args.dp_codecs, "diloco": ["fp32"]}
     if args.quick:
