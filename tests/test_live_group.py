@@ -59,13 +59,18 @@ def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apa
         peers["joiner"].expect(0, 1)  # as after a state download
         peers["c"].beat()
         assert not peers["c"].is_late(0, 1)  # nobody launched round 1 (the joiner's is no launch)
+        assert not peers["joiner"].launched_by_others(0, 1)  # the joiner's state is current
         plans = [peers[n].before_round(0, 1) for n in "ab"]
         assert [(p.target, p.skip) for p in plans] == [(4, False)] * 2  # a, b, c and the joiner
+        assert peers["joiner"].launched_by_others(0, 1)  # had it downloaded now: a round late
+        assert not peers["joiner"].launched_by_others(0, 2)
         peers["c"].beat()
         assert peers["c"].is_late(0, 1)  # a and b launched round 1: c, still short of it, is late
         assert peers["fresh"].before_round(0, 1).skip  # the others announced round 1, not this peer
         peers["b"].close()  # b's announcement of round 2 is marked as left
         assert peers["a"].before_round(0, 2).target == 2  # a and the fresh peer launched round 1
+        peers["joiner"].expect(0, 2)  # a joiner that downloaded again moves its announcement on
+        assert peers["c"].before_round(0, 2).target == 4  # ... and counted there: a, fresh, joiner, c
     finally:
         for p in peers.values():
             p.close()

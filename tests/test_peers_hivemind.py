@@ -133,9 +133,11 @@ def test_late_joiner_downloads_state_converges_and_contributes(tmp_path):
         outer = [[f["outer_params"] for f in
                   torch.load(tmp_path / f"ck{r}" / f"worker-{r}.pt", weights_only=False)["diloco"]["fragments"]]
                  for r in range(3)]  # checkpoint files are named after the peer's shard
+        rounds = {name: [(r["fragment"], r["round"], r["ok"], r["group_size"], r["step"])
+                         for r in records(tmp_path / f"{name}.jsonl") if r["event"] == "sync"] for name in ("p0", "p2")}
         for frag in range(2):
             for a, b in zip(outer[2][frag], outer[0][frag]):
-                assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+                assert torch.allclose(a, b, atol=1e-5), ((a - b).abs().max(), joined, rounds)
     finally:
         stop_processes(procs, grace=10)
 

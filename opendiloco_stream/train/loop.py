@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 # Model init seeds torch's process-global RNG: workers running as threads must not interleave it.
 _BUILD_LOCK = threading.Lock()
+JOIN_ATTEMPTS = 3  # state downloads a joiner tries before it trains on from a state a round old
 
 
 def lr_factor(step: int, warmup: int, total: int, final: float = 0.1) -> float:
@@ -131,13 +132,25 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             join_running = False
             emit({"event": "resumed", "rank": rank, "step": start_step, "path": str(ckpt)})
     if join_running:
-        state = transport.load_state_from_peers(timeout=cfg.diloco.sync_timeout)
-        if state is not None:
+        # the swarm trains on while the state downloads: if one of our next rounds went without us,
+        # the state is a round old (we would run that round alone): download again, a few times
+        for attempt in range(1, JOIN_ATTEMPTS + 1):
+            state = transport.load_state_from_peers(timeout=cfg.diloco.sync_timeout)
+            if state is None:
+                break
             diloco.load_state_dict(state, joiner=True)
-            start_step = diloco.step_count
-            for _ in range(start_step):
-                sched.step()
-            emit({"event": "joined", "rank": rank, "step": start_step})
+            missed = diloco.missed_rounds() if hasattr(diloco, "missed_rounds") else []
+            if not missed or attempt == JOIN_ATTEMPTS:
+                start_step = diloco.step_count
+                for _ in range(start_step):
+                    sched.step()
+                # missed_rounds not empty: every attempt was a round late (a download slower than the
+                # gap between two rounds); the peer trains on, one outer step apart in those fragments
+                emit({"event": "joined", "rank": rank, "step": start_step, "attempts": attempt,
+                      "missed_rounds": [list(k) for k in missed]})
+                break
+            emit({"event": "join_stale", "rank": rank, "step": diloco.step_count, "attempt": attempt,
+                  "missed_rounds": [list(k) for k in missed]})
     if ranks is not None:
         start_step = ranks.share_start(model, opt, sched, start_step)
 

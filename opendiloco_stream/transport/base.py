@@ -111,6 +111,13 @@ class Transport(abc.ABC):
         """This peer just loaded a running swarm's state and takes part in these rounds (its next
         round of every fragment): a networked transport announces it now, so the others wait for it."""
 
+    def rounds_launched(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Of these rounds, those other peers launched already (a joiner's check that the state it
+        downloaded is still current: one of its next rounds gone without it would leave its outer
+        parameters a step apart from the swarm's for good). May block briefly; transports without
+        a view of the swarm say none."""
+        return []
+
     def load_state_from_peers(self, timeout: float) -> Optional[dict[str, Any]]:
         """Download the run's state from peers already in it; ``None`` if there are none."""
         return None

@@ -145,10 +145,16 @@ class Presence:
     def expect(self, fragment: int, round_index: int) -> None:
         """A joiner: announce this peer ahead for ``round_index``, its first round of ``fragment``."""
         with self._lock:
-            if fragment in self._ahead:
-                return
-            self._ahead[fragment] = (round_index, 0.0)
+            if fragment in self._ahead and self._ahead[fragment][1] != 0.0:
+                return  # it launched a round of this fragment already: its own announcements count
+            self._ahead[fragment] = (round_index, 0.0)  # a joiner that downloaded again moves on
         self._store(fragment, round_index, [True, 0.0])
+
+    def launched_by_others(self, fragment: int, round_index: int) -> bool:
+        """Whether another peer launched this round already (a blocking DHT lookup: for a joiner
+        checking, once, that the state it downloaded is not a round behind the swarm)."""
+        return any(is_ahead and t > 0 and peer != self.peer_id
+                   for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items())
 
     def is_late(self, fragment: int, round_index: int) -> bool:
         """Whether other peers launched this round at least ``late_after`` seconds ago (non-blocking:

@@ -343,6 +343,11 @@ class HivemindTransport(Transport):
             for fragment, round_index in keys:
                 self._presence.expect(fragment, round_index)
 
+    def rounds_launched(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if self._presence is None or self._closed:
+            return []
+        return [key for key in keys if self._presence.launched_by_others(*key)]
+
     # ------------------------------------------------------------------ late joiners
     def _sharing(self) -> StateSharing:
         if self._state is None:
