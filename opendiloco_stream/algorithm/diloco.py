@@ -25,7 +25,7 @@ from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending, _Previous
-from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge, projected_estimate
+from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
@@ -206,10 +206,10 @@ class StreamingDiLoCo(HasSyncLog):
         prev = f.last
         if prev is None:
             estimate, kind = d, "local-only"
-        elif self.config.eager_estimate == "mixed" and prev.included_self:
-            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.weight_share), "eager"
-        elif self.config.eager_estimate == "scaled" and prev.included_self:
-            estimate, kind = projected_estimate(d, prev.average, prev.sent), "eager"
+        elif self.config.eager_estimate == "mixed" and prev.average is not None:
+            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
+        elif self.config.eager_estimate == "scaled" and prev.coef is not None:
+            estimate, kind = d * prev.coef, "eager"  # projected_estimate, its coefficient kept at landing
         else:
             estimate, kind = d, "eager"
         f.restart_from(f.opt.lookahead(estimate))
@@ -223,7 +223,7 @@ class StreamingDiLoCo(HasSyncLog):
         pending, f.pending = f.pending, None
         result = self._consume(f, pending)
         f.opt.step(result.average if result is not None else pending.outer_grad)
-        f.last = result if result is not None and result.included_self else None
+        f.keep_last(result)
         if shift:
             local = [q + o - s_ for q, o, s_ in zip(f.local(), f.outer, f.start)]
             f.restart_from(f.outer)
@@ -290,9 +290,19 @@ class StreamingDiLoCo(HasSyncLog):
                     self.error_feedback.load_state_dict(state["error_feedback"])
             expect_rounds = getattr(self.transport, "expect_rounds", None)
             if joiner and expect_rounds is not None:  # so that the others count this peer in them
-                t, H = self.step_count, self.config.inner_steps
-                expect_rounds([(f.index, fr.round_index(fr.next_sync(t, f.offset, H), f.offset, H))
-                               for f in self.frags])
+                expect_rounds(self.next_rounds())
+
+    def next_rounds(self) -> list[tuple[int, int]]:
+        """(fragment, round) of the next round of every fragment from the current step."""
+        t, H = self.step_count, self.config.inner_steps
+        return [(f.index, fr.round_index(fr.next_sync(t, f.offset, H), f.offset, H)) for f in self.frags]
+
+    def missed_rounds(self) -> list[tuple[int, int]]:
+        """After a join: those of this peer's next rounds that the swarm launched already. A joiner
+        whose download took longer than the gap to a round would run that round alone and its outer
+        parameters would stay a step apart from everyone's: it downloads again (``train/loop.py``)."""
+        launched = getattr(self.transport, "rounds_launched", None)  # duck-typed transports may lack it
+        return [] if launched is None else list(launched(self.next_rounds()))
 
     @property
     def in_flight(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from opendiloco_stream.algorithm import fragments as fr
-from opendiloco_stream.algorithm.outer import OuterOptimizer
+from opendiloco_stream.algorithm.outer import OuterOptimizer, projection_coefficient
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
 
@@ -42,6 +42,25 @@ class _Previous:
     share: float
     group_size: int
     included_self: bool
+
+
+@dataclass
+class _Last:
+    """Eager 'corrected': what the next estimate needs from the last round that landed, and no
+    more: 'scaled' keeps one coefficient, 'mixed' the round's average and what this peer sent,
+    'own' nothing (keeping the two tensors for every fragment cost 2 x the model in fp32)."""
+
+    share: float
+    group_size: int
+    coef: Optional[float] = None            # 'scaled': projection_coefficient(average, sent)
+    average: Optional[torch.Tensor] = None  # 'mixed'
+    sent: Optional[torch.Tensor] = None     # 'mixed'
+
+    @classmethod
+    def of(cls, average: torch.Tensor, sent: torch.Tensor, share: float, group_size: int, rule: str) -> "_Last":
+        if rule == "mixed":
+            return cls(share, group_size, average=average, sent=sent)
+        return cls(share, group_size, coef=projection_coefficient(average, sent) if rule == "scaled" else None)
 
 
 class _ResolvedHandle(SyncHandle):
@@ -93,7 +112,8 @@ class FragmentState:
         self.tokens = 0
         self.pending: Optional[_Pending] = None
         self.previous: Optional[_Previous] = None
-        self.last: Optional[SyncResult] = None  # eager 'corrected': the last round that landed
+        self.estimate_rule = config.eager_estimate
+        self.last: Optional[_Last] = None  # eager 'corrected': the last round that landed (keep_last)
         # error feedback in the parameters: what the last consumed round did not send, until the
         # local parameters take it (within the same step, so never part of a checkpoint)
         self.unsent: Optional[torch.Tensor] = None
@@ -103,6 +123,11 @@ class FragmentState:
         if not self._pin:
             return t.detach().to(self.device, torch.float32, copy=True)
         return torch.empty(t.shape, dtype=torch.float32, pin_memory=True).copy_(t.detach())
+
+    def keep_last(self, result: Optional[SyncResult]) -> None:
+        """Eager 'corrected': remember what the next estimate needs of a landed round."""
+        self.last = None if result is None or not result.included_self else _Last.of(
+            result.average, result.sent, result.weight_share, result.group_size, self.estimate_rule)
 
     def local(self) -> list[torch.Tensor]:
         """The local parameters as fp32 tensors on the outer device (themselves if they already are)."""
@@ -142,10 +167,10 @@ class FragmentState:
         return {"outer_params": [t.clone() for t in self.outer], "outer_opt": self.opt.state_dict(),
                 "start": None if self.start is None else [t.clone() for t in self.start],
                 "tokens": self.tokens, "pending": pend,
-                "last": None if self.last is None else {"average": self.last.average.clone(),
-                                                        "sent": self.last.sent.clone(),
-                                                        "share": self.last.weight_share,
-                                                        "group_size": self.last.group_size},
+                "last": None if self.last is None else {
+                    "share": self.last.share, "group_size": self.last.group_size, "coef": self.last.coef,
+                    "average": None if self.last.average is None else self.last.average.clone(),
+                    "sent": None if self.last.sent is None else self.last.sent.clone()},
                 "previous": None if self.previous is None else dict(self.previous.__dict__)}
 
     def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
@@ -167,9 +192,13 @@ class FragmentState:
                                     pend["launched_at"], pend["apply_at"], self.to_outer_device(pend["outer_grad"]),
                                     self.to_outer_device(pend["sent_input"]))
         last = st.get("last")
-        self.last = None if last is None or joiner else SyncResult(
-            average=self.to_outer_device(last["average"]), group_size=last["group_size"],
-            weight_share=last["share"], sent=self.to_outer_device(last["sent"]))
+        if last is None or joiner:
+            self.last = None
+        elif last.get("average") is not None:  # 'mixed', or a checkpoint from before 'coef'
+            self.last = _Last.of(self.to_outer_device(last["average"]), self.to_outer_device(last["sent"]),
+                                 last["share"], last["group_size"], self.estimate_rule)
+        else:  # a coefficient only: a 'mixed' estimate resumes from it as 'own' for one round
+            self.last = _Last(last["share"], last["group_size"], coef=last.get("coef"))
         pr = st["previous"]
         self.previous = None if pr is None else _Previous(**{
             **pr, "average": self.to_outer_device(pr["average"]), "sent": self.to_outer_device(pr["sent"]),

@@ -75,9 +75,14 @@ def projected_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch
     to it: how much of the group's step the peer's own outer gradient predicted. Identical peers
     give c = 1; peers with orthogonal contributions give c = share.
     """
+    return d * projection_coefficient(prev_avg, prev_sent)
+
+
+def projection_coefficient(prev_avg: torch.Tensor, prev_sent: torch.Tensor) -> float:
+    """The ``c`` of :func:`projected_estimate`: all it needs from round k-1, so a peer may keep
+    this number instead of the round's two tensors."""
     denom = float(prev_sent.pow(2).sum())
-    c = 0.0 if denom == 0.0 else min(1.0, max(0.0, float((prev_sent * prev_avg).sum()) / denom))
-    return d * c
+    return 0.0 if denom == 0.0 else min(1.0, max(0.0, float((prev_sent * prev_avg).sum()) / denom))
 
 
 def joiner_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_group_size: int) -> torch.Tensor:
