@@ -263,6 +263,38 @@ def donor_state(index: int, numel: int, claim_dir: str):
     return provider
 
 
+def big_state(n_tensors: int, numel: int) -> dict:
+    g = torch.Generator().manual_seed(9)
+    return {"step": 7, "outer": [torch.randn(numel, generator=g) for _ in range(n_tensors)]}
+
+
+def serve_big_state(peer, index: int, n_tensors: int, numel: int, claim_dir: str, die_after: int) -> None:
+    """Inside a donor: serve ``big_state``; the first donor asked claims the download and dies
+    (os._exit; its DHT and p2pd live on) when it is about to send tensor ``die_after``. A fault
+    injection: a donor dying mid-stream at a known point cannot be produced otherwise."""
+    sharing = peer.transport._sharing()
+
+    def provider():
+        try:
+            fd = os.open(os.path.join(claim_dir, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            pass
+        else:
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            sharing.die_after_tensors = die_after
+        return dict(big_state(n_tensors, numel), donor=index)
+
+    peer.transport.set_state_provider(provider)
+
+
+def load_state_reporting(peer, load_timeout: float) -> dict:
+    """Inside the joiner: load the state; what the download reported (progress, reuse)."""
+    records = []
+    state = peer.transport.load_state_from_peers(load_timeout, progress=records.append)
+    return dict(state=state, progress=records, last_load=dict(peer.transport._sharing().last_load))
+
+
 def close_and_list_averagers(peer) -> list[tuple[int, bool]]:
     """Inside a peer: close its transport; which averager processes are still alive afterwards."""
     pids = [lane.averager.pid for lane in peer.transport._lanes.values()]
@@ -435,6 +467,36 @@ def test_stalled_or_killed_peer_costs_one_bounded_round_then_the_others_go_on():
 
 
 @pytest.mark.network
+def test_a_download_cut_mid_way_resumes_from_another_donor_with_what_it_has(tmp_path):
+    """12 tensors of 1 MB; the first donor asked dies before sending tensor 5: the joiner keeps the
+    5 whole tensors, asks the other donor with their digests, gets the other 7 and a marker for
+    each of those 5, and ends with exactly the state (the second donor's), progress reported."""
+    swarm = LoopbackSwarm(3, run_id="hvresume", transport_kwargs=dict(codec="fp32", state_timeout=10.0, **TIMEOUTS))
+    n_tensors, numel = 12, 250_000
+    try:
+        swarm.start()
+        for i in (0, 1):
+            swarm.peers[i].call("call", f"{MODULE}:serve_big_state", index=i, n_tensors=n_tensors, numel=numel,
+                                claim_dir=str(tmp_path), die_after=5, timeout=30)
+        out = swarm.peers[2].call("call", f"{MODULE}:load_state_reporting", load_timeout=60.0, timeout=90)
+        victim = int((tmp_path / "claim").read_text())
+        survivor = next(p.index for p in swarm.peers[:2] if p.pid != victim)
+        state, last = out["state"], out["last_load"]
+        assert state is not None, last
+        assert state["donor"] == survivor and state["step"] == 7
+        expected = big_state(n_tensors, numel)["outer"]
+        assert all(torch.equal(a, b) for a, b in zip(state["outer"], expected))
+        assert len(last["donors"]) == 2, last  # the one that died, then the survivor
+        assert last["reused_tensors"] == 5 and last["reused_bytes"] == 5 * numel * 4, last
+        # bytes that came over the wire: the 5 from the first donor once, the 7 others from the second
+        assert 12 * numel * 4 <= last["received_bytes"] < 13 * numel * 4, last
+        final = out["progress"][-1]
+        assert final["done"] and final["bytes"] == final["total_bytes"] == 12 * numel * 4, out["progress"]
+        assert final["reused_bytes"] == 5 * numel * 4
+    finally:
+        swarm.close()
+
+
 def test_late_joiner_downloads_state_and_survives_a_donor_dying(tmp_path):
     swarm = LoopbackSwarm(3, run_id="hvstate", transport_kwargs=dict(codec="fp32", state_timeout=10.0, **TIMEOUTS))
     numel = 500_000

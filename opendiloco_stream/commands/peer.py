@@ -168,6 +168,13 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
                     live["compute_s"] += rec["compute_s"]
                 elif rec.get("event") == "joined":
                     live["step"] = rec["step"]
+                elif rec.get("event") == "state_download" and not args.no_progress:  # a big state takes a while
+                    mib = 1 << 20
+                    print(f"state download from {rec['donor'][-8:]}: {rec['bytes'] / mib:.0f}/"
+                          f"{rec['total_bytes'] / mib:.0f} MiB, {rec['mib_per_s']:.1f} MiB/s"
+                          + (f" ({rec['reused_bytes'] / mib:.0f} MiB reused from a donor that failed)"
+                             if rec["reused_bytes"] else "") + (" - done" if rec["done"] else ""),
+                          file=sys.stderr, flush=True)
 
             bar = tqdm(total=cfg.train.steps, desc=f"peer {peer_id[-6:]}", unit="step", disable=args.no_progress,
                        file=sys.stderr, dynamic_ncols=True)

@@ -135,7 +135,9 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         # the swarm trains on while the state downloads: if one of our next rounds went without us,
         # the state is a round old (we would run that round alone): download again, a few times
         for attempt in range(1, JOIN_ATTEMPTS + 1):
-            state = transport.load_state_from_peers(timeout=cfg.diloco.sync_timeout)
+            state = transport.load_state_from_peers(
+                timeout=cfg.diloco.sync_timeout,
+                progress=lambda rec: emit({"event": "state_download", "rank": rank, "attempt": attempt, **rec}))
             if state is None:
                 break
             diloco.load_state_dict(state, joiner=True)

@@ -118,8 +118,10 @@ class Transport(abc.ABC):
         a view of the swarm say none."""
         return []
 
-    def load_state_from_peers(self, timeout: float) -> Optional[dict[str, Any]]:
-        """Download the run's state from peers already in it; ``None`` if there are none."""
+    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None
+                              ) -> Optional[dict[str, Any]]:
+        """Download the run's state from peers already in it; ``None`` if there are none.
+        ``progress(record)``, if given, hears how far a download is (bytes, total, rate)."""
         return None
 
     def close(self) -> None:

@@ -12,9 +12,19 @@ references, and every tensor's dtype and shape), then each tensor serialized and
 The joiner tries the donors in random order (joiners spread over donors) and gives each at most
 its share of the remaining time. It checks every download against the manifest, because a donor
 that dies mid-stream just ends the stream early (hivemind's own ``load_state_from_peers`` returns
-such a truncated state as a success), and on any failure moves on to the next donor. One donor
-per download, not parts from several: under eager updates donors' states differ slightly and must
-not be mixed.
+such a truncated state as a success), and on any failure moves on to the next donor.
+
+*Resuming.* The manifest lists a digest (BLAKE2b-128) of every tensor. The joiner keeps the whole
+tensors it received from a donor that failed, and asks the next donor with their digests
+(``have``): that donor sends a marker instead of any tensor whose digest is among them. The state
+is always the second donor's (its manifest and every value of it): only bytes proven equal are
+reused, never parts of two different states (under eager updates donors' states differ slightly;
+theta_bar and the outer momentum are bit-identical on every peer of a round, so they are what a
+resume mostly saves).
+
+*Memory.* Each tensor is rebuilt as soon as its last part arrives and its parts dropped, so a
+download peaks at the state plus one tensor's serialized parts (``PART_BYTES`` each). Progress
+(``load(progress=...)``) is reported every ``PROGRESS_EVERY_S`` seconds and at the end.
 
 With an ``admission`` (``net/auth.py``), the joiner's request and the donor's manifest each carry a
 proof of the run key bound to both peer ids (and the run fingerprint): a donor serves nobody
@@ -24,7 +34,9 @@ without the key, and a joiner takes nothing from a donor without it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import random
 import threading
 import time
@@ -44,6 +56,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 logger = logging.getLogger(__name__)
 
 PART_BYTES = 1 << 20
+PROGRESS_EVERY_S = 5.0
 _REF = "__ods_tensor__"
 _SCALARS = (int, float, bool, str, bytes, type(None))
 
@@ -82,7 +95,16 @@ def flatten_state(state: Any) -> tuple[dict, list[torch.Tensor]]:
 
     structure = walk(state, "")
     specs = [[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in tensors]
-    return {"v": 1, "structure": structure, "tensors": specs}, tensors
+    return {"v": 2, "structure": structure, "tensors": specs, "digests": [tensor_digest(t) for t in tensors],
+            "bytes": sum(t.numel() * t.element_size() for t in tensors)}, tensors
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """BLAKE2b-128 of a tensor's dtype, shape and bytes: equal digests, equal tensors."""
+    h = hashlib.blake2b(f"{t.dtype}{list(t.shape)}".encode(), digest_size=16)
+    if t.numel():
+        h.update(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
 
 
 def unflatten_state(manifest: dict, tensors: list[torch.Tensor]) -> Any:
@@ -119,12 +141,14 @@ class _StateServicer(ServicerBase):
         if provider is None:
             return  # an empty stream: the joiner moves on
         me, joiner = self._sharing.peer_id.to_bytes(), context.remote_id.to_bytes()
+        try:
+            req = _loads(request.metadata) if request.metadata else {}
+        except Exception:
+            req = {}
+        req = req if isinstance(req, dict) else {}
+        have = set(h for h in req.get("have", ()) if isinstance(h, str))  # digests the joiner holds
         if admission is not None:
-            try:
-                proof = _loads(request.metadata) if request.metadata else None
-            except Exception:
-                proof = None
-            why = admission.check_state_proof(proof, "request", joiner, me)
+            why = admission.check_state_proof(req.get("auth"), "request", joiner, me)
             if why is not None:
                 logger.info("not serving state to %s: %s", context.remote_id, why)
                 return
@@ -137,7 +161,12 @@ class _StateServicer(ServicerBase):
         if admission is not None:
             manifest["auth"] = admission.state_proof("reply", me, joiner)
         yield averaging_pb2.DownloadData(metadata=_dumps(manifest))
-        for tensor in tensors:
+        for i, (tensor, digest) in enumerate(zip(tensors, manifest["digests"])):
+            if i == self._sharing.die_after_tensors:  # tests only: a donor that dies mid-stream
+                os._exit(1)
+            if digest in have:  # the joiner has it already (from a donor that failed mid-way)
+                yield averaging_pb2.DownloadData(metadata=_dumps({"have": i}))
+                continue
             serialized = await loop.run_in_executor(None, serialize_torch_tensor, tensor)
             for part in split_for_streaming(serialized, PART_BYTES):
                 yield averaging_pb2.DownloadData(tensor_part=part)
@@ -155,6 +184,8 @@ class StateSharing:
         self.key, self.namespace = f"{run_id}_state.donors", f"{run_id}_state"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
+        self.die_after_tensors: Optional[int] = None  # tests only (fault injection): exit mid-stream
+        self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
         self._servicer = _StateServicer(self)
         self._declare_task: Optional[asyncio.Task] = None
         self._expiration = 0.0
@@ -210,11 +241,14 @@ class StateSharing:
         await self._servicer.remove_p2p_handlers(self._p2p, namespace=self.namespace)
 
     # ------------------------------------------------------------------ joiner
-    def load(self, timeout: float) -> Optional[dict]:
-        """The state of one donor of the run, or None if none is there or none delivered within ``timeout``."""
+    def load(self, timeout: float, progress: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
+        """The state of one donor of the run, or None if none is there or none delivered within ``timeout``.
+        ``progress(record)`` (called on this object's event-loop thread: keep it short) gets the
+        donor, bytes received and reused, the state's bytes and the rate, every few seconds and at the end."""
         deadline = time.monotonic() + timeout
+        self.last_load = {"donors": [], "reused_tensors": 0, "reused_bytes": 0, "received_bytes": 0}
         try:
-            return self._call(asyncio.wait_for(self._load(deadline), timeout), timeout + 2.0)
+            return self._call(asyncio.wait_for(self._load(deadline, progress), timeout), timeout + 2.0)
         except (asyncio.TimeoutError, TimeoutError):
             logger.warning("no peer delivered the run's state within %.1fs", timeout)
             return None
@@ -235,30 +269,38 @@ class StateSharing:
                     donors.append(peer)
         return donors
 
-    async def _load(self, deadline: float) -> Optional[dict]:
+    async def _load(self, deadline: float, progress: Optional[Callable[[dict], None]]) -> Optional[dict]:
         donors = await self._donors()
         random.shuffle(donors)
+        held: dict[str, torch.Tensor] = {}  # digest -> whole tensor received from a donor that failed
         for i, donor in enumerate(donors):
             budget = (deadline - time.monotonic()) / (len(donors) - i)
             if budget <= 0:
                 break
             t0 = time.monotonic()
+            self.last_load["donors"].append(str(donor))
             try:
-                state = await asyncio.wait_for(self._download(donor), budget)
+                state = await asyncio.wait_for(self._download(donor, held, progress), budget)
             except Exception as e:  # dead, stalled, empty or truncated: try the next donor
-                logger.info("state download from %s failed after %.1fs: %r", donor, time.monotonic() - t0, e)
+                logger.info("state download from %s failed after %.1fs (%d whole tensors kept for the next "
+                            "donor): %r", donor, time.monotonic() - t0, len(held), e)
                 continue
             logger.info("downloaded the run's state from %s in %.2fs", donor, time.monotonic() - t0)
             return state
         return None
 
-    async def _download(self, donor: PeerID) -> dict:
+    async def _download(self, donor: PeerID, held: dict[str, torch.Tensor],
+                        progress: Optional[Callable[[dict], None]] = None) -> dict:
+        """One donor's state. ``held``: whole tensors from donors that failed (by digest): asked
+        for as ``have``, reused where this donor's manifest lists the same digest; every whole
+        tensor received here is added to it, so a failure here leaves them to the next donor."""
         stub = _StateServicer.get_stub(self._p2p, donor, namespace=self.namespace)
         me, theirs = self.peer_id.to_bytes(), donor.to_bytes()
-        request = averaging_pb2.DownloadData()
-        if self.admission is not None:
-            request.metadata = _dumps(self.admission.state_proof("request", me, theirs))
+        request = averaging_pb2.DownloadData(metadata=_dumps({
+            "auth": None if self.admission is None else self.admission.state_proof("request", me, theirs),
+            "have": sorted(held)}))
         stream = await stub.rpc_download_state(request)
+        loop = asyncio.get_event_loop()
         try:
             it = stream.__aiter__()
             try:
@@ -270,26 +312,54 @@ class StateSharing:
                 why = self.admission.check_state_proof(manifest.get("auth"), "reply", theirs, me)
                 if why is not None:
                     raise StateError(f"the donor is refused: {why}")
-            expected = len(manifest["tensors"])
-            groups: list[list] = []
+            expected, digests = len(manifest["tensors"]), manifest.get("digests") or []
+            if len(digests) != expected:
+                raise StateError("the manifest has no digest for every tensor")
+            total = int(manifest.get("bytes", 0))
+            tensors: list[torch.Tensor] = []
+            parts: list = []  # the parts of the tensor being received
+            done_bytes, t0 = 0, time.monotonic()
+            report_at = t0 + PROGRESS_EVERY_S
 
-            def complete() -> bool:
-                return len(groups) == expected and (not groups or len(groups[-1]) == max(1, groups[-1][0].chunks))
+            def report(final: bool = False) -> None:
+                if progress is not None:
+                    elapsed = max(time.monotonic() - t0, 1e-9)
+                    progress({"donor": str(donor), "bytes": done_bytes, "total_bytes": total,
+                              "received_bytes": self.last_load["received_bytes"],
+                              "reused_bytes": self.last_load["reused_bytes"], "seconds": round(elapsed, 3),
+                              "mib_per_s": round(done_bytes / elapsed / (1 << 20), 2), "done": final})
 
-            while not complete():  # we know what to expect: stop there and close (the donor waits for that)
+            while len(tensors) < expected:  # we know what to expect: stop there and close (the donor waits for that)
                 try:
                     msg = await asyncio.wait_for(it.__anext__(), self.chunk_timeout)
                 except StopAsyncIteration:
-                    raise StateError(f"the stream ended after {len(groups)} of {expected} tensors (donor left?)") from None
-                if msg.tensor_part.dtype:  # the first part of a tensor carries its dtype
-                    if groups and len(groups[-1]) != max(1, groups[-1][0].chunks):
-                        raise StateError(f"tensor {len(groups) - 1} is missing parts")
-                    groups.append([])
-                if not groups or len(groups) > expected:
-                    raise StateError("the stream does not match its manifest")
-                groups[-1].append(msg.tensor_part)
-            tensors = await asyncio.get_event_loop().run_in_executor(
-                None, lambda: [deserialize_torch_tensor(combine_from_streaming(p)) for p in groups])
+                    raise StateError(f"the stream ended after {len(tensors)} of {expected} tensors (donor left?)") from None
+                index = len(tensors)
+                if msg.metadata:  # "you have tensor i": reuse it
+                    marker = _loads(msg.metadata)
+                    if parts or not isinstance(marker, dict) or marker.get("have") != index or digests[index] not in held:
+                        raise StateError(f"the stream does not match its manifest at tensor {index}")
+                    t = held[digests[index]]
+                    self.last_load["reused_tensors"] += 1
+                    self.last_load["reused_bytes"] += t.numel() * t.element_size()
+                else:
+                    if bool(msg.tensor_part.dtype) != (not parts):  # the first part of a tensor carries its dtype
+                        raise StateError(f"tensor {index} is missing parts")
+                    parts.append(msg.tensor_part)
+                    self.last_load["received_bytes"] += len(msg.tensor_part.buffer)
+                    if len(parts) < max(1, parts[0].chunks):
+                        continue
+                    whole, parts = parts, []  # rebuilt now: peak = the state + one tensor's parts
+                    t = await loop.run_in_executor(None, lambda: deserialize_torch_tensor(combine_from_streaming(whole)))
+                    if await loop.run_in_executor(None, tensor_digest, t) != digests[index]:
+                        raise StateError(f"tensor {index} does not match its digest")
+                    held[digests[index]] = t
+                tensors.append(t)
+                done_bytes += t.numel() * t.element_size()
+                if time.monotonic() >= report_at:
+                    report()
+                    report_at = time.monotonic() + PROGRESS_EVERY_S
+            report(final=True)
             return unflatten_state(manifest, tensors)
         finally:
             await stream.aclose()

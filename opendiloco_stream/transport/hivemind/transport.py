@@ -362,10 +362,11 @@ class HivemindTransport(Transport):
             raise RuntimeError("transport closed")
         self._sharing().set_provider(provider)
 
-    def load_state_from_peers(self, timeout: float) -> Optional[dict[str, Any]]:
+    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None
+                              ) -> Optional[dict[str, Any]]:
         if self._closed:
             raise RuntimeError("transport closed")
-        return self._sharing().load(timeout)
+        return self._sharing().load(timeout, progress)
 
     def close(self) -> None:
         """Fail pending rounds ("closed"), stop every averager process, stop serving state."""
