@@ -22,8 +22,9 @@ reused, never parts of two different states (under eager updates donors' states 
 theta_bar and the outer momentum are bit-identical on every peer of a round, so they are what a
 resume mostly saves).
 
-*Memory.* Each tensor is rebuilt as soon as its last part arrives and its parts dropped, so a
-download peaks at the state plus one tensor's serialized parts (``PART_BYTES`` each). Progress
+*Memory.* Tensors travel as their raw bytes in parts of ``PART_BYTES``: a donor copies one part at
+a time out of its state, a joiner writes each part in place into a tensor allocated from the
+manifest, so a download peaks at the state plus a part or two. Progress
 (``load(progress=...)``) is reported every ``PROGRESS_EVERY_S`` seconds and at the end.
 
 With an ``admission`` (``net/auth.py``), the joiner's request and the donor's manifest each carry a
@@ -45,12 +46,10 @@ from typing import Any, AsyncIterator, Callable, Optional
 import msgpack
 import numpy as np
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 logger = logging.getLogger(__name__)
@@ -99,11 +98,17 @@ def flatten_state(state: Any) -> tuple[dict, list[torch.Tensor]]:
             "bytes": sum(t.numel() * t.element_size() for t in tensors)}, tensors
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """BLAKE2b-128 of a tensor's dtype, shape and bytes: equal digests, equal tensors."""
     h = hashlib.blake2b(f"{t.dtype}{list(t.shape)}".encode(), digest_size=16)
-    if t.numel():
-        h.update(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    h.update(tensor_bytes(t.detach().cpu().contiguous()))
     return h.hexdigest()
 
 
@@ -167,9 +172,11 @@ class _StateServicer(ServicerBase):
             if digest in have:  # the joiner has it already (from a donor that failed mid-way)
                 yield averaging_pb2.DownloadData(metadata=_dumps({"have": i}))
                 continue
-            serialized = await loop.run_in_executor(None, serialize_torch_tensor, tensor)
-            for part in split_for_streaming(serialized, PART_BYTES):
-                yield averaging_pb2.DownloadData(tensor_part=part)
+            raw, dtype = tensor_bytes(tensor), manifest["tensors"][i][0]
+            n = max(1, -(-len(raw) // PART_BYTES))
+            for j in range(n):  # one part's copy at a time: a donor holds no serialized tensor
+                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(
+                    buffer=bytes(raw[j * PART_BYTES:(j + 1) * PART_BYTES]), chunks=n, dtype=dtype if j == 0 else ""))
         # Keep the stream open until the joiner closes it (which cancels us): closing first may
         # drop the last parts in flight (see protocol.py, "Closing").
         await asyncio.sleep(self._sharing.chunk_timeout)
@@ -317,7 +324,7 @@ class StateSharing:
                 raise StateError("the manifest has no digest for every tensor")
             total = int(manifest.get("bytes", 0))
             tensors: list[torch.Tensor] = []
-            parts: list = []  # the parts of the tensor being received
+            filling: Optional[list] = None  # the tensor being received: [tensor, bytes in, parts in, parts]
             done_bytes, t0 = 0, time.monotonic()
             report_at = t0 + PROGRESS_EVERY_S
 
@@ -337,20 +344,32 @@ class StateSharing:
                 index = len(tensors)
                 if msg.metadata:  # "you have tensor i": reuse it
                     marker = _loads(msg.metadata)
-                    if parts or not isinstance(marker, dict) or marker.get("have") != index or digests[index] not in held:
+                    if filling is not None or not isinstance(marker, dict) or marker.get("have") != index or digests[index] not in held:
                         raise StateError(f"the stream does not match its manifest at tensor {index}")
                     t = held[digests[index]]
                     self.last_load["reused_tensors"] += 1
                     self.last_load["reused_bytes"] += t.numel() * t.element_size()
                 else:
-                    if bool(msg.tensor_part.dtype) != (not parts):  # the first part of a tensor carries its dtype
+                    part = msg.tensor_part
+                    if bool(part.dtype) != (filling is None):  # the first part of a tensor carries its dtype
                         raise StateError(f"tensor {index} is missing parts")
-                    parts.append(msg.tensor_part)
-                    self.last_load["received_bytes"] += len(msg.tensor_part.buffer)
-                    if len(parts) < max(1, parts[0].chunks):
+                    if filling is None:  # each part lands in place: peak = the state + one part
+                        dtype, shape = manifest["tensors"][index]
+                        if part.dtype != dtype or not isinstance(getattr(torch, dtype, None), torch.dtype):
+                            raise StateError(f"tensor {index} is {part.dtype}, the manifest says {dtype}")
+                        filling = [torch.empty(shape, dtype=getattr(torch, dtype)), 0, 0, max(1, part.chunks)]
+                    t, offset, count, n = filling
+                    raw = tensor_bytes(t)
+                    if offset + len(part.buffer) > len(raw):
+                        raise StateError(f"tensor {index} has more bytes than its shape")
+                    raw[offset:offset + len(part.buffer)] = part.buffer
+                    filling[1:3] = offset + len(part.buffer), count + 1
+                    self.last_load["received_bytes"] += len(part.buffer)
+                    if count + 1 < n:
                         continue
-                    whole, parts = parts, []  # rebuilt now: peak = the state + one tensor's parts
-                    t = await loop.run_in_executor(None, lambda: deserialize_torch_tensor(combine_from_streaming(whole)))
+                    filling = None
+                    if offset + len(part.buffer) != len(raw):
+                        raise StateError(f"tensor {index} is short of bytes")
                     if await loop.run_in_executor(None, tensor_digest, t) != digests[index]:
                         raise StateError(f"tensor {index} does not match its digest")
                     held[digests[index]] = t
