@@ -124,3 +124,30 @@ def test_one_group_of_every_live_peer_follows_deaths_and_joins():
         assert sizes(run_round(swarm, survivors + [fresh], 7)) == [(True, 6, 6)] * 6
     finally:
         swarm.close()
+
+
+async def _pending_gets(_dht, node) -> int:
+    return len(node.pending_get_requests)
+
+
+def test_upkeep_prunes_the_dht_bookkeeping_of_finished_lookups():
+    """hivemind keeps an empty entry per key ever looked up (DHTNode.pending_get_requests): every
+    round looks up new keys, so a long run's DHT process grew (docs/benchmarks.md, soak). A real
+    DHT: 50 lookups of new keys leave 50 entries; upkeep removes them and a later lookup works."""
+    from hivemind import DHT
+
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    presence = Presence(dht, "run", "me", ttl=60, poll_s=1000)
+    try:
+        before = dht.run_coroutine(_pending_gets)
+        for r in range(50):
+            assert dht.get(f"run_live_f0_r{r}", latest=True) is None
+        assert dht.run_coroutine(_pending_gets) >= before + 50
+        assert presence.upkeep() >= 50
+        assert dht.run_coroutine(_pending_gets) == 0
+        presence.expect(0, 3)
+        assert presence.launched_by_others(0, 2) is False  # lookups still work after the prune
+        assert set(presence._entries(0, 3)) == {"me"}
+    finally:
+        presence.close()
+        dht.shutdown()

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
@@ -46,6 +47,7 @@ from hivemind.utils.timed_storage import get_dht_time
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 10.0
+UPKEEP_EVERY_S = 30.0  # how often the heartbeat prunes the DHT process's finished lookups
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,21 @@ class RoundPlan:
 
     target: Optional[int]   # start as soon as this many peers are in the group (None: at the deadline)
     skip: bool = False      # first round of this fragment in a running swarm: sit it out
+
+
+async def prune_pending_gets(_dht: DHT, node: Any) -> int:
+    """Runs in the DHT process: drop the empty entries of ``DHTNode.pending_get_requests``.
+
+    hivemind 1.1.12 keeps one (empty, once the lookup finished) ``SortedSet`` per key ever looked up
+    and never deletes it. Every round of a run looks up new keys (this module's per-round keys, the
+    averagers' matchmaking keys), so a long run's DHT process grew by ~8 kB per round (71-74 MB/h in
+    the 30-minute soak, docs/benchmarks.md). Removing an empty entry is what hivemind would do if it
+    cleaned up: a later lookup of the key makes a new one."""
+    pending = node.pending_get_requests
+    empty = [key for key, searches in pending.items() if not searches]
+    for key in empty:
+        del pending[key]
+    return len(empty)
 
 
 def live_key(run_id: str, fragment: int, round_index: int) -> str:
@@ -166,8 +183,23 @@ class Presence:
         return launched is not None and get_dht_time() - launched >= self.late_after
 
     def _heartbeat(self) -> None:
+        last_upkeep = time.monotonic()
         while not self._stop.wait(self.poll_s):
             self.beat()
+            if time.monotonic() - last_upkeep >= UPKEEP_EVERY_S:
+                last_upkeep = time.monotonic()
+                self.upkeep()
+
+    def upkeep(self) -> int:
+        """Prune the DHT process's bookkeeping of finished lookups (``prune_pending_gets``); how
+        many entries went (-1 if the DHT did not answer)."""
+        try:
+            with self._dht_lock:
+                future = self.dht.run_coroutine(prune_pending_gets, return_future=True)
+            return int(future.result(timeout=self.dht_timeout))
+        except Exception as e:
+            logger.info("presence: DHT upkeep failed: %r", e)
+            return -1
 
     def beat(self) -> None:
         """One refresh of this peer's announcements and one look at the watched rounds."""
