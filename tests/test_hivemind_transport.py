@@ -242,22 +242,26 @@ def expected_state(numel: int) -> dict:
             "opt": {0: {"momentum_buffer": torch.randn(numel // 2, generator=g)}}, "mode": ("eager", 0.5)}
 
 
+def claim_download(claim_dir: str) -> bool:
+    """Whether this donor is the first asked (it writes its pid to ``claim_dir/claim``)."""
+    try:
+        fd = os.open(os.path.join(claim_dir, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
 def donor_state(index: int, numel: int, claim_dir: str):
     """A state provider. Once ``claim_dir/armed`` exists, the first donor asked claims the download
     (writes its pid), signals the test and blocks until the test kills it: a donor that dies after
     accepting a download and before finishing it."""
 
     def provider():
-        if os.path.exists(os.path.join(claim_dir, "armed")):
-            try:
-                fd = os.open(os.path.join(claim_dir, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                pass
-            else:
-                os.write(fd, str(os.getpid()).encode())
-                os.close(fd)
-                peer_signal().set()
-                threading.Event().wait(120)
+        if os.path.exists(os.path.join(claim_dir, "armed")) and claim_download(claim_dir):
+            peer_signal().set()
+            threading.Event().wait(120)
         return dict(expected_state(numel), donor=index)
 
     return provider
@@ -275,13 +279,7 @@ def serve_big_state(peer, index: int, n_tensors: int, numel: int, claim_dir: str
     sharing = peer.transport._sharing()
 
     def provider():
-        try:
-            fd = os.open(os.path.join(claim_dir, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            pass
-        else:
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
+        if claim_download(claim_dir):
             sharing.die_after_tensors = die_after
         return dict(big_state(n_tensors, numel), donor=index)
 

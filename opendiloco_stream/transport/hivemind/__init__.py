@@ -5,7 +5,7 @@
 - ``runner.py``: one round inside the averager process (the core of ``transport/reduce.py`` over streams)
 - ``protocol.py``: the frames of a round and the round's group bits
 - ``timeouts.py``: the timeout hierarchy and its defaults
-- ``state.py``: late joiners (state donors and downloads)
+- ``state.py``: late joiners (state donors and downloads); ``state_format.py``: its manifest, digests and parts
 """
 
 from opendiloco_stream.transport.hivemind.transport import HivemindSyncHandle, HivemindTransport
