@@ -44,6 +44,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco_stream.compression import all_finite, get_codec
 from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
+from opendiloco_stream.net.dht import unstick_hivemind_locks
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
@@ -296,6 +297,7 @@ class HivemindTransport(Transport):
         if mp.get_start_method() != "fork":
             raise RuntimeError("hivemind averagers need the 'fork' multiprocessing start method "
                                f"(this process uses {mp.get_start_method()!r})")
+        unstick_hivemind_locks()  # an averager or DHT killed earlier in this process may have left one held
         averagers = {}
         try:
             for p, n in sorted(numels.items()):  # fork them all before starting our threads
