@@ -466,16 +466,17 @@ def test_stalled_or_killed_peer_costs_one_bounded_round_then_the_others_go_on():
 
 @pytest.mark.network
 def test_a_download_cut_mid_way_resumes_from_another_donor_with_what_it_has(tmp_path):
-    """12 tensors of 1 MB; the first donor asked dies before sending tensor 5: the joiner keeps the
-    5 whole tensors, asks the other donor with their digests, gets the other 7 and a marker for
-    each of those 5, and ends with exactly the state (the second donor's), progress reported."""
+    """12 tensors of 1 MB; the first donor asked dies before sending tensor 8: the joiner keeps the
+    whole tensors that reached it (up to 8: the last parts written before the exit may be lost with
+    the stream), asks the other donor with their digests, gets a marker for each of those and the
+    rest as bytes, and ends with exactly the state (the second donor's), progress reported."""
     swarm = LoopbackSwarm(3, run_id="hvresume", transport_kwargs=dict(codec="fp32", state_timeout=10.0, **TIMEOUTS))
     n_tensors, numel = 12, 250_000
     try:
         swarm.start()
         for i in (0, 1):
             swarm.peers[i].call("call", f"{MODULE}:serve_big_state", index=i, n_tensors=n_tensors, numel=numel,
-                                claim_dir=str(tmp_path), die_after=5, timeout=30)
+                                claim_dir=str(tmp_path), die_after=8, timeout=30)
         out = swarm.peers[2].call("call", f"{MODULE}:load_state_reporting", load_timeout=60.0, timeout=90)
         victim = int((tmp_path / "claim").read_text())
         survivor = next(p.index for p in swarm.peers[:2] if p.pid != victim)
@@ -485,12 +486,14 @@ def test_a_download_cut_mid_way_resumes_from_another_donor_with_what_it_has(tmp_
         expected = big_state(n_tensors, numel)["outer"]
         assert all(torch.equal(a, b) for a, b in zip(state["outer"], expected))
         assert len(last["donors"]) == 2, last  # the one that died, then the survivor
-        assert last["reused_tensors"] == 5 and last["reused_bytes"] == 5 * numel * 4, last
-        # bytes that came over the wire: the 5 from the first donor once, the 7 others from the second
+        reused = last["reused_tensors"]
+        assert 1 <= reused <= 8 and last["reused_bytes"] == reused * numel * 4, last
+        # over the wire: the whole tensors from the first donor once, the others from the second, and
+        # at most one tensor's parts that the first donor's stream cut short
         assert 12 * numel * 4 <= last["received_bytes"] < 13 * numel * 4, last
         final = out["progress"][-1]
         assert final["done"] and final["bytes"] == final["total_bytes"] == 12 * numel * 4, out["progress"]
-        assert final["reused_bytes"] == 5 * numel * 4
+        assert final["reused_bytes"] == reused * numel * 4
     finally:
         swarm.close()
 

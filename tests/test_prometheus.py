@@ -102,7 +102,10 @@ def test_scrape_the_endpoint_of_running_peers(tmp_path):
             time.sleep(1.0)
         assert samples.get("rounds_ok", 0) >= 2, samples
         assert samples["ods_group_size"] == 2
-        assert samples["ods_step"] >= 6 and samples["ods_tokens_total"] == samples["ods_step"] * 2 * 32
+        # the second round is at step 6; a scrape may land between its sync record and its step record.
+        # tokens: 2 x 32 a trained step; a step skipped to catch up with the other peer (under load) has none
+        assert samples["ods_step"] >= 5 and samples["ods_tokens_total"] % (2 * 32) == 0
+        assert 0 < samples["ods_tokens_total"] <= samples["ods_step"] * 2 * 32
         assert samples["ods_bytes_sent_total"] > 0 and samples["ods_bytes_received_total"] > 0
         assert 0 < samples["ods_compute_utilization"] <= 1 and samples["ods_tokens_per_second"] > 0
         assert math.isfinite(samples["ods_loss"]) and samples["ods_sync_wait_seconds_total"] >= 0
