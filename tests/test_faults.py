@@ -100,6 +100,19 @@ def test_nan_wrong_size_and_huge_contributions_in_a_group_of_4_leave_the_exact_m
 
 
 # ------------------------------------------------------------------------- b. the bootstrap dies
+def rounds_until_group(swarm, live, args, rnd, size):
+    """Rounds of fragment 0 from ``rnd`` on until one is ok for every live peer in a group of
+    ``size``; at most 2 incomplete ones before it. Returns (the next round, incomplete rounds)."""
+    incomplete = 0
+    while True:
+        results = swarm.call_all("all_reduce", (0, rnd), per_peer=args, peers=live, timeout=90)
+        rnd += 1
+        if ok_group(results, size):
+            return rnd, incomplete
+        incomplete += 1
+        assert incomplete < 3, results
+
+
 @pytest.mark.network
 @pytest.mark.timeout(240)
 def test_bootstrap_killed_rounds_go_on_and_a_new_peer_joins_through_a_live_peer():
@@ -114,26 +127,13 @@ def test_bootstrap_killed_rounds_go_on_and_a_new_peer_joins_through_a_live_peer(
         swarm.peers[0].kill()  # the bootstrap: every other peer's initial_peers pointed only at it
         killed_at = time.monotonic()
         live = swarm.peers[1:]
-        rnd, failed = 1, 0
-        while True:  # the survivors go on as a group of 2 (target 3: they wait matchmaking_time)
-            results = swarm.call_all("all_reduce", (0, rnd), per_peer=args[1:3], peers=live, timeout=90)
-            rnd += 1
-            if ok_group(results, 2):
-                break
-            failed += 1
-            assert failed < 3, results
+        # the survivors go on as a group of 2 (target 3: they wait matchmaking_time)
+        rnd, failed = rounds_until_group(swarm, live, args[1:3], 1, 2)
         survivors_s = time.monotonic() - killed_at
         joiner = swarm.add_peer(initial_peers=live[0].maddrs)  # a live peer's address, not the dead bootstrap's
         joiner.call("prepare", {0: numel}, timeout=120)
         live = live + [joiner]
-        joined_after = 0
-        while True:
-            results = swarm.call_all("all_reduce", (0, rnd), per_peer=args[1:4], peers=live, timeout=90)
-            rnd += 1
-            if ok_group(results, 3):
-                break
-            joined_after += 1
-            assert joined_after < 3, results
+        rnd, joined_after = rounds_until_group(swarm, live, args[1:4], rnd, 3)
         print(f"\nbootstrap killed: {failed} failed round(s), survivors' first good round done {survivors_s:.1f}s "
               f"after the kill; the joiner (bootstrapped from peer 1) was in a group of 3 after "
               f"{joined_after} incomplete round(s)")
