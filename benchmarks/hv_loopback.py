@@ -75,7 +75,7 @@ class _Peer:
                    group_size=result.group_size,
                    weight_share=result.weight_share, bytes_sent=result.bytes_sent,
                    bytes_received=result.bytes_received, peers=result.peers, included_self=result.included_self,
-                   rejected=result.rejected, expected_size=result.expected_size,
+                   rejected=result.rejected, expected_size=result.expected_size, phases=result.phases,
                    sha256=hashlib.sha256(result.average.numpy()).hexdigest())  # hashed in place
         if return_tensors:
             out.update(average=result.average, sent=result.sent)

@@ -7,6 +7,8 @@ For each codec: start 3 peers (``LoopbackSwarm``), declare one fragment per size
 round and ``--rounds`` measured rounds per size. A round's time is the slowest peer's, from
 ``all_reduce`` to the result (``target_group_size`` = 3, so matchmaking does not wait). Bytes are
 what each peer's transport counted on the wire (serialized messages), averaged over peers.
+``phases_s_median`` splits a round into the phases of ``SyncResult.phases`` (prepare, matchmaking,
+contributions, verdicts, reduce, results, drain, finish): the median over peers and rounds.
 
 Then (unless ``--no-kill``) the killed-peer scenario: a round of the largest fragment is started
 and one peer's whole process group is SIGKILLed mid-round (at 40% of a measured round time); we
@@ -56,7 +58,7 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
     with LoopbackSwarm(PEERS, run_id=f"bench_{codec.replace('-', '_')}", transport_kwargs=kwargs) as swarm:
         swarm.call_all("prepare", {f: n for f, n in enumerate(numels)}, timeout=300)
         for fragment, numel in enumerate(numels):
-            times, sent, received = [], [], []
+            times, sent, received, phases = [], [], [], []
             for rnd in range(rounds + 1):
                 # tensors first, on every peer, then the round: as gloo's barrier, so that no peer's
                 # round time includes waiting for another one still drawing its random tensor
@@ -74,13 +76,17 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                 times.append(max(r["elapsed_s"] for r in results))
                 sent.append(statistics.mean(r["bytes_sent"] for r in results))
                 received.append(statistics.mean(r["bytes_received"] for r in results))
+                phases += [r["phases"] for r in results]
             rows.append(dict(codec=codec, numel=numel, peers=PEERS, rounds=rounds,
                              round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
                              bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
-                             wire_bits_per_element=8 * statistics.mean(sent) / numel))
+                             wire_bits_per_element=8 * statistics.mean(sent) / numel,
+                             phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}))
             if gloo and numel in gloo:
                 rows[-1]["gloo_round_s"] = gloo[numel]
             print(_row(rows[-1]), flush=True)
+            print("    phases (median over peers and rounds): " + ", ".join(
+                f"{k} {1000 * v:.0f} ms" for k, v in rows[-1]["phases_s_median"].items()), flush=True)
     return rows
 
 

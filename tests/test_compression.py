@@ -419,3 +419,36 @@ def test_error_feedback_state_dict_roundtrip():
     assert not torch.equal(ef.residual((0, "a")), state["residuals"][(0, "a")])
     with pytest.raises(ValueError):
         restored.load_state_dict({"residuals": {0: [1, 2]}})
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "fp4-e3m0"])
+def test_encode_parts_are_the_encoding_and_fp32_parts_view_the_tensor(name):
+    codec = get_codec(name)
+    x = _randn(1000)
+    parts = codec.encode_parts(x)
+    assert b"".join(bytes(p) for p in parts) == codec.encode(x)
+    if name == "fp32":  # header, then the tensor's own memory
+        assert len(parts) == 2
+        x[0] = 7.0
+        assert np.frombuffer(parts[1], dtype=np.float32)[0] == 7.0
+    else:
+        assert len(parts) == 1
+    with pytest.raises(NonFiniteError):
+        codec.encode_parts(torch.tensor([1.0, float("nan")]))
+
+
+def test_shared_fp32_decode_views_a_writable_buffer_and_copies_otherwise():
+    codec = get_codec("fp32")
+    x = _randn(100)
+    data = bytearray(codec.encode(x))
+    shared = codec.decode(data, numel=100, share=True)
+    assert torch.equal(shared, x)
+    data[HEADER_SIZE:HEADER_SIZE + 4] = np.float32(3.5).tobytes()
+    assert shared[0] == 3.5  # a view: no copy
+    assert torch.equal(codec.decode(bytes(data), numel=100, share=True), shared)  # read-only bytes: copied
+    owned = codec.decode(data, numel=100)
+    data[HEADER_SIZE:HEADER_SIZE + 4] = np.float32(-1.0).tobytes()
+    assert owned[0] == 3.5  # share=False never aliases
+    data[HEADER_SIZE:HEADER_SIZE + 4] = np.float32("nan").tobytes()
+    with pytest.raises(NonFiniteError):
+        codec.decode(data, numel=100, share=True)

@@ -527,3 +527,17 @@ def test_late_joiner_downloads_state_and_survives_a_donor_dying(tmp_path):
         assert state["donor"] == 1 - victim.index  # from the survivor
     finally:
         swarm.close()
+
+
+def test_round_phases_split_a_round_between_the_host_and_the_runner_marks():
+    from opendiloco_stream.transport.hivemind.transport import round_phases
+
+    marks = {"group": 10.5, "contributions": 10.75, "verdicts": 10.875, "reduced": 11.0, "results": 11.5, "end": 11.625}
+    phases = round_phases(10.0, 10.25, marks, 12.0)
+    assert phases == {"prepare": 0.25, "matchmaking": 0.25, "contributions": 0.25, "verdicts": 0.125, "reduce": 0.125,
+                      "results": 0.5, "drain": 0.125, "finish": 0.375}
+    assert sum(phases.values()) == 2.0
+    # a peer with no part to reduce has no reducer marks; no marks at all: only what the host saw
+    assert round_phases(10.0, 10.25, {"group": 10.5, "results": 11.5, "end": 11.5}, 11.75) == {
+        "prepare": 0.25, "matchmaking": 0.25, "results": 1.0, "drain": 0.0, "finish": 0.25}
+    assert round_phases(10.0, 10.25, {}, 11.0) == {"prepare": 0.25}

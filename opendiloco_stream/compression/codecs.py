@@ -186,6 +186,17 @@ class Codec:
             parts = [casts.encode_cast(x32, self.name, generator)]
         return b"".join([header, *(part.cpu().numpy() for part in parts)])
 
+    def encode_parts(self, tensor: torch.Tensor) -> tuple:
+        """``encode(tensor)`` as buffers whose concatenation is those bytes. For fp32 from a
+        contiguous fp32 CPU tensor: the header and a view of the tensor's own memory (no copy; the
+        caller keeps the tensor unchanged until the parts are sent). Other codecs: ``(encode(tensor),)``."""
+        if self.name == "fp32" and tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous():
+            flat = tensor.detach().reshape(-1)
+            if not all_finite(flat):
+                raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({self.name}, numel={flat.numel()})")
+            return self._header(flat.numel()).pack(), memoryview(flat.numpy()).cast("B")
+        return (self.encode(tensor),)
+
     # ---- decode ----------------------------------------------------------------------------
 
     def decode(
@@ -194,13 +205,22 @@ class Codec:
         *,
         numel: int | None = None,
         device: torch.device | str = "cpu",
+        share: bool = False,
     ) -> torch.Tensor:
         """Bytes from ``encode`` (of a codec with the same parameters) -> flat fp32 tensor.
 
         ``numel`` (optional) is the size the receiver expects. Raises ``ValueError`` with one line
         for truncated, malformed or mismatching bytes, ``NonFiniteError`` for NaN/Inf content.
+        ``share=True`` lets an fp32 result on the CPU be a view of ``data`` when ``data`` is a
+        writable buffer (no copy): the caller must then keep ``data`` alive and unchanged.
         """
-        return decode_with_header(data, self._checked_header(data, numel), device)
+        header = self._checked_header(data, numel)
+        if share and header.codec == "fp32" and torch.device(device).type == "cpu" and _writable(data) and header.numel:
+            values = torch.frombuffer(data, dtype=torch.float32, count=header.numel, offset=HEADER_SIZE)
+            if not all_finite(values):
+                raise NonFiniteError("malformed fp32 data: it holds NaN or Inf")
+            return values
+        return decode_with_header(data, header, device)
 
     def _checked_header(self, data: bytes | bytearray | memoryview, numel: int | None) -> WireHeader:
         header = read_header(data)
@@ -235,6 +255,10 @@ def _describe(header: WireHeader) -> str:
     if header.k:
         return f"{header.codec} (chunk {header.block_size}, k {header.k}, {header.scale_dtype} scales)"
     return f"{header.codec} (block {header.block_size}, {header.scale_dtype} scales)"
+
+
+def _writable(data: bytes | bytearray | memoryview) -> bool:
+    return isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly and data.contiguous)
 
 
 def _owned_slice(data: bytes | bytearray | memoryview, offset: int, count: int, dtype: type) -> torch.Tensor:

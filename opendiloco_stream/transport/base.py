@@ -47,7 +47,8 @@ class SyncResult:
     group_size: int
     #: this peer's share of the total weight (1 / group_size with equal weights)
     weight_share: float
-    #: deQ(Q(tensor)) of what this peer sent, fp32, same shape as ``average``
+    #: deQ(Q(tensor)) of what this peer sent, fp32, same shape as ``average``; for a lossless
+    #: codec (fp32) it may be a flat view of the tensor given to ``all_reduce`` itself (no copy)
     sent: torch.Tensor
     #: bytes this peer put on / took off the wire for this round
     bytes_sent: int = 0
@@ -60,6 +61,9 @@ class SyncResult:
     rejected: int = 0
     #: the group size the round waited for (the live peers counted for it); None: not known
     expected_size: Optional[int] = None
+    #: seconds per phase of the round, where the transport measures them (hivemind: prepare,
+    #: matchmaking, contributions, verdicts, reduce, results, finish); empty otherwise
+    phases: dict = field(default_factory=dict)
 
 
 class SyncHandle(abc.ABC):

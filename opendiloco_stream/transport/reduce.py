@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence, Union
 
 import torch
 
@@ -157,7 +157,7 @@ def check_chunk(codec: Codec, payload: bytes, numel: int) -> tuple[Optional[torc
     value is finite.
     """
     try:
-        values = codec.decode(payload, numel=numel)
+        values = codec.decode(payload, numel=numel, share=True)  # fp32: a view of the received bytes
     except ValueError as e:  # includes NonFiniteError
         return None, str(e)
     if values.numel() != numel:
@@ -239,6 +239,12 @@ class PartReducer:
         sumsq = sum_of_squares(values) if values is not None else 0.0
         return values, why, sumsq, bytes(payload) if self.codec.is_sparse and values is not None else None
 
+    def check_values(self, values: torch.Tensor) -> tuple[Optional[torch.Tensor], str, float, Optional[bytes]]:
+        """``check`` of a dense contribution already in fp32 (a reducer's own lossless chunk)."""
+        if not all_finite(values):
+            return None, "non-finite values", 0.0, None
+        return values, "", sum_of_squares(values), None
+
     def accept(self, s: int, j: int, checked: tuple[Optional[torch.Tensor], str, float, Optional[bytes]]) -> str:
         """Record sender ``s``'s checked chunk ``j``; returns why it was rejected ("" if it was not)."""
         if self.status[s] != OK:
@@ -268,16 +274,20 @@ class PartReducer:
         """This reducer's verdict once every sender was heard or given up on (norms checked)."""
         return bytes(norm_verdict(self.status, self.sumsq, self.norm_bound))
 
-    def reduce_chunk(self, j: int, final: bytes, weights: Sequence[float]) -> tuple[bytes, torch.Tensor]:
+    def reduce_chunk(self, j: int, final: bytes, weights: Sequence[float], parts: bool = False
+                     ) -> tuple[Union[bytes, tuple], torch.Tensor]:
         """Chunk ``j`` of the result under the group's verdict ``final``: the bytes every member
         receives and what they decode to (:func:`decode_result`). Dense codecs: the weighted fp32
         mean, encoded once. Sparse codecs: the accepted contributions' own bytes, forwarded, whose
-        weighted fp32 mean every member computes the same way (or a dense fp4 mean for large groups)."""
+        weighted fp32 mean every member computes the same way (or a dense fp4 mean for large groups).
+        With ``parts``, an fp32 result's bytes are ``Codec.encode_parts`` of the mean (no copy)."""
         accepted = [s for s in range(len(final)) if final[s] == OK]
         mean = weighted_mean([self.values[s][j] for s in accepted], [weights[s] for s in accepted])
         fmt = self.codec.result_codec(len(accepted))
         if fmt is None:
             payload, result = pack_bundle([self.payloads[s][j] for s in accepted]), mean
+        elif parts and fmt.name == "fp32":  # lossless: the mean is the result, its memory the bytes
+            payload, result = fmt.encode_parts(mean), mean
         else:
             payload = fmt.encode(mean)
             lo, hi = self.chunks[j]

@@ -52,11 +52,13 @@ def pack_frame(kind: int, chunk: int = 0, payload: bytes = b"", status: bytes = 
     return b"".join(frame_parts(kind, chunk, payload, status, total_weight))
 
 
-def frame_parts(kind: int, chunk: int = 0, payload: Buffer = b"", status: bytes = b"", total_weight: float = 0.0
-                ) -> tuple[bytes, Buffer]:
-    """A frame as (head, payload), whose concatenation is ``pack_frame``: a message can carry the
-    chunk's bytes without copying them into one buffer."""
-    return _FRAME.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, chunk, len(status), total_weight) + status, payload
+def frame_parts(kind: int, chunk: int = 0, payload: Union[Buffer, tuple] = b"", status: bytes = b"",
+                total_weight: float = 0.0) -> tuple:
+    """A frame as (head, *payload), whose concatenation is ``pack_frame``: a message can carry the
+    chunk's bytes without copying them into one buffer. ``payload`` is a buffer or a tuple of them
+    (``Codec.encode_parts``)."""
+    head = _FRAME.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, chunk, len(status), total_weight) + status
+    return (head, *payload) if isinstance(payload, tuple) else (head, payload)
 
 
 def unpack_frame(data: "Buffer") -> Frame:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional
+import time
+from typing import AsyncIterator, Optional, Union
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
@@ -82,6 +83,10 @@ class HvAllReduceRunner:
         # after a successful round; a fresh 40 MB tensor costs more in page faults than a copy
         self.result = torch.empty(tensor.numel(), dtype=torch.float32) if result is None else result
         self.sent = torch.empty(tensor.numel(), dtype=torch.float32) if sent is None else sent
+        # fp32 is lossless: what we send is the tensor itself, sent without a copy, and ``sent`` is
+        # not written (the host uses its own tensor). Not for test doubles that fake what they send.
+        self.sent_is_input = (codec.name == "fp32"
+                              and type(self).encode_contribution is HvAllReduceRunner.encode_contribution)
         self.bytes_sent = self.bytes_received = 0
         # reducer state: decoded contributions to my part, their squared norms, per-sender status
         self.part = PartReducer(codec, self.my_chunks, status, norm_bound)
@@ -95,6 +100,8 @@ class HvAllReduceRunner:
         self.serving: dict[int, asyncio.Event] = {}
         self.finished = False
         self._deadline = asyncio.get_event_loop().time() + timeouts.allreduce
+        # wall-clock marks of the round's phases (time.time(): the host compares them with its own)
+        self.marks: dict[str, float] = {"group": time.time()}
 
     # ------------------------------------------------------------------ helpers
     def _remaining(self) -> float:
@@ -110,8 +117,13 @@ class HvAllReduceRunner:
         """What goes on the wire for one chunk of this peer's tensor."""
         return self.codec.encode(chunk)
 
-    def _encode_chunk(self, lo: int, hi: int) -> bytes:
-        """Encode one chunk of our tensor and record what it decodes to in ``sent`` (executor)."""
+    def _encode_chunk(self, lo: int, hi: int) -> Union[bytes, tuple]:
+        """Encode one chunk of our tensor and record what it decodes to in ``sent`` (executor).
+
+        Lossless fp32 (``sent_is_input``): the header and a view of the tensor itself, and ``sent``
+        is left alone: what we sent is the tensor."""
+        if self.sent_is_input:
+            return self.codec.encode_parts(self.tensor[lo:hi])
         payload = self.encode_contribution(self.tensor[lo:hi])
         try:
             self.codec.decode_into(payload, self.sent[lo:hi])
@@ -119,10 +131,14 @@ class HvAllReduceRunner:
             self.sent[lo:hi] = float("nan")
         return payload
 
-    async def _take_contribution(self, s: int, j: int, payload: bytes) -> None:
+    async def _take_contribution(self, s: int, j: int, payload: Union[bytes, tuple]) -> None:
         if self.part.status[s] != OK:
             return  # already rejected (or abstaining): the rest of its stream is drained unread
-        checked = await self._in_executor(self.part.check, j, payload)
+        if isinstance(payload, tuple) and len(payload) > 1:  # our own fp32 (header, view): the tensor itself
+            lo, hi = self.my_chunks[j]
+            checked = await self._in_executor(self.part.check_values, self.tensor[lo:hi])
+        else:
+            checked = await self._in_executor(self.part.check, j, payload[0] if isinstance(payload, tuple) else payload)
         why = self.part.accept(s, j, checked)  # ignored if s was dropped meanwhile
         if why:
             logger.info("round %s: rejecting the contribution of %s: %s", self.key, self._name(s), why)
@@ -234,6 +250,7 @@ class HvAllReduceRunner:
     async def _reduce(self) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.sender_done.values())), self._remaining())
+            self.marks["contributions"] = time.time()
             verdict = self.part.verdict()
             self.my_verdict.set_result(verdict)
             others = [await asyncio.wait_for(asyncio.shield(self.verdicts[r]), self._remaining())
@@ -243,10 +260,12 @@ class HvAllReduceRunner:
             if not outcome.accepted or outcome.total_weight <= 0:
                 raise RoundError("rejected", f"round {self.key}: no valid contribution left")
             total_weight = outcome.total_weight
+            self.marks["verdicts"] = time.time()
             self.final.set_result((final, total_weight))
             for j in range(len(self.my_chunks)):
                 payload = await self._in_executor(self._reduce_chunk, j, final)
                 self.result_chunks[j].set_result(payload)
+            self.marks["reduced"] = time.time()
             self._record_part(self.me, final, total_weight)
         except BaseException as e:
             failure = e if isinstance(e, RoundError) else RoundError(
@@ -259,16 +278,16 @@ class HvAllReduceRunner:
                 raise
             raise failure
 
-    def _reduce_chunk(self, j: int, final: bytes) -> bytes:
+    def _reduce_chunk(self, j: int, final: bytes) -> Union[bytes, tuple]:
         lo, hi = self.my_chunks[j]
-        payload, self.result[lo:hi] = self.part.reduce_chunk(j, final, self.weights)  # quantized ONCE, same bytes for all
+        payload, self.result[lo:hi] = self.part.reduce_chunk(j, final, self.weights, parts=True)  # quantized ONCE, same bytes for all
         return payload
 
     # ------------------------------------------------------------------ sender side
     async def _contributions_for(self, q: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         for j, (lo, hi) in enumerate(self.layout.chunks[q]):
             payload = await self._in_executor(self._encode_chunk, lo, hi)
-            msg = _message(frame_parts(CONTRIB, j, payload), self.group_id)
+            msg = _message(frame_parts(CONTRIB, j, payload), self.group_id)  # payload: bytes or fp32 (header, view)
             self.bytes_sent += msg.ByteSize()
             yield msg
         if self.is_reducer[self.me]:
@@ -360,7 +379,9 @@ class HvAllReduceRunner:
             try:
                 outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())
             except asyncio.TimeoutError:
-                raise RoundError("timeout", f"round {self.key}: not finished within {self.t.allreduce:.1f}s") from None
+                raise RoundError("timeout", f"round {self.key}: not finished within {self.t.allreduce:.1f}s "
+                                            f"({self._progress()})") from None
+            self.marks["results"] = time.time()
             # others may still be reading our results: let them finish (bounded) before reporting
             pending = [e.wait() for e in self.serving.values()]
             if pending:
@@ -375,6 +396,24 @@ class HvAllReduceRunner:
             for task in tasks + helpers:
                 task.cancel()
 
+    def _progress(self) -> str:
+        """Where a round stands, for a timeout's message: what we got from whom."""
+        marks = ", ".join(f"{k} at +{v - self.marks['group']:.2f}s" for k, v in self.marks.items() if k != "group")
+        items = []
+        for i in range(len(self.peer_ids)):
+            if i == self.me:
+                continue
+            got = []
+            if i in self.sender_done:
+                got.append("contribution " + ("in" if self.sender_done[i].is_set() else
+                                              "streaming" if i in self.connected else "not connected"))
+            if i in self.verdicts:
+                got.append("verdict " + ("in" if self.verdicts[i].done() else "awaited"))
+            if self.is_reducer[i]:
+                got.append("results " + ("begun" if i in self.part_status else "awaited"))
+            items.append(f"peer {i}: {', '.join(got) or 'nothing expected'}")
+        return f"I am {self.me}; {'; '.join(items)}; {marks or 'no phase done'}"
+
     def _summary(self) -> dict:
         verdicts = set(self.part_status.values())
         if len(verdicts) != 1:
@@ -388,5 +427,5 @@ class HvAllReduceRunner:
             weight_share=self.weights[self.me] / total_weight if outcome.included_self else 0.0,
             included_self=outcome.included_self, peers=[self._name(s) for s in outcome.accepted],
             rejected=outcome.rejected, missing=outcome.missing,
-            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received, marks=dict(self.marks, end=time.time()), sent_is_input=self.sent_is_input,
         )

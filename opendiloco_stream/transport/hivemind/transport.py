@@ -110,6 +110,32 @@ def _classify(error: BaseException, step: StepControl) -> tuple[str, str]:
     return "failed", repr(error)
 
 
+def round_phases(start: float, step: float, marks: dict, end: float) -> dict[str, float]:
+    """Seconds spent in each phase of a round (``SyncResult.phases``), from the host's and the
+    runner's wall-clock marks. A phase this peer did not run (no part to reduce) is left out.
+
+    prepare: checks and copy into the averager; matchmaking: until the group started its round;
+    contributions: until every contribution to our part arrived; verdicts: until the reducers'
+    verdicts did; reduce: our part averaged and encoded; results: until every part's average
+    arrived; drain: until groupmates finished reading our part's average; finish: until the host
+    holds its copy of the result."""
+    order = ["contributions", "verdicts", "reduced", "results", "end"]
+    names = {"contributions": "contributions", "verdicts": "verdicts", "reduced": "reduce", "results": "results",
+             "end": "drain"}
+    phases = {"prepare": step - start}
+    if "group" not in marks:
+        return phases
+    phases["matchmaking"] = marks["group"] - step
+    last = marks["group"]
+    for mark in order:
+        if mark in marks:
+            if mark in names:
+                phases[names[mark]] = marks[mark] - last
+            last = marks[mark]
+    phases["finish"] = end - last
+    return {k: max(0.0, v) for k, v in phases.items()}
+
+
 class _Lane:
     """One fragment: its averager process and the worker thread that runs its rounds in order."""
 
@@ -157,6 +183,7 @@ class _Lane:
                     return
             except BaseException:
                 pass  # it failed; it is over, which is all we need
+        t_start = time.time()
         flat = tensor.detach().reshape(-1)
         if not all_finite(flat):
             handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
@@ -177,6 +204,7 @@ class _Lane:
             if self.live_target and plan.target != self._target:
                 self.averager.set_target_group_size(plan.target).result(timeout=self.timeouts.request)
                 self._target = plan.target
+            t_step = time.time()
             self._step = step = self.averager.step(
                 gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
                 timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
@@ -193,8 +221,14 @@ class _Lane:
             reason, message = _classify(e, step)
             handle.fail(reason, message)
             return
+        average = self.averager.output_buffer.clone()
+        if summary.get("sent_is_input"):  # lossless fp32: the averager sent our tensor as it is
+            cpu32 = flat.device.type == "cpu" and flat.dtype == torch.float32
+            sent = flat if cpu32 else self.averager.input_buffer.clone()  # (not sent_buffer: unwritten)
+        else:
+            sent = self.averager.sent_buffer.clone()
         handle.succeed(SyncResult(
-            average=self.averager.output_buffer.clone(), sent=self.averager.sent_buffer.clone(),
+            average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
             group_size=summary["group_size"], weight_share=summary["weight_share"],
             bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
             included_self=summary["included_self"], rejected=summary["rejected"], expected_size=self._target))
