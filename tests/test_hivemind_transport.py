@@ -530,7 +530,7 @@ def test_late_joiner_downloads_state_and_survives_a_donor_dying(tmp_path):
 
 
 def test_round_phases_split_a_round_between_the_host_and_the_runner_marks():
-    from opendiloco_stream.transport.hivemind.transport import round_phases
+    from opendiloco_stream.transport.hivemind.round_report import round_phases
 
     marks = {"group": 10.5, "contributions": 10.75, "verdicts": 10.875, "reduced": 11.0, "results": 11.5, "end": 11.625}
     phases = round_phases(10.0, 10.25, marks, 12.0)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence, Union
+from typing import Hashable, Optional, Sequence
 
 import torch
 
@@ -239,12 +239,6 @@ class PartReducer:
         sumsq = sum_of_squares(values) if values is not None else 0.0
         return values, why, sumsq, bytes(payload) if self.codec.is_sparse and values is not None else None
 
-    def check_values(self, values: torch.Tensor) -> tuple[Optional[torch.Tensor], str, float, Optional[bytes]]:
-        """``check`` of a dense contribution already in fp32 (a reducer's own lossless chunk)."""
-        if not all_finite(values):
-            return None, "non-finite values", 0.0, None
-        return values, "", sum_of_squares(values), None
-
     def accept(self, s: int, j: int, checked: tuple[Optional[torch.Tensor], str, float, Optional[bytes]]) -> str:
         """Record sender ``s``'s checked chunk ``j``; returns why it was rejected ("" if it was not)."""
         if self.status[s] != OK:
@@ -274,8 +268,7 @@ class PartReducer:
         """This reducer's verdict once every sender was heard or given up on (norms checked)."""
         return bytes(norm_verdict(self.status, self.sumsq, self.norm_bound))
 
-    def reduce_chunk(self, j: int, final: bytes, weights: Sequence[float], parts: bool = False
-                     ) -> tuple[Union[bytes, tuple], torch.Tensor]:
+    def reduce_chunk(self, j: int, final: bytes, weights: Sequence[float], parts: bool = False) -> tuple:
         """Chunk ``j`` of the result under the group's verdict ``final``: the bytes every member
         receives and what they decode to (:func:`decode_result`). Dense codecs: the weighted fp32
         mean, encoded once. Sparse codecs: the accepted contributions' own bytes, forwarded, whose

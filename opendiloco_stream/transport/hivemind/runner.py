@@ -28,16 +28,17 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from opendiloco_stream.compression import Codec, all_finite
+from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hivemind.direct import DirectStream, make_hello, parse_address
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
+from opendiloco_stream.transport.hivemind.round_report import describe_progress, round_summary
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 from opendiloco_stream.transport.reduce import (
     MISSING, OK, GroupLayout, GroupMismatch, PartReducer, combine_verdicts, judge_members,
-    decode_result, summarize_verdict,
+    decode_result, sum_of_squares, summarize_verdict,
 )
 
 logger = logging.getLogger(__name__)
@@ -134,9 +135,10 @@ class HvAllReduceRunner:
     async def _take_contribution(self, s: int, j: int, payload: Union[bytes, tuple]) -> None:
         if self.part.status[s] != OK:
             return  # already rejected (or abstaining): the rest of its stream is drained unread
-        if isinstance(payload, tuple) and len(payload) > 1:  # our own fp32 (header, view): the tensor itself
-            lo, hi = self.my_chunks[j]
-            checked = await self._in_executor(self.part.check_values, self.tensor[lo:hi])
+        if isinstance(payload, tuple) and len(payload) > 1:  # our own fp32 (header, view): the tensor itself,
+            lo, hi = self.my_chunks[j]                        # found finite by encode_parts
+            values = self.tensor[lo:hi]
+            checked = (values, "", await self._in_executor(sum_of_squares, values), None)
         else:
             checked = await self._in_executor(self.part.check, j, payload[0] if isinstance(payload, tuple) else payload)
         why = self.part.accept(s, j, checked)  # ignored if s was dropped meanwhile
@@ -380,7 +382,7 @@ class HvAllReduceRunner:
                 outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())
             except asyncio.TimeoutError:
                 raise RoundError("timeout", f"round {self.key}: not finished within {self.t.allreduce:.1f}s "
-                                            f"({self._progress()})") from None
+                                            f"({describe_progress(self)})") from None
             self.marks["results"] = time.time()
             # others may still be reading our results: let them finish (bounded) before reporting
             pending = [e.wait() for e in self.serving.values()]
@@ -390,42 +392,8 @@ class HvAllReduceRunner:
             if errors:
                 first = next((e for e in errors if isinstance(e, RoundError) and e.reason != "partial"), errors[0])
                 raise first if isinstance(first, RoundError) else RoundError("partial", repr(first))
-            return self._summary()
+            return round_summary(self)
         finally:
             self.finished = True
             for task in tasks + helpers:
                 task.cancel()
-
-    def _progress(self) -> str:
-        """Where a round stands, for a timeout's message: what we got from whom."""
-        marks = ", ".join(f"{k} at +{v - self.marks['group']:.2f}s" for k, v in self.marks.items() if k != "group")
-        items = []
-        for i in range(len(self.peer_ids)):
-            if i == self.me:
-                continue
-            got = []
-            if i in self.sender_done:
-                got.append("contribution " + ("in" if self.sender_done[i].is_set() else
-                                              "streaming" if i in self.connected else "not connected"))
-            if i in self.verdicts:
-                got.append("verdict " + ("in" if self.verdicts[i].done() else "awaited"))
-            if self.is_reducer[i]:
-                got.append("results " + ("begun" if i in self.part_status else "awaited"))
-            items.append(f"peer {i}: {', '.join(got) or 'nothing expected'}")
-        return f"I am {self.me}; {'; '.join(items)}; {marks or 'no phase done'}"
-
-    def _summary(self) -> dict:
-        verdicts = set(self.part_status.values())
-        if len(verdicts) != 1:
-            raise RoundError("partial", f"round {self.key}: parts were averaged over different groups")
-        final, total_weight = verdicts.pop()
-        outcome = summarize_verdict(final, self.weights, self.me)
-        if not all_finite(self.result):
-            raise RoundError("partial", f"round {self.key}: the average holds non-finite values")
-        return dict(
-            group_size=outcome.group_size,
-            weight_share=self.weights[self.me] / total_weight if outcome.included_self else 0.0,
-            included_self=outcome.included_self, peers=[self._name(s) for s in outcome.accepted],
-            rejected=outcome.rejected, missing=outcome.missing,
-            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received, marks=dict(self.marks, end=time.time()), sent_is_input=self.sent_is_input,
-        )

@@ -51,6 +51,7 @@ from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presenc
 from opendiloco_stream.transport.hivemind.protocol import round_group_bits
 from opendiloco_stream.transport.hivemind.runner import RoundError
 from opendiloco_stream.transport.hivemind.state import StateSharing
+from opendiloco_stream.transport.hivemind.round_report import round_phases
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
 from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, member_metadata
 
@@ -108,32 +109,6 @@ def _classify(error: BaseException, step: StepControl) -> tuple[str, str]:
     if not step.began_allreduce:
         return "matchmaking", f"no group formed: {error}"
     return "failed", repr(error)
-
-
-def round_phases(start: float, step: float, marks: dict, end: float) -> dict[str, float]:
-    """Seconds spent in each phase of a round (``SyncResult.phases``), from the host's and the
-    runner's wall-clock marks. A phase this peer did not run (no part to reduce) is left out.
-
-    prepare: checks and copy into the averager; matchmaking: until the group started its round;
-    contributions: until every contribution to our part arrived; verdicts: until the reducers'
-    verdicts did; reduce: our part averaged and encoded; results: until every part's average
-    arrived; drain: until groupmates finished reading our part's average; finish: until the host
-    holds its copy of the result."""
-    order = ["contributions", "verdicts", "reduced", "results", "end"]
-    names = {"contributions": "contributions", "verdicts": "verdicts", "reduced": "reduce", "results": "results",
-             "end": "drain"}
-    phases = {"prepare": step - start}
-    if "group" not in marks:
-        return phases
-    phases["matchmaking"] = marks["group"] - step
-    last = marks["group"]
-    for mark in order:
-        if mark in marks:
-            if mark in names:
-                phases[names[mark]] = marks[mark] - last
-            last = marks[mark]
-    phases["finish"] = end - last
-    return {k: max(0.0, v) for k, v in phases.items()}
 
 
 class _Lane:
