@@ -181,8 +181,7 @@ class Codec:
             parts = [scales.view(torch.uint8), codes]
         else:
             x32 = flat.to(torch.float32)
-            if not all_finite(x32):
-                raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({self.name}, numel={flat.numel()})")
+            self._require_finite(x32)
             parts = [casts.encode_cast(x32, self.name, generator)]
         return b"".join([header, *(part.cpu().numpy() for part in parts)])
 
@@ -192,10 +191,13 @@ class Codec:
         caller keeps the tensor unchanged until the parts are sent). Other codecs: ``(encode(tensor),)``."""
         if self.name == "fp32" and tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous():
             flat = tensor.detach().reshape(-1)
-            if not all_finite(flat):
-                raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({self.name}, numel={flat.numel()})")
+            self._require_finite(flat)
             return self._header(flat.numel()).pack(), memoryview(flat.numpy()).cast("B")
         return (self.encode(tensor),)
+
+    def _require_finite(self, x32: torch.Tensor) -> None:
+        if not all_finite(x32):
+            raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({self.name}, numel={x32.numel()})")
 
     # ---- decode ----------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class SyncResult:
     #: the group size the round waited for (the live peers counted for it); None: not known
     expected_size: Optional[int] = None
     #: seconds per phase of the round, where the transport measures them (hivemind: prepare,
-    #: matchmaking, contributions, verdicts, reduce, results, finish); empty otherwise
+    #: matchmaking, contributions, verdicts, reduce, results, drain, finish); empty otherwise
     phases: dict = field(default_factory=dict)
 
 

@@ -60,6 +60,11 @@ def describe_progress(runner: "HvAllReduceRunner") -> str:
     return f"I am {runner.me}; {'; '.join(items)}; {marks or 'no phase done'}"
 
 
+# runner mark -> the phase it ends
+_PHASE_ENDS = {"contributions": "contributions", "verdicts": "verdicts", "reduced": "reduce", "results": "results",
+               "end": "drain"}
+
+
 def round_phases(start: float, step: float, marks: dict, end: float) -> dict[str, float]:
     """Seconds spent in each phase of a round (``SyncResult.phases``), from the host's and the
     runner's wall-clock marks. A phase this peer did not run (no part to reduce) is left out.
@@ -69,18 +74,14 @@ def round_phases(start: float, step: float, marks: dict, end: float) -> dict[str
     verdicts did; reduce: our part averaged and encoded; results: until every part's average
     arrived; drain: until groupmates finished reading our part's average; finish: until the host
     holds its copy of the result."""
-    order = ["contributions", "verdicts", "reduced", "results", "end"]
-    names = {"contributions": "contributions", "verdicts": "verdicts", "reduced": "reduce", "results": "results",
-             "end": "drain"}
     phases = {"prepare": step - start}
     if "group" not in marks:
         return phases
     phases["matchmaking"] = marks["group"] - step
     last = marks["group"]
-    for mark in order:
+    for mark, phase in _PHASE_ENDS.items():  # in the order they end
         if mark in marks:
-            if mark in names:
-                phases[names[mark]] = marks[mark] - last
+            phases[phase] = marks[mark] - last
             last = marks[mark]
     phases["finish"] = end - last
     return {k: max(0.0, v) for k, v in phases.items()}

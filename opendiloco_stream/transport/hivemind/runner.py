@@ -135,12 +135,12 @@ class HvAllReduceRunner:
     async def _take_contribution(self, s: int, j: int, payload: Union[bytes, tuple]) -> None:
         if self.part.status[s] != OK:
             return  # already rejected (or abstaining): the rest of its stream is drained unread
-        if isinstance(payload, tuple) and len(payload) > 1:  # our own fp32 (header, view): the tensor itself,
-            lo, hi = self.my_chunks[j]                        # found finite by encode_parts
+        if s == self.me and self.sent_is_input:  # our own fp32 (header, view): the tensor itself,
+            lo, hi = self.my_chunks[j]           # found finite by encode_parts
             values = self.tensor[lo:hi]
             checked = (values, "", await self._in_executor(sum_of_squares, values), None)
         else:
-            checked = await self._in_executor(self.part.check, j, payload[0] if isinstance(payload, tuple) else payload)
+            checked = await self._in_executor(self.part.check, j, payload)
         why = self.part.accept(s, j, checked)  # ignored if s was dropped meanwhile
         if why:
             logger.info("round %s: rejecting the contribution of %s: %s", self.key, self._name(s), why)

@@ -49,9 +49,9 @@ from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult,
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
 from opendiloco_stream.transport.hivemind.protocol import round_group_bits
+from opendiloco_stream.transport.hivemind.round_report import round_phases
 from opendiloco_stream.transport.hivemind.runner import RoundError
 from opendiloco_stream.transport.hivemind.state import StateSharing
-from opendiloco_stream.transport.hivemind.round_report import round_phases
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
 from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, member_metadata
 
