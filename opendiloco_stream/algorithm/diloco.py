@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
-from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending, _Previous
+from opendiloco_stream.algorithm.fragment_state import FragmentState, ParamAccess, _Pending, _Previous
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
@@ -42,13 +42,16 @@ class StreamingDiLoCo(HasSyncLog):
         config: the algorithm's knobs (DiLoCoConfig); ``data-parallel`` is :func:`wrap`'s job.
         blocks: the transformer blocks for the fragment partition; auto-detected if omitted.
         on_event: called with a dict for every consumed sync (the per-sync metrics record).
+        param_access: how the local parameters are read and written (``fragment_state.ParamAccess``);
+            ``None``: the model's own parameters. A sharded peer passes ``train/sharded.py``'s.
     """
 
     waits_in_optimizer_step = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
                  config: DiLoCoConfig, blocks: Optional[list[nn.Module]] = None,
-                 on_event: Optional[Callable[[dict[str, Any]], None]] = None):
+                 on_event: Optional[Callable[[dict[str, Any]], None]] = None,
+                 param_access: Optional[ParamAccess] = None):
         if config.mode == "data-parallel":
             raise ValueError("mode 'data-parallel' is the DataParallel wrapper: build it with "
                              "opendiloco_stream.algorithm.wrap(...)")
@@ -68,7 +71,7 @@ class StreamingDiLoCo(HasSyncLog):
             blocks = fr.find_blocks(model)
         fragments = fr.partition(model, blocks, config.num_fragments, config.fragment_pattern)
         offsets = fr.fragment_offsets(config.inner_steps, config.num_fragments)
-        self.frags = [FragmentState(f, o, config) for f, o in zip(fragments, offsets)]
+        self.frags = [FragmentState(f, o, config, param_access) for f, o in zip(fragments, offsets)]
         self._on_arrival = (config.mode == "eager" and config.eager_rule == "corrected"
                             and config.eager_correction == "on-arrival")
         self.transport.prepare({f.index: f.numel for f in fragments})
@@ -335,7 +338,7 @@ class StreamingDiLoCo(HasSyncLog):
         """Within the block the model holds theta_bar in every fragment (the outer parameters every
         peer agrees on, without this peer's local progress since its last restart); restored after."""
         with self._lock:
-            saved = [[q.detach().clone() for q in f.fragment.params] for f in self.frags]
+            saved = [f.local_copy() for f in self.frags]
             try:
                 for f in self.frags:
                     f.set_local(f.outer)
@@ -350,10 +353,15 @@ class StreamingDiLoCo(HasSyncLog):
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport, config: DiLoCoConfig,
-         blocks: Optional[list[nn.Module]] = None, on_event: Optional[Callable[[dict[str, Any]], None]] = None):
+         blocks: Optional[list[nn.Module]] = None, on_event: Optional[Callable[[dict[str, Any]], None]] = None,
+         param_access: Optional[ParamAccess] = None):
     """The wrapper for ``config.mode``: DataParallel for 'data-parallel', else StreamingDiLoCo."""
     if config.mode == "data-parallel":
+        if param_access is not None:
+            raise ValueError("mode 'data-parallel' averages the model's own gradients: it cannot run on a "
+                             "sharded peer (train.shard 'fsdp')")
         from opendiloco_stream.algorithm.data_parallel import DataParallel
 
         return DataParallel(model, optimizer, transport, config, blocks=blocks, on_event=on_event)
-    return StreamingDiLoCo(model, optimizer, transport, config, blocks=blocks, on_event=on_event)
+    return StreamingDiLoCo(model, optimizer, transport, config, blocks=blocks, on_event=on_event,
+                           param_access=param_access)

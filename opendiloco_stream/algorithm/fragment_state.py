@@ -6,6 +6,10 @@ The outer state (theta_bar, its momentum, ``start``) is fp32 on the outer device
 the model is on CUDA (copies to and from the GPU are then DMA transfers). Outer gradients and
 transport results are brought there; the local parameters are written back with ``copy_``, which
 casts and moves.
+
+The local parameters are read and written through a :class:`ParamAccess`: the fragment's own
+parameters by default (:class:`DirectAccess`), or, on a sharded peer (FSDP2, ``train/sharded.py``),
+full tensors gathered from and scattered to the peer's ranks.
 """
 
 from __future__ import annotations
@@ -63,6 +67,29 @@ class _Last:
         return cls(share, group_size, coef=projection_coefficient(average, sent) if rule == "scaled" else None)
 
 
+class ParamAccess:
+    """How the outer logic reads and writes a fragment's local parameters (full tensors, in the
+    order of ``fragment.params``)."""
+
+    def read(self, fragment: fr.Fragment) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def write(self, fragment: fr.Fragment, values: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class DirectAccess(ParamAccess):
+    """The fragment's own parameters (a model whose every parameter is whole on this process)."""
+
+    def read(self, fragment: fr.Fragment) -> list[torch.Tensor]:
+        return [p.detach() for p in fragment.params]
+
+    def write(self, fragment: fr.Fragment, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for q, v in zip(fragment.params, values):
+                q.copy_(v)
+
+
 class _ResolvedHandle(SyncHandle):
     """A handle whose result is already known (restored from a checkpoint or a donor)."""
 
@@ -98,13 +125,16 @@ class FragmentState:
     taken against it.
     """
 
-    def __init__(self, fragment: fr.Fragment, offset: int, config: DiLoCoConfig):
+    def __init__(self, fragment: fr.Fragment, offset: int, config: DiLoCoConfig,
+                 access: Optional[ParamAccess] = None):
         self.fragment, self.offset = fragment, offset
         self.index = fragment.index
-        first = fragment.params[0]
+        self.access = access if access is not None else DirectAccess()
+        params = self.access.read(fragment)
+        first = params[0]
         self.device = resolve_outer_device(config.outer_device, first)
         self._pin = self.device.type == "cpu" and first.device.type == "cuda"
-        self.outer = [self._fp32(p) for p in fragment.params]
+        self.outer = [self._fp32(p) for p in params]
         self.opt = OuterOptimizer(self.outer, config.outer_lr, config.outer_momentum, config.outer_nesterov)
         self.start: Optional[list[torch.Tensor]] = None
         if config.mode == "eager" and config.eager_rule == "corrected":
@@ -131,7 +161,7 @@ class FragmentState:
 
     def local(self) -> list[torch.Tensor]:
         """The local parameters as fp32 tensors on the outer device (themselves if they already are)."""
-        return [q.detach().to(self.device, torch.float32) for q in self.fragment.params]
+        return [q.to(self.device, torch.float32) for q in self.access.read(self.fragment)]
 
     def to_outer_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if t is None else t.to(self.device)
@@ -145,10 +175,12 @@ class FragmentState:
         """A flat fp32 fragment vector as one view per parameter (the outer optimizer's layout)."""
         return self.opt.split(flat)
 
+    def local_copy(self) -> list[torch.Tensor]:
+        """A copy of the local parameters in their own dtype, for ``set_local`` to restore."""
+        return [q.clone() for q in self.access.read(self.fragment)]
+
     def set_local(self, values: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for q, v in zip(self.fragment.params, values):
-                q.copy_(v)
+        self.access.write(self.fragment, values)
 
     def restart_from(self, values: list[torch.Tensor]) -> None:
         """Local parameters (and ``start``, if kept) <- values."""
