@@ -176,6 +176,10 @@ class TrainConfig(_Strict):
     nproc_per_node: int = Field(1, ge=1, description="local ranks of one peer (torch.distributed DDP, gloo on CPU, "
                                 "nccl on CUDA): the peer command starts them; rank 0 runs the transport and the "
                                 "outer steps (docs/multi-gpu.md)")
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="with nproc_per_node > 1: 'none' keeps the whole model, its gradients and AdamW state "
+        "on every rank (DDP); 'fsdp' splits them over the ranks (FSDP2) for models that do not fit one device, "
+        "with the outer state whole on rank 0 (use --outer-device cpu for big models; docs/multi-gpu.md)")
     metrics_file: Optional[str] = None
     checkpoint_dir: Optional[str] = Field(None, description="where worker-<rank>.pt checkpoints go")
     checkpoint_every: int = Field(0, ge=0, description="save every N inner steps (0: only at the end)")
@@ -253,6 +257,17 @@ class RunConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     net: NetConfig = Field(default_factory=NetConfig)
+
+    @model_validator(mode="after")
+    def _check_sharding(self) -> "RunConfig":
+        if self.train.sharding == "fsdp":
+            if self.train.nproc_per_node < 2:
+                raise ValueError("train.sharding 'fsdp' splits the model over a peer's ranks: it needs "
+                                 "nproc_per_node >= 2")
+            if self.diloco.mode == "data-parallel":
+                raise ValueError("mode 'data-parallel' averages the model's own gradients over the network: it "
+                                 "runs with one rank per peer, not with train.sharding 'fsdp'")
+        return self
 
 
 def deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Multi-rank peers (``peer --nproc-per-node 2``, gloo on CPU): two real peers of two ranks each train
-together over hivemind; a SIGKILLed rank stops its own peer cleanly and the other peer goes on.
+together over hivemind; a SIGKILLed rank stops its own peer cleanly and the other peer goes on. A
+sharded peer (``--sharding fsdp``) trains with a one-process peer and resumes from its shards.
 
 Every process is started by PID in its own session and killed (whole tree) in a finally block.
 """
@@ -77,5 +78,56 @@ def test_two_peers_of_two_ranks_train_together_and_a_killed_rank_stops_only_its_
         both = {k: v for k, v in rounds.items() if len(v) == 2}
         assert len(both) >= 2, rounds
         assert all(len(set(v)) == 1 for v in both.values()), both  # the same average on both peers
+    finally:
+        stop_processes(procs, grace=10)
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_shards(tmp_path):
+    """``--sharding fsdp``: peer a's model, gradients and AdamW state are split over its 2 ranks. Its
+    fragments go on the wire whole, so it averages with a one-process peer (bit-identical
+    averages); its checkpoint is rank 0's file plus one shard file per rank, and a restart resumes
+    from them."""
+    boot, addrs = start_bootstrap(tmp_path, "sharded")
+    procs = [boot]
+    try:
+        common = ["--run-id", "sharded", "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2",
+                  "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--sync-timeout", "30"]
+        ckpt = tmp_path / "ckpt"
+        sharded = ["--nproc-per-node", "2", "--sharding", "fsdp", "--outer-device", "cpu",
+                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "16"]
+        a = start_peer(tmp_path, "a", addrs, *common, *sharded, "--steps", "48", "--shard", "0/2")
+        procs.append(a)
+        # b starts once a trains (a's two ranks start slower) and trains on past a's end
+        wait_for(lambda: any(r["event"] == "step" for r in records(tmp_path / "a.jsonl")), 120, "a's first step", [a])
+        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2")
+        procs.append(b)
+        a.wait(timeout=240)
+        assert a.returncode == 0, (tmp_path / "a.log").read_text()[-3000:]
+        recs_a, recs_b = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
+        summary = recs_a[-1]
+        assert summary["event"] == "summary" and summary["ranks"] == 2, summary
+        assert len(set(summary["rank_digests"])) == 1, summary  # both ranks gather the same whole model
+        assert summary["eval_loss"] < summary["eval_loss_initial"] - 0.3, summary
+        rounds = defaultdict(list)
+        for r in recs_a + recs_b:
+            if r["event"] == "sync" and r["ok"] and r["group_size"] == 2:
+                rounds[(r["fragment"], r["round"])].append(r["digest"])
+        both = {k: v for k, v in rounds.items() if len(v) == 2}
+        assert len(both) >= 2, rounds  # (on 2 busy cores some rounds miss their matchmaking)
+        assert all(len(set(v)) == 1 for v in both.values()), both  # the same average on both peers
+        files = sorted(p.name for p in ckpt.iterdir())
+        assert files == ["worker-0.pt", "worker-0.rank-0.pt", "worker-0.rank-1.pt"], files
+
+        # a restart resumes from rank 0's file and the shards (and trains on with b)
+        a2 = start_peer(tmp_path, "a2", addrs, *common, *sharded, "--steps", "56", "--shard", "0/2", "--resume")
+        procs.append(a2)
+        a2.wait(timeout=240)
+        assert a2.returncode == 0, (tmp_path / "a2.log").read_text()[-3000:]
+        recs = records(tmp_path / "a2.jsonl")
+        assert [r["step"] for r in recs if r["event"] == "resumed"] == [48]
+        steps = [r["step"] for r in recs if r["event"] == "step"]
+        assert steps[0] > 48 and steps[-1] == 56, steps  # (catch-up jumps count as steps)
+        assert recs[-1]["eval_loss_initial"] < summary["eval_loss_initial"] - 0.3, recs[-1]  # trained weights
     finally:
         stop_processes(procs, grace=10)

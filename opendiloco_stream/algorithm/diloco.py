@@ -359,7 +359,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transpor
     if config.mode == "data-parallel":
         if param_access is not None:
             raise ValueError("mode 'data-parallel' averages the model's own gradients: it cannot run on a "
-                             "sharded peer (train.shard 'fsdp')")
+                             "sharded peer (train.sharding 'fsdp')")
         from opendiloco_stream.algorithm.data_parallel import DataParallel
 
         return DataParallel(model, optimizer, transport, config, blocks=blocks, on_event=on_event)

@@ -24,13 +24,14 @@ def checkpoint_path(directory: str, rank: int) -> Path:
 def save_checkpoint(path: Path, *, model, optimizer, scheduler, diloco, step: int,
                     data: Optional[dict] = None) -> None:
     """``data``: the data position (``StreamBatches.position()`` for a streamed dataset); in-memory
-    sources need none, their position is the step."""
+    sources need none, their position is the step. ``model`` and ``optimizer`` None: they are saved
+    elsewhere (a sharded peer's ranks write their shards, ``train/sharded.py``)."""
     state: dict[str, Any] = {
         "format": 1,
         "step": step,
         "data": data if data is not None else {"kind": "windows", "batches": step},
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": None if model is None else model.state_dict(),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "diloco": diloco.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -58,12 +59,18 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, diloco) -> Optio
 
 
 def restore_checkpoint(path: Path, *, model, optimizer, scheduler, diloco) -> Optional[Restored]:
-    """Restore everything from ``path``; return the step and data position (None if no file)."""
+    """Restore everything from ``path``; return the step and data position (None if no file).
+    ``model`` and ``optimizer`` None: a sharded peer's, restored from the ranks' shard files."""
     if not path.is_file():
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    for part, target in (("model", model), ("optimizer", optimizer)):
+        if (state[part] is None) != (target is None):
+            raise ValueError(f"{path}: the checkpoint {'lacks' if state[part] is None else 'holds'} the {part} "
+                             "state (written by a sharded peer, or read by one?): resume with the same "
+                             "train.sharding as the run that wrote it")
+        if target is not None:
+            target.load_state_dict(state[part])
     scheduler.load_state_dict(state["scheduler"])
     diloco.load_state_dict(state["diloco"])
     torch.set_rng_state(state["rng"]["torch"])

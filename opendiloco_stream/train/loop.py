@@ -18,11 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from opendiloco_stream.algorithm.diloco import wrap
-from opendiloco_stream.config import RunConfig
+from opendiloco_stream.algorithm.fragments import partition
+from opendiloco_stream.config import ConfigError, RunConfig
 from opendiloco_stream.stats import SyncStats
 from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
 from opendiloco_stream.train.metrics_file import MetricsWriter, read_metrics  # noqa: F401 (re-exported)
 from opendiloco_stream.train.models import build_model, transformer_blocks
+from opendiloco_stream.train.sharded import Sharded, agree_on_fragments, load_shard, save_shard, shard_model
 from opendiloco_stream.transport.base import Transport
 
 if TYPE_CHECKING:
@@ -110,27 +112,49 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     model.train()
     if before_join is not None:
         before_join(model)
+    blocks = transformer_blocks(model)
+    sharded = ranks is not None and tc.sharding == "fsdp"
+    access = None
+    if sharded:  # FSDP2: parameters, gradients and AdamW state split over the ranks (train/sharded.py)
+        shard_model(model, blocks, device, ranks.world)
+        frags = partition(model, blocks, cfg.diloco.num_fragments, cfg.diloco.fragment_pattern)
+        agree_on_fragments(frags)
+        access = Sharded.access(device)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
-    diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model),
+    diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=blocks, param_access=access,
                   on_event=lambda rec: emit({**rec, "rank": rank})) if leader else None
     net = model
-    if ranks is not None:
+    if sharded:
+        diloco = Sharded(device, frags, diloco, stop_source=should_stop)  # serves rank 0's reads above
+        should_stop = lambda: diloco.stopped  # noqa: E731 (rank 0's flag, the same on every rank)
+    elif ranks is not None:
         net = ranks.ddp(model)
         diloco = ranks.replicate(model, diloco, stop_source=should_stop)
         should_stop = lambda: diloco.stopped  # noqa: E731 (rank 0's flag, the same on every rank)
     report = WorkerReport(rank=rank, params=sum(p.numel() for p in model.parameters()),
                           outer_gradient_numel=sum(f.numel for f in diloco.fragments))
-    start_step, data_position = 0, None
+    start_step, data_position, resumed = 0, None, None
     ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir and leader else None
+    shard_ckpt = None  # a sharded peer: every rank's model and optimizer shards, next to rank 0's file
+    if sharded and tc.checkpoint_dir:
+        shard_ckpt = checkpoint_path(tc.checkpoint_dir, ranks.share(rank))
     if ckpt is not None and tc.resume:
-        resumed = restore_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco)
+        resumed = restore_checkpoint(ckpt, model=None if sharded else model, optimizer=None if sharded else opt,
+                                     scheduler=sched, diloco=diloco)
         if resumed is not None:
             start_step = resumed.step
             if resumed.data is not None and resumed.data.get("kind") == "stream":
                 data_position = resumed.data
             join_running = False
             emit({"event": "resumed", "rank": rank, "step": start_step, "path": str(ckpt)})
+    if shard_ckpt is not None and tc.resume:
+        shard_step = load_shard(shard_ckpt, model, opt, ranks.rank, ranks.world)
+        leader_step = ranks.share(start_step if resumed is not None else None)
+        if shard_step != leader_step:
+            raise ConfigError(f"{shard_ckpt}: rank {ranks.rank}'s shards are from step {shard_step}, rank 0's "
+                              f"checkpoint from step {leader_step} (a crash between the two writes?): remove "
+                              "the checkpoints or restore a consistent set")
     if join_running:
         # the swarm trains on while the state downloads: if one of our next rounds went without us,
         # the state is a round old (we would run that round alone): download again, a few times
@@ -153,11 +177,15 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
                 break
             emit({"event": "join_stale", "rank": rank, "step": diloco.step_count, "attempt": attempt,
                   "missed_rounds": [list(k) for k in missed]})
+    if sharded:
+        diloco.barrier()  # the other ranks served rank 0's writes of a join
     if ranks is not None:
-        start_step = ranks.share_start(model, opt, sched, start_step)
+        start_step = ranks.share_start(model, opt, sched, start_step, sharded=sharded)
 
-    def ev() -> float:  # evaluations are rank 0's
-        return evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device, bf16) if leader else float("nan")
+    def ev() -> float:  # evaluations are rank 0's (a sharded peer's forward pass needs every rank)
+        if not (leader or sharded):
+            return float("nan")
+        return evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device, bf16)
 
     report.eval_loss_initial = ev()
     emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial})
@@ -169,6 +197,13 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
 
     def position() -> Optional[dict]:
         return batches.position() if hasattr(batches, "position") else None
+
+    def save(at: int) -> None:  # rank 0's checkpoint; a sharded peer's ranks add their shards
+        if ckpt is not None:
+            save_checkpoint(ckpt, model=None if sharded else model, optimizer=None if sharded else opt,
+                            scheduler=sched, diloco=diloco, step=at, data=position())
+        if shard_ckpt is not None:
+            save_shard(shard_ckpt, model, opt, ranks.rank, ranks.world, step=at)
     recent: list[float] = []
     step = start_step
     while step < tc.steps:
@@ -208,9 +243,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             ev_loss = ev()
             eval_s += time.perf_counter() - e0
             emit({"event": "eval", "rank": rank, "step": step + 1, "eval_loss": ev_loss})
-        if ckpt is not None and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
-            save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco, step=step + 1,
-                            data=position())
+        if tc.checkpoint_dir and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
+            save(step + 1)
         if should_stop is not None and should_stop():
             emit({"event": "stopped", "rank": rank, "step": step + 1})
             break
@@ -220,9 +254,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     if diloco.waits_in_optimizer_step:
         report.compute_s = max(0.0, report.compute_s - diloco.stats.wait_s)
     report.wall_s = time.perf_counter() - wall_start - eval_s
-    if ckpt is not None:
-        save_checkpoint(ckpt, model=model, optimizer=opt, scheduler=sched, diloco=diloco,
-                        step=end_step, data=position())
+    if tc.checkpoint_dir:
+        save(end_step)
     if diloco.in_flight:
         # the rounds still in flight land in the final model (finish); the loss before is kept for comparison
         report.eval_loss_before_finish = ev()
@@ -240,7 +273,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)
     if ranks is not None:
-        report.rank_digests = ranks.digests(model)
+        report.rank_digests = ranks.digests(model, sharded=sharded)
     diloco.close()
     return report
 

@@ -137,9 +137,16 @@ class Ranks:
 
         return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
-    def share_start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> int:
+    def share_start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int,
+                    sharded: bool = False) -> int:
         """Once rank 0 restored a checkpoint or joined: its parameters, inner optimizer state and
-        schedule on every rank. Returns rank 0's start step."""
+        schedule on every rank. Returns rank 0's start step. ``sharded`` (FSDP2): each rank keeps its
+        own parameter and optimizer shards (restored from its shard file, or written by rank 0's
+        join through ``train/sharded.py``); only the step and the schedule are shared."""
+        if sharded:
+            step, sched_state = self.share((step, scheduler.state_dict()) if self.leader else None)
+            scheduler.load_state_dict(sched_state)
+            return int(step)
         state = self.share((step, _to_cpu(optimizer.state_dict()), scheduler.state_dict()) if self.leader else None)
         if not self.leader:
             step, opt_state, sched_state = state
@@ -153,10 +160,13 @@ class Ranks:
         """What the loop uses as ``diloco`` on this rank: rank 0 passes its wrapper, the others None."""
         return Replicated(self, list(model.parameters()), diloco, stop_source)
 
-    def digests(self, model: torch.nn.Module) -> list[str]:
-        """Every rank's ``params_digest``, in rank order (on every rank)."""
+    def digests(self, model: torch.nn.Module, sharded: bool = False) -> list[str]:
+        """Every rank's ``params_digest``, in rank order (on every rank). ``sharded``: the digest of
+        the gathered whole model, as each rank sees it (comparable with an unsharded peer's)."""
+        from opendiloco_stream.train.sharded import params_digest_full
+
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, params_digest(model))
+        dist.all_gather_object(out, params_digest_full(model) if sharded else params_digest(model))
         return out
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
-"""A sharded peer (``train.shard: fsdp``): FSDP2 inner steps over the peer's K ranks, outer logic on rank 0.
+"""A sharded peer (``train.sharding: fsdp``): FSDP2 inner steps over the peer's K ranks, outer logic on rank 0.
 
-    opendiloco-stream peer --nproc-per-node 8 --shard fsdp --outer-device cpu --initial-peers ...
+    opendiloco-stream peer --nproc-per-node 8 --sharding fsdp --outer-device cpu --initial-peers ...
 
 DDP (``train/ranks.py``) keeps the whole model, its gradients and AdamW's two moments on every rank:
 about 16 bytes per parameter. Here each block and the root are ``fully_shard``-ed (FSDP2) over a
