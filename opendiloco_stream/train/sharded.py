@@ -245,8 +245,9 @@ def params_digest_full(model: torch.nn.Module) -> str:
     import hashlib
 
     h = hashlib.blake2b(digest_size=16)
-    for p in gather_full(list(model.parameters())):
-        h.update(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for param in model.parameters():  # one whole parameter at a time, never the whole model
+        full = gather_full([param])[0]
+        h.update(full.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
