@@ -36,6 +36,11 @@ def save_checkpoint(path: Path, *, model, optimizer, scheduler, diloco, step: in
         "diloco": diloco.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
     }
+    atomic_save(state, path)
+
+
+def atomic_save(state: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, fsync, rename: ``path`` is the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     torch.save(state, tmp)

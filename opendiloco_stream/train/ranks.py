@@ -174,7 +174,34 @@ class Ranks:
             dist.destroy_process_group()
 
 
-class Replicated:
+class LeaderMirror:
+    """What a rank's ``diloco`` shows the loop: rank 0's wrapper (``_inner``, every attribute passes
+    through) or, on the other ranks, the step counter and rounds in flight rank 0 last broadcast
+    (``_mirror``). Rank 0 alone counts the syncs."""
+
+    _inner: Any
+    _mirror: dict
+
+    def __getattr__(self, name: str) -> Any:  # only reached for what this class does not define
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    @property
+    def step_count(self) -> int:
+        return self._inner.step_count if self._inner is not None else self._mirror["step_count"]
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inner.in_flight if self._inner is not None else self._mirror["in_flight"]
+
+    @property
+    def stats(self) -> SyncStats:
+        return self._inner.stats if self._inner is not None else SyncStats()
+
+
+class Replicated(LeaderMirror):
     """``diloco`` as the training loop sees it on a rank of a multi-rank peer.
 
     On rank 0 it is the real wrapper (every attribute passes through) plus the broadcast after
@@ -193,24 +220,6 @@ class Replicated:
         self._stop_source = stop_source or (lambda: False)
         self._mirror = {"step_count": 0, "in_flight": False}
         self.stopped = False
-
-    def __getattr__(self, name: str) -> Any:  # only reached for what this class does not define
-        inner = self.__dict__.get("_inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    @property
-    def step_count(self) -> int:
-        return self._inner.step_count if self._inner is not None else self._mirror["step_count"]
-
-    @property
-    def in_flight(self) -> bool:
-        return self._inner.in_flight if self._inner is not None else self._mirror["in_flight"]
-
-    @property
-    def stats(self) -> SyncStats:
-        return self._inner.stats if self._inner is not None else SyncStats()  # rank 0 counts the syncs
 
     @property
     def fragments(self) -> list:

@@ -29,7 +29,6 @@ are split K ways; FSDP2 gathers a block's parameters only while it runs.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -41,7 +40,8 @@ import torch.distributed as dist
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import ParamAccess
 from opendiloco_stream.config import ConfigError
-from opendiloco_stream.stats import SyncStats
+from opendiloco_stream.train.checkpoint import atomic_save
+from opendiloco_stream.train.ranks import LeaderMirror
 
 END, READ, WRITE = 0, 1, 2
 
@@ -132,7 +132,7 @@ class ShardedAccess(ParamAccess):
         scatter_full(fragment.params, values, self.device)
 
 
-class Sharded:
+class Sharded(LeaderMirror):
     """``diloco`` as the training loop sees it on a rank of a sharded peer.
 
     Rank 0 builds it around its StreamingDiLoCo (built with :meth:`access`), the other ranks
@@ -158,28 +158,6 @@ class Sharded:
         """What rank 0 passes to ``wrap(..., param_access=...)``; its reads and writes are served
         by the other ranks once they construct their ``Sharded``."""
         return ShardedAccess(_Commands(device), device)
-
-    def __getattr__(self, name: str) -> Any:  # only reached for what this class does not define
-        inner = self.__dict__.get("_inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    @property
-    def leader(self) -> bool:
-        return self._inner is not None
-
-    @property
-    def step_count(self) -> int:
-        return self._inner.step_count if self._inner is not None else self._mirror["step_count"]
-
-    @property
-    def in_flight(self) -> bool:
-        return self._inner.in_flight if self._inner is not None else self._mirror["in_flight"]
-
-    @property
-    def stats(self) -> SyncStats:
-        return self._inner.stats if self._inner is not None else SyncStats()
 
     @property
     def fragments(self) -> list[fr.Fragment]:
@@ -275,13 +253,7 @@ def save_shard(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
              "optimizer": _local(optimizer.state_dict()), "rng": {"torch": torch.get_rng_state(),
                                                                    "python": random.getstate(),
                                                                    "numpy": np.random.get_state()}}
-    target = shard_path(path, rank)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + f".tmp{os.getpid()}")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    atomic_save(state, shard_path(path, rank))
 
 
 def _into(current: Any, saved: Any) -> Any:
