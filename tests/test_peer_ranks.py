@@ -92,7 +92,8 @@ def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_s
     procs = [boot]
     try:
         common = ["--run-id", "sharded", "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2",
-                  "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--sync-timeout", "30"]
+                  "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--sync-timeout", "30",
+                  "--step-delay-s", "0.1"]  # leaves the averagers CPU on 2 cores, so that rounds meet
         ckpt = tmp_path / "ckpt"
         sharded = ["--nproc-per-node", "2", "--sharding", "fsdp", "--outer-device", "cpu",
                    "--checkpoint-dir", str(ckpt), "--checkpoint-every", "16"]
