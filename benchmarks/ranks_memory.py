@@ -31,18 +31,12 @@ from pathlib import Path
 
 try:
     from benchmarks._common import RESULTS_DIR, command_line, environment, markdown_table, write_json
+    from benchmarks.memory import _status_kib as _rss_kib
 except ImportError:  # run as a script: benchmarks/ is on sys.path
     from _common import RESULTS_DIR, command_line, environment, markdown_table, write_json
+    from memory import _status_kib as _rss_kib
 
 MiB = 1 << 20
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _storage_bytes(tensors) -> int:
