@@ -38,6 +38,7 @@ import functools
 
 import torch
 
+from opendiloco_stream.compression import native
 from opendiloco_stream.compression.wire import NonFiniteError
 
 FP16_MAX = 65504.0
@@ -78,9 +79,14 @@ def _tables(fmt: str, device: torch.device) -> dict[str, torch.Tensor]:
         byte = torch.arange(256)
         # byte -> (low-nibble value, high-nibble value): decoding unpacks and looks up in one gather.
         tables["decode"] = torch.stack([signed[byte & 15], signed[byte >> 4]], dim=1).contiguous()
+        tables["nibbles"] = signed  # the native decoder's table
+        tables["mids"] = (lv[:-1] + lv[1:]) / 2  # the native encoder's thresholds (exact: dyadic levels)
+    elif fmt == "int8":
+        tables["bytes"] = torch.arange(256, dtype=torch.uint8).view(torch.int8).float()  # native decoder
     elif fmt == "fp8-e4m3":
         # A 256-entry lookup is ~5x faster than the fp8 -> fp32 cast on CPU, and equal by construction.
         tables["decode"] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        tables["bytes"] = tables["decode"]
     return {k: v.to(device) for k, v in tables.items()}
 
 
@@ -114,6 +120,8 @@ def quantize(
     block's absmax non-finite, which is cheaper to check than a separate pass over ``x``.
     """
     numel = x.numel()
+    if generator is None and fmt != "fp8-e4m3" and x.dtype == torch.float32 and native.usable(x):
+        return _quantize_native(x, fmt, block_size, scale_dtype)
     n_blocks = -(-numel // block_size)
     # One fp32 working buffer, padded to whole blocks, doubles as the quotient y = x / step.
     y = torch.empty(n_blocks * block_size, dtype=torch.float32, device=x.device)
@@ -121,7 +129,8 @@ def quantize(
     y[numel:].zero_()
     yb = y.view(n_blocks, block_size)
     # Two plain reductions: faster than aminmax on CPU and no |y| temporary.
-    amax = torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg())
+    # abs_: an all-zero block's absmax is +0 whatever the signs of its zeros (as the native kernel)
+    amax = torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg()).abs_()
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({fmt}, numel={numel})")
     scales = store_scales(amax, scale_dtype)
@@ -147,6 +156,18 @@ def quantize(
     else:
         codes = codes[:numel]
     return scales, codes
+
+
+def _quantize_native(x: torch.Tensor, fmt: str, block_size: int, scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` of a contiguous fp32 CPU tensor, round to nearest, in the C kernels (same bytes)."""
+    amax, finite = native.block_absmax(x, block_size)
+    if not finite:
+        raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({fmt}, numel={x.numel()})")
+    scales = store_scales(amax, scale_dtype)
+    step = block_steps(scales, fmt)
+    if fmt == "int8":
+        return scales, native.quantize_int8(x, block_size, step)
+    return scales, native.quantize4(x, block_size, step, _tables(fmt, x.device)["mids"], top(fmt))
 
 
 def _uniform(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -218,8 +239,16 @@ def _pack_nibbles(codes: torch.Tensor, numel: int) -> torch.Tensor:
     return pairs[:, 0] | (pairs[:, 1] << 4)
 
 
-def dequantize(scales: torch.Tensor, codes: torch.Tensor, fmt: str, numel: int, block_size: int) -> torch.Tensor:
+# (mask, value): 8-bit codes c with c & mask == value are no encoder's (int8 -128, fp8 NaN)
+_FORBIDDEN = {"int8": (0xFF, 0x80), "fp8-e4m3": (0x7F, 0x7F)}
+
+
+def dequantize(scales: torch.Tensor, codes: torch.Tensor, fmt: str, numel: int, block_size: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Stored scales + code bytes (on one device) -> flat fp32 values of length numel.
+
+    ``out`` (optional, a contiguous fp32 tensor of numel values on the codes' device) receives
+    the values, saving a copy where the native decoder runs; the return value is then ``out``.
 
     Raises ``ValueError`` for scales or codes no encoder produces (negative scales, int8 -128,
     fp8 NaN patterns, a non-zero padding nibble) and ``NonFiniteError`` for NaN/Inf scales.
@@ -230,21 +259,28 @@ def dequantize(scales: torch.Tensor, codes: torch.Tensor, fmt: str, numel: int, 
     if bool((scales < 0).any()):
         raise ValueError(f"malformed {fmt} data: a block scale is negative")
     step = block_steps(scales, fmt)
+    if fmt in _FP4_LEVELS and numel % 2 and int(codes[-1]) >> 4:
+        raise ValueError(f"malformed {fmt} data: the padding nibble after the last value is not zero")
+    if native.usable(codes) and (out is None or (out.dtype == torch.float32 and native.usable(out))):
+        table = _tables(fmt, codes.device)["nibbles" if fmt in _FP4_LEVELS else "bytes"]
+        target = torch.empty(numel, dtype=torch.float32) if out is None else out
+        if native.dequantize(codes, numel, block_size, step, table, target, _FORBIDDEN.get(fmt, (0, 1))):
+            return target
+    if fmt == "int8" and bool((codes == 0x80).any()):
+        raise ValueError("malformed int8 data: code -128 is outside the symmetric range -127..127")
+    if fmt == "fp8-e4m3" and bool(((codes & 0x7F) == 0x7F).any()):
+        raise ValueError("malformed fp8-e4m3 data: NaN code")
     if fmt == "int8":
-        if bool((codes == 0x80).any()):
-            raise ValueError("malformed int8 data: code -128 is outside the symmetric range -127..127")
         values = codes.view(torch.int8).float()
     elif fmt == "fp8-e4m3":
-        if bool(((codes & 0x7F) == 0x7F).any()):
-            raise ValueError("malformed fp8-e4m3 data: NaN code")
         values = torch.index_select(_tables(fmt, codes.device)["decode"], 0, codes.int())
     else:
-        if numel % 2 and int(codes[-1]) >> 4:
-            raise ValueError(f"malformed {fmt} data: the padding nibble after the last value is not zero")
         values = torch.index_select(_tables(fmt, codes.device)["decode"], 0, codes.int()).view(-1)
     # Scale whole blocks through a 2-D view and the short last block apart: no padded copy.
     n_full = numel // block_size
     values[: n_full * block_size].view(n_full, block_size).mul_(step[:n_full].unsqueeze(1))
     if n_full * block_size < numel:
         values[n_full * block_size : numel].mul_(step[n_full])
+    if out is not None:
+        return out.copy_(values[:numel])
     return values[:numel]

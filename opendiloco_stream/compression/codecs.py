@@ -244,6 +244,8 @@ class Codec:
             if not all_finite(out):
                 raise NonFiniteError(f"malformed {self.name} data: it holds NaN or Inf")
             return out
+        if self.name in BLOCK_CODECS:  # straight into out where the native decoder runs (blockwise.dequantize)
+            return decode_with_header(data, self._checked_header(data, out.numel()), out.device, out=out)
         return out.copy_(self.decode(data, numel=out.numel()))
 
     def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -270,9 +272,11 @@ def _owned_slice(data: bytes | bytearray | memoryview, offset: int, count: int, 
 
 
 def decode_with_header(
-    data: bytes | bytearray | memoryview, header: WireHeader, device: torch.device | str = "cpu"
+    data: bytes | bytearray | memoryview, header: WireHeader, device: torch.device | str = "cpu",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode ``data`` whose header was already validated by ``read_header``."""
+    """Decode ``data`` whose header was already validated by ``read_header``. ``out`` (block codecs
+    only: a flat fp32 tensor of ``header.numel`` values on ``device``) receives the values."""
     if header.numel == 0:
         return torch.zeros(0, dtype=torch.float32, device=device)
     if header.k:
@@ -289,7 +293,7 @@ def decode_with_header(
             raise NonFiniteError(f"malformed {header.codec} data: it holds NaN or Inf")
         return values
     scales = _owned_slice(data, HEADER_SIZE, header.n_blocks, _SCALE_NUMPY[header.scale_dtype]).to(device)
-    return blockwise.dequantize(scales, codes, header.codec, header.numel, header.block_size)
+    return blockwise.dequantize(scales, codes, header.codec, header.numel, header.block_size, out=out)
 
 
 def decode(data: bytes | bytearray | memoryview, device: torch.device | str = "cpu") -> torch.Tensor:

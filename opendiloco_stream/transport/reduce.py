@@ -36,7 +36,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from opendiloco_stream.compression import Codec, NonFiniteError, all_finite
+from opendiloco_stream.compression import Codec, NonFiniteError, all_finite, native
 from opendiloco_stream.transport.bundle import pack_bundle, unpack_bundle
 
 PROTOCOL_VERSION = 1
@@ -211,6 +211,8 @@ def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     not depend on how torch vectorizes or splits the loop over threads: bit-identical anywhere.
     """
     total = float(sum(weights))
+    if all(v.dtype == torch.float32 and v.dim() == 1 for v in values) and native.usable(*values):
+        return native.weighted_mean(list(values), [float(w) for w in weights], total)  # same bits, one pass
     acc = values[0] * weights[0]
     for v, w in zip(values[1:], weights[1:]):
         acc.add_(v * w)

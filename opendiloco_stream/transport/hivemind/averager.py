@@ -39,7 +39,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 
-from opendiloco_stream.compression import Codec
+from opendiloco_stream.compression import Codec, native
 from opendiloco_stream.transport.hivemind.direct import DirectListener, serve_connections
 from opendiloco_stream.transport.hivemind.protocol import as_protobufs
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
@@ -90,6 +90,7 @@ class FragmentAverager(DecentralizedAverager):
         # direct TCP data path (direct.py): a listener if we reduce; addresses that failed us
         self.direct, self.direct_failed, self._direct_task = direct, set(), None
         self._direct = DirectListener.for_dht(dht) if direct and not client_mode else None
+        native.available()  # build/load the codec kernels here: the averager inherits them loaded
         self.start()  # fork: the buffers above are shared, the host's threads are not copied
         if self._direct is not None:
             self._direct.sock.close()  # the averager process holds the listening socket now

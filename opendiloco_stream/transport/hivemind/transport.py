@@ -42,7 +42,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco_stream.compression import all_finite, get_codec
+from opendiloco_stream.compression import all_finite, get_codec, native
 from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.net.dht import unstick_hivemind_locks
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
@@ -111,6 +111,12 @@ def _classify(error: BaseException, step: StepControl) -> tuple[str, str]:
     return "failed", repr(error)
 
 
+def _check_settings(settings: list, timeout: float) -> None:
+    """The settings sent before a step were applied (their answers came before the step's: one pipe)."""
+    for future in settings:
+        future.result(timeout=timeout)  # raises what the averager raised
+
+
 class _Lane:
     """One fragment: its averager process and the worker thread that runs its rounds in order."""
 
@@ -160,7 +166,14 @@ class _Lane:
                 pass  # it failed; it is over, which is all we need
         t_start = time.time()
         flat = tensor.detach().reshape(-1)
-        if not all_finite(flat):
+        buffer = self.averager.input_buffer  # free: the previous step is done
+        if flat.dtype == torch.float32 and native.usable(flat):
+            finite = native.copy_finite(flat, buffer)  # the check and the copy in one pass
+        else:
+            finite = all_finite(flat)
+            if finite:
+                buffer.copy_(flat)
+        if not finite:
             handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
             return
         if not self.averager.is_alive():
@@ -171,13 +184,13 @@ class _Lane:
             handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
                                    f"part from round {round_index + 1} on (the others did not count it)")
             return
-        self.averager.input_buffer.copy_(flat)
         gather = member_metadata(self.averager.codec, self.numel, (fragment, round_index), weight)
         with self._pipe_lock:
-            self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False).result(
-                timeout=self.timeouts.request)
+            # No round trip for the settings: the averager runs its pipe's commands in order, and
+            # these setters finish before the step's matchmaking starts (``_check_settings`` below).
+            settings = [self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False)]
             if self.live_target and plan.target != self._target:
-                self.averager.set_target_group_size(plan.target).result(timeout=self.timeouts.request)
+                settings.append(self.averager.set_target_group_size(plan.target))
                 self._target = plan.target
             t_step = time.time()
             self._step = step = self.averager.step(
@@ -196,6 +209,7 @@ class _Lane:
             reason, message = _classify(e, step)
             handle.fail(reason, message)
             return
+        _check_settings(settings, self.timeouts.request)
         average = self.averager.output_buffer.clone()
         if summary.get("sent_is_input"):  # lossless fp32: the averager sent our tensor as it is
             cpu32 = flat.device.type == "cpu" and flat.dtype == torch.float32

@@ -1,0 +1,223 @@
+"""Native CPU kernels (``_kernels.c``), compiled on first use and loaded with ctypes.
+
+The block codecs spend their time in element-wise passes; torch runs each operation of the
+quantizer as its own pass over memory (divide, clamp, compare x7, pack...), where one C loop does
+it in one. On a CPU tensor these kernels give the same bytes and values as the torch code
+(``tests/test_native.py``); GPU tensors, stochastic rounding and fp8 encoding stay in torch.
+
+Building: the first process that needs them runs the C compiler (``$CC``, else ``cc``, ``gcc``
+or ``clang``; ``-O3 -march=native``, never fast-math) on ``_kernels.c`` into
+``$ODS_CACHE_DIR`` (default ``~/.cache/opendiloco-stream``), under a name that hashes the source,
+the flags, the compiler and this CPU's feature flags, so a cache shared between different
+machines never loads code built for another CPU. The write is atomic (a temporary file renamed),
+so concurrent first uses are safe. Without a compiler, or with ``ODS_NATIVE=0``, everything runs
+in torch as before (``native.available()`` is False and ``native.why_not()`` says why).
+
+ctypes releases the GIL during a call, so encoder threads run these kernels in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("_kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+
+_why_not: Optional[str] = None
+_F32, _U8, _I64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64
+_SIGNATURES = {
+    "ods_block_absmax": (ctypes.c_int, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p]),
+    "ods_all_finite": (ctypes.c_int, [ctypes.c_void_p, _I64]),
+    "ods_copy_finite": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, _I64]),
+    "ods_quantize4": (None, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                             ctypes.c_void_p]),
+    "ods_quantize_int8": (None, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p]),
+    "ods_dequantize4": (None, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
+    "ods_dequantize8": (ctypes.c_int, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_void_p]),
+    "ods_weighted_mean": (None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, _I64, ctypes.c_float,
+                                 ctypes.c_void_p]),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ODS_CACHE_DIR") or Path.home() / ".cache" / "opendiloco-stream")
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (Linux), part of the build's name: -march=native code is per CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    # the compiler is named by its path, size and mtime: no process to start when the build exists
+    stat = os.stat(cc)
+    compiler = f"{os.path.realpath(cc)} {stat.st_size} {stat.st_mtime_ns}"
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
+    target = cache_dir() / f"kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_lock = threading.Lock()
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, built and loaded once per process (thread-safe)."""
+    with _lock:
+        return _load()
+
+
+_library.cache_clear = lambda: _load.cache_clear()  # type: ignore[attr-defined]  (tests switch paths)
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> Optional[ctypes.CDLL]:
+    global _why_not
+    _why_not = None
+    if os.environ.get("ODS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        _why_not = "disabled by ODS_NATIVE=0"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _why_not = "no C compiler found ($CC, cc, gcc, clang)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _why_not = f"could not build or load {SOURCE.name}: {e}"
+        logger.warning("native codec kernels unavailable, using torch: %s", _why_not)
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (builds them on the first call)."""
+    return _library() is not None
+
+
+def why_not() -> Optional[str]:
+    """Why ``available()`` is False (None while it is True or was never asked)."""
+    _library()
+    return _why_not
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels apply: loaded, and every tensor a contiguous CPU tensor."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and available()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------- kernels
+# Callers check ``usable`` and dtypes: fp32 values, uint8 codes, fp32 steps.
+
+def block_absmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, bool]:
+    """(per-block max |x| as fp32, whether x is all finite)."""
+    n_blocks = -(-x.numel() // block)
+    amax = torch.empty(n_blocks, dtype=torch.float32)
+    bad = _library().ods_block_absmax(_ptr(x), x.numel(), block, _ptr(amax))
+    return amax, not bad
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    return not _library().ods_all_finite(_ptr(x), x.numel())
+
+
+def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """``dst.copy_(src)`` for fp32 tensors of one size; returns whether src is all finite."""
+    if src.numel() != dst.numel():
+        raise ValueError(f"copy of {src.numel()} values into {dst.numel()}")
+    return not _library().ods_copy_finite(_ptr(src), _ptr(dst), src.numel())
+
+
+def quantize4(x: torch.Tensor, block: int, step: torch.Tensor, mids: torch.Tensor, top: float) -> torch.Tensor:
+    out = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
+    _library().ods_quantize4(_ptr(x), x.numel(), block, _ptr(step), _ptr(mids), top, _ptr(out))
+    return out
+
+
+def quantize_int8(x: torch.Tensor, block: int, step: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    _library().ods_quantize_int8(_ptr(x), x.numel(), block, _ptr(step), _ptr(out))
+    return out
+
+
+def dequantize(codes: torch.Tensor, numel: int, block: int, step: torch.Tensor, lut: torch.Tensor,
+               out: torch.Tensor, forbidden: tuple[int, int] = (0, 1)) -> bool:
+    """Decode 4-bit (``lut`` of 16) or 8-bit (``lut`` of 256) codes into ``out`` (fp32, numel).
+    Returns False if an 8-bit code ``c`` with ``c & mask == value`` (``forbidden = (mask, value)``)
+    occurs: bytes no encoder writes."""
+    four = lut.numel() == 16
+    # the C loop trusts these sizes: check them here (the codes come off the network)
+    if (codes.dtype != torch.uint8 or codes.numel() < ((numel + 1) // 2 if four else numel)
+            or step.dtype != torch.float32 or step.numel() < -(-numel // block) or out.dtype != torch.float32
+            or out.numel() < numel or not step.is_contiguous() or lut.dtype != torch.float32):
+        raise ValueError(f"native decode: {codes.numel()} code bytes, {step.numel()} steps and {out.numel()} "
+                         f"outputs do not fit {numel} values in blocks of {block}")
+    if four:
+        _library().ods_dequantize4(_ptr(codes), numel, block, _ptr(step), _ptr(lut), _ptr(out))
+        return True
+    mask, value = forbidden
+    return not _library().ods_dequantize8(_ptr(codes), numel, block, _ptr(step), _ptr(lut), mask, value, _ptr(out))
+
+
+def weighted_mean(values: list[torch.Tensor], weights: list[float], total: float) -> torch.Tensor:
+    """``reduce.weighted_mean`` in one pass (same rounding: fp32 weights and total, separate
+    products and sums). ``values``: contiguous fp32 CPU tensors of one size."""
+    n = values[0].numel()
+    if any(v.numel() != n or v.dtype != torch.float32 for v in values) or len(weights) != len(values):
+        raise ValueError("native weighted_mean: tensors of different sizes or dtypes")
+    out = torch.empty(n, dtype=torch.float32)
+    pointers = (ctypes.c_void_p * len(values))(*(v.data_ptr() for v in values))
+    factors = (ctypes.c_float * len(weights))(*weights)
+    _library().ods_weighted_mean(pointers, factors, len(values), n, total, out.data_ptr())
+    return out
