@@ -44,7 +44,7 @@ try:
 except ImportError:  # run as a script: python benchmarks/overhead.py
     from _common import IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, plot_bars, relative, write_json
 
-from opendiloco_stream.compression import CODEC_NAMES, get_codec
+from opendiloco_stream.compression import CODEC_NAMES, get_codec, native
 from opendiloco_stream.config import RunConfig, load_config
 
 
@@ -216,6 +216,14 @@ def _best_times(ops: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
     return {name: min(ts) for name, ts in times.items()}
 
 
+NATIVE_CODECS = ("int8", "fp8-e4m3", "fp4-e3m0", "fp4-e2m1")  # where compression/native.py applies
+
+
+def _in_torch(fn: Callable[[Any], Any], arg: Any) -> Any:
+    with native.disabled():
+        return fn(arg)
+
+
 def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str, Any]:
     """GB/s (10^9 bytes of fp32 input per second) of each codec and of a plain memory copy."""
     gen = torch.Generator().manual_seed(0)
@@ -229,6 +237,9 @@ def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str
         payloads[name] = payload = codec.encode(x)
         ops[f"{name}/encode"] = lambda codec=codec: codec.encode(x)
         ops[f"{name}/decode"] = lambda codec=codec, payload=payload: codec.decode(payload)
+        if native.available() and name in NATIVE_CODECS:  # the same ops in torch, timed in turn
+            ops[f"{name}/encode-torch"] = lambda codec=codec: _in_torch(codec.encode, x)
+            ops[f"{name}/decode-torch"] = lambda codec=codec, payload=payload: _in_torch(codec.decode, payload)
     best = _best_times(ops, preset.codec_repeats)
     copy_s, clone_s = best["copy_"], best["clone"]
     rows = {"copy_": {"seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9},
@@ -245,6 +256,11 @@ def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str
             "roundtrip_vs_copy": copy_s / (enc_s + dec_s), "encoded_bytes": len(payload),
             "bits_per_value": 8 * len(payload) / x.numel(), "relative_error": err,
         }
+        if f"{name}/encode-torch" in best:
+            codecs[name]["torch_encode_s"] = best[f"{name}/encode-torch"]
+            codecs[name]["torch_decode_s"] = best[f"{name}/decode-torch"]
+            codecs[name]["native_speedup"] = ((best[f"{name}/encode-torch"] + best[f"{name}/decode-torch"])
+                                              / (enc_s + dec_s))
         progress(f"codec {name}: encode {nbytes / enc_s / 1e9:.2f} GB/s, decode {nbytes / dec_s / 1e9:.2f} GB/s")
     return {"numel": x.numel(), "input_bytes": nbytes, "repeats": preset.codec_repeats, "memcpy": rows,
             "codecs": codecs}
@@ -266,15 +282,18 @@ def loop_table(loop: dict[str, Any]) -> str:
 
 def codec_table(res: dict[str, Any]) -> str:
     cp = res["memcpy"]
-    rows = [["memcpy (`copy_`)", "32.00", "—", "—", "—", f"{cp['copy_']['gb_per_s']:.2f}", "1.00x", "0"],
+    rows = [["memcpy (`copy_`)", "32.00", "—", "—", "—", f"{cp['copy_']['gb_per_s']:.2f}", "1.00x", "—", "0"],
             ["memcpy (`clone()`)", "32.00", "—", "—", "—", f"{cp['clone']['gb_per_s']:.2f}",
-             f"{cp['copy_']['seconds'] / cp['clone']['seconds']:.2f}x", "0"]]
+             f"{cp['copy_']['seconds'] / cp['clone']['seconds']:.2f}x", "—", "0"]]
     for name, c in res["codecs"].items():
+        torch_ms = (f"{1e3 * (c['torch_encode_s'] + c['torch_decode_s']):.0f} ({c['native_speedup']:.1f}x)"
+                    if "native_speedup" in c else "—")
         rows.append([name, f"{c['bits_per_value']:.2f}", f"{c['encode_gb_per_s']:.2f}", f"{c['decode_gb_per_s']:.2f}",
                      f"{1e3 * (c['encode_s'] + c['decode_s']):.0f}", f"{c['roundtrip_gb_per_s']:.2f}",
-                     f"{c['roundtrip_vs_copy']:.3f}x", f"{c['relative_error']:.2e}"])
+                     f"{c['roundtrip_vs_copy']:.3f}x", torch_ms, f"{c['relative_error']:.2e}"])
     return markdown_table(["codec", "bits / value", "encode GB/s", "decode GB/s", "encode+decode ms",
-                           "encode+decode GB/s", "vs copy_", "relative L2 error"], rows, align="lrrrrrrr")
+                           "encode+decode GB/s", "vs copy_", "torch-only ms (kernels' speed-up)",
+                           "relative L2 error"], rows, align="lrrrrrrrr")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -16,19 +16,7 @@ from opendiloco_stream.compression import blockwise, get_codec, native
 from opendiloco_stream.compression.wire import NonFiniteError
 
 
-@contextlib.contextmanager
-def torch_only():
-    old = os.environ.get("ODS_NATIVE")
-    os.environ["ODS_NATIVE"] = "0"
-    native._library.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["ODS_NATIVE"]
-        else:
-            os.environ["ODS_NATIVE"] = old
-        native._library.cache_clear()
+torch_only = native.disabled
 
 
 def both(fn):
@@ -175,3 +163,11 @@ def test_the_native_weighted_mean_is_the_torch_one_bit_for_bit():
         values = [torch.randn(n, generator=g) * 10 ** float(torch.randint(-20, 20, (1,), generator=g)) for _ in weights]
         got, want = both(lambda: weighted_mean(values, weights))
         assert torch.equal(got, want), (weights, n)
+
+
+def test_fresh_copy_is_a_clone():
+    for src in (torch.randn(3_000_001), torch.randn(100), torch.randn(4, 2_000_000)[:, ::2]):
+        out = native.fresh_copy(src)
+        assert torch.equal(out, src) and out.data_ptr() != src.data_ptr() and out.shape == src.shape
+        src.add_(1.0)
+        assert not torch.equal(out, src)  # its own memory

@@ -458,10 +458,11 @@ def test_doctor_passes_against_a_live_bootstrap(bootstrap, publishing_peer):
     address, _ = bootstrap
     result = _run("doctor", "--initial-peers", address, "--run-id", "net-test")
     lines = [l for l in result.stdout.splitlines() if l.startswith("[")]
-    assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 5, result.stdout + result.stderr
+    assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 6, result.stdout + result.stderr
     assert "run 'net-test' has 1 peer(s) publishing metrics" in lines[2]  # decoded the signed records
     assert "the bootstrap" in lines[3] and "opened a new connection" in lines[3]  # a real dial-back
     assert lines[4].startswith("[ok] share: --initial-peers /ip4/127.0.0.1/tcp/")
+    assert lines[5].startswith("[ok] kernels: native codec kernels loaded")
     assert result.returncode == 0 and "Traceback" not in result.stderr
 
 

@@ -12,6 +12,8 @@ In order, each check printed as it completes:
                  service, this machine dials them instead, and the result says that only this was
                  checked.
 5. ``share``     the address others should pass as ``--initial-peers``.
+6. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
+                 them the codecs run in torch, several times slower on the CPU (warn).
 
 Status: ``ok``, ``FAIL`` (the peer will not work as configured), ``warn`` (it may), ``skip``.
 """
@@ -204,6 +206,14 @@ class _Doctor:
                   "--identity-path")
         return Check("share", "ok", f"--initial-peers {self.reached[0]}  ({pinned})")
 
+    @staticmethod
+    def kernels() -> Check:
+        from opendiloco_stream.compression import native
+        if native.available():
+            return Check("kernels", "ok", f"native codec kernels loaded (built in {native.cache_dir()})")
+        return Check("kernels", "warn", f"codecs run in torch, slower on the CPU: {native.why_not()}",
+                     "install a C compiler (Debian/Ubuntu: apt install build-essential) or point $CC at one")
+
     async def close(self) -> None:
         if self.node is not None:
             await self.node.shutdown()
@@ -232,11 +242,13 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
         if add(await doctor.p2pd()).status == "FAIL":
             for name in ("listen", "bootstrap", "dial-back", "share"):
                 add(Check(name, "skip", "needs p2pd"))
+            add(doctor.kernels())
             return checks
         add(await doctor.listen())
         add(await doctor.bootstrap())
         add(await doctor.dial_back())
         add(doctor.share())
+        add(doctor.kernels())
         return checks
     finally:
         await doctor.close()

@@ -205,14 +205,11 @@ def combine_verdicts(verdicts: Sequence[bytes]) -> bytes:
 
 
 def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """fp32 weighted mean, summed in the given order.
-
-    Products and sums are separate rounded operations (no fused multiply-add), so the result does
-    not depend on how torch vectorizes or splits the loop over threads: bit-identical anywhere.
-    """
+    """fp32 weighted mean, summed in the given order, every product and sum rounded on its own (no
+    fused multiply-add): bit-identical on any thread count, and in the native kernel (one pass)."""
     total = float(sum(weights))
-    if all(v.dtype == torch.float32 and v.dim() == 1 for v in values) and native.usable(*values):
-        return native.weighted_mean(list(values), [float(w) for w in weights], total)  # same bits, one pass
+    if native.usable(*values) and all(v.dtype == torch.float32 and v.dim() == 1 for v in values):
+        return native.weighted_mean(list(values), [float(w) for w in weights], total)
     acc = values[0] * weights[0]
     for v, w in zip(values[1:], weights[1:]):
         acc.add_(v * w)

@@ -21,7 +21,7 @@ Design (docs/architecture.md, "hivemind transport"):
   validation of every contribution, one quantization of each part's average sent as the same bytes
   to everyone (bit-identical results), verdicts exchanged so all parts average the same
   contributions, and any missing or inconsistent part fails the round (``reason="partial"``).
-- One worker thread per fragment runs the rounds of that fragment in order, so ``all_reduce``
+- One worker thread per fragment (``lane.py``) runs the rounds of that fragment in order, so ``all_reduce``
   never blocks and the shared buffers are only touched between steps.
 - Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given.
 - Late joiners (``state.py``): state served and downloaded by the host, not the averagers.
@@ -31,216 +31,27 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import queue
 import re
-import threading
 import time
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
-from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco_stream.compression import all_finite, get_codec, native
+from opendiloco_stream.compression import get_codec
 from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.net.dht import unstick_hivemind_locks
-from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
+from opendiloco_stream.transport.base import Transport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
+from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane  # noqa: F401 (re-exported)
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
-from opendiloco_stream.transport.hivemind.protocol import round_group_bits
-from opendiloco_stream.transport.hivemind.round_report import round_phases
-from opendiloco_stream.transport.hivemind.runner import RoundError
 from opendiloco_stream.transport.hivemind.state import StateSharing
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
-from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, member_metadata
+from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND
 
 logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
-
-
-class HivemindSyncHandle(SyncHandle):
-    """A pending round; ``wait`` never blocks past ``deadline`` (monotonic seconds)."""
-
-    def __init__(self, key: Hashable, deadline: float):
-        self.key, self.deadline = key, deadline
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._result: Optional[SyncResult] = None
-        self._failure: Optional[tuple[str, str]] = None
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-    def wait(self, timeout: Optional[float] = None) -> SyncResult:
-        bound = self.remaining() if timeout is None else min(max(0.0, timeout), self.remaining())
-        if not self._event.wait(bound):
-            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key, reason="timeout")
-        if self._failure is not None:
-            reason, message = self._failure
-            raise SyncFailed(message, key=self.key, reason=reason)
-        return self._result
-
-    def _settle(self, result: Optional[SyncResult], failure: Optional[tuple[str, str]]) -> bool:
-        with self._lock:  # the first outcome wins (close() may race the worker)
-            if self._event.is_set():
-                return False
-            self._result, self._failure = result, failure
-            self._event.set()
-            return True
-
-    def succeed(self, result: SyncResult) -> None:
-        self._settle(result, None)
-
-    def fail(self, reason: str, message: str) -> None:
-        if self._settle(None, (reason, message)):
-            logger.info("round %s failed (%s): %s", self.key, reason, message)
-
-
-def _classify(error: BaseException, step: StepControl) -> tuple[str, str]:
-    if isinstance(error, RoundError):
-        return error.reason, error.message
-    if isinstance(error, TimeoutError):
-        return "timeout", f"all-reduce did not finish in time: {error!r}"
-    if not step.began_allreduce:
-        return "matchmaking", f"no group formed: {error}"
-    return "failed", repr(error)
-
-
-def _check_settings(settings: list, timeout: float) -> None:
-    """The settings sent before a step were applied (their answers came before the step's: one pipe)."""
-    for future in settings:
-        future.result(timeout=timeout)  # raises what the averager raised
-
-
-class _Lane:
-    """One fragment: its averager process and the worker thread that runs its rounds in order."""
-
-    def __init__(self, fragment: int, averager: FragmentAverager, timeouts: RoundTimeouts,
-                 presence: Optional[Presence] = None, target: Optional[int] = None):
-        self.fragment, self.averager, self.timeouts = fragment, averager, timeouts
-        # a fixed target_group_size wins over the live count of presence.py
-        self.presence, self._target, self.live_target = presence, target, presence is not None and target is None
-        self.numel = averager.input_buffer.numel()
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._current: Optional[HivemindSyncHandle] = None
-        self._step: Optional[StepControl] = None  # the last step; never touch the buffers before it is done
-        self._pipe_lock = threading.Lock()  # hivemind's control pipe is not safe for concurrent senders
-        self._thread = threading.Thread(target=self._loop, name=f"hv-fragment-{fragment}", daemon=True)
-        self._thread.start()
-
-    def submit(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
-        self._queue.put((handle, tensor, weight))
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            handle = item[0]
-            if handle.done():
-                continue
-            self._current = handle
-            try:
-                self._run(*item)
-            except BaseException as e:  # a bug must fail the round, not kill the lane
-                logger.exception("round %s crashed", handle.key)
-                handle.fail("failed", repr(e))
-            finally:
-                self._current = None
-
-    def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
-        fragment, round_index = handle.key
-        if self._step is not None and not self._step.done():
-            try:
-                self._step.result(timeout=handle.remaining())
-            except TimeoutError:
-                if not self._step.done():
-                    handle.fail("timeout", f"the previous round of fragment {fragment} is still running")
-                    return
-            except BaseException:
-                pass  # it failed; it is over, which is all we need
-        t_start = time.time()
-        flat = tensor.detach().reshape(-1)
-        buffer = self.averager.input_buffer  # free: the previous step is done
-        if flat.dtype == torch.float32 and native.usable(flat):
-            finite = native.copy_finite(flat, buffer)  # the check and the copy in one pass
-        else:
-            finite = all_finite(flat)
-            if finite:
-                buffer.copy_(flat)
-        if not finite:
-            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
-            return
-        if not self.averager.is_alive():
-            handle.fail("closed", f"the averager of fragment {fragment} is gone")
-            return
-        plan = None if self.presence is None else self.presence.before_round(fragment, int(round_index))
-        if self.live_target and plan.skip:
-            handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
-                                   f"part from round {round_index + 1} on (the others did not count it)")
-            return
-        gather = member_metadata(self.averager.codec, self.numel, (fragment, round_index), weight)
-        with self._pipe_lock:
-            # No round trip for the settings: the averager runs its pipe's commands in order, and
-            # these setters finish before the step's matchmaking starts (``_check_settings`` below).
-            settings = [self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False)]
-            if self.live_target and plan.target != self._target:
-                settings.append(self.averager.set_target_group_size(plan.target))
-                self._target = plan.target
-            t_step = time.time()
-            self._step = step = self.averager.step(
-                gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
-                timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
-        try:
-            summary = step.result(timeout=handle.remaining())
-        except TimeoutError:
-            if not step.done():
-                handle.fail("timeout", f"round not finished within {self.timeouts.round_bound:.1f}s")
-                return
-            reason, message = _classify(step.exception(), step)
-            handle.fail(reason, message)
-            return
-        except BaseException as e:
-            reason, message = _classify(e, step)
-            handle.fail(reason, message)
-            return
-        _check_settings(settings, self.timeouts.request)
-        average = self.averager.output_buffer.clone()
-        if summary.get("sent_is_input"):  # lossless fp32: the averager sent our tensor as it is
-            cpu32 = flat.device.type == "cpu" and flat.dtype == torch.float32
-            sent = flat if cpu32 else self.averager.input_buffer.clone()  # (not sent_buffer: unwritten)
-        else:
-            sent = self.averager.sent_buffer.clone()
-        handle.succeed(SyncResult(
-            average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
-            group_size=summary["group_size"], weight_share=summary["weight_share"],
-            bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
-            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=self._target))
-
-    def close(self) -> None:
-        while True:  # fail what is queued, then stop the worker
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].fail("closed", "transport closed")
-        current = self._current
-        if current is not None:
-            current.fail("closed", "transport closed")
-        self._queue.put(None)
-        got_pipe = self._pipe_lock.acquire(timeout=self.timeouts.request)
-        try:
-            self.averager.close()
-        finally:
-            if got_pipe:
-                self._pipe_lock.release()
-        self._thread.join(timeout=self.timeouts.request)
 
 
 class HivemindTransport(Transport):
