@@ -13,7 +13,12 @@ machines never loads code built for another CPU. The write is atomic (a temporar
 so concurrent first uses are safe. Without a compiler, or with ``ODS_NATIVE=0``, everything runs
 in torch as before (``native.available()`` is False and ``native.why_not()`` says why).
 
-ctypes releases the GIL during a call, so encoder threads run these kernels in parallel.
+What runs here: the 4-bit and int8 encoders (``blockwise.quantize``), the 4- and 8-bit decoders
+(``blockwise.dequantize``), the reducer's weighted mean (``transport/reduce.py``) and the hivemind
+lane's copy of an outer gradient into the averager's buffer with its finite check. ``fresh_copy``
+(huge-page result copies) needs no compiler. The hivemind transport loads the kernels before it
+forks an averager, so the averager inherits them. ctypes releases the GIL during a call, so
+encoder threads run these kernels in parallel.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ SOURCE = Path(__file__).with_name("_kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
 
 _why_not: Optional[str] = None
-_F32, _U8, _I64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64
+_I64 = ctypes.c_int64
 _SIGNATURES = {
     "ods_block_absmax": (ctypes.c_int, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p]),
     "ods_all_finite": (ctypes.c_int, [ctypes.c_void_p, _I64]),
@@ -111,9 +116,6 @@ def _library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, built and loaded once per process (thread-safe); None while ``disabled``."""
     with _lock:
         return None if _off else _load()
-
-
-_library.cache_clear = lambda: _load.cache_clear()  # type: ignore[attr-defined]  (tests switch paths)
 
 
 @functools.lru_cache(maxsize=None)
