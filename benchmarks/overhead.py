@@ -216,7 +216,7 @@ def _best_times(ops: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
     return {name: min(ts) for name, ts in times.items()}
 
 
-NATIVE_CODECS = ("int8", "fp8-e4m3", "fp4-e3m0", "fp4-e2m1")  # where compression/native.py applies
+NATIVE_CODECS = ("int8", "fp8-e4m3", "fp4-e3m0", "fp4-e2m1", "topk-int2", "topk-int4")  # where native.py applies
 
 
 def _in_torch(fn: Callable[[Any], Any], arg: Any) -> Any:

@@ -171,3 +171,17 @@ def test_fresh_copy_is_a_clone():
         assert torch.equal(out, src) and out.data_ptr() != src.data_ptr() and out.shape == src.shape
         src.add_(1.0)
         assert not torch.equal(out, src)  # its own memory
+
+
+@pytest.mark.parametrize("fmt", ["topk-int2", "topk-int4"])
+@pytest.mark.parametrize("block_size,density", [(1024, 0.02), (64, 0.25), (33, 0.5), (16, 1.0), (4096, 0.01)])
+def test_native_top_k_selects_what_the_stable_sort_selects(fmt, block_size, density):
+    codec = get_codec(fmt, block_size=block_size, density=density)
+    g = torch.Generator().manual_seed(7)
+    ties = torch.randint(-3, 4, (5000,), generator=g).float()  # many equal magnitudes, zeros
+    short = torch.randn(block_size * 3 + 5, generator=g)  # a last chunk shorter than most k
+    zeros = torch.zeros(block_size * 2 + 1)
+    zeros[-1] = -0.0
+    for x in (torch.randn(20_011, generator=g), ties, short, zeros, torch.randn(3, generator=g)):
+        got, want = both(lambda: codec.encode(x))
+        assert got == want, f"{fmt} block {block_size}: bytes differ"

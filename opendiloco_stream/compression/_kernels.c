@@ -172,3 +172,48 @@ void ods_weighted_mean(const float *const *values, const float *weights, int k, 
             o[i] = o[i] / total;
     }
 }
+
+/* Top-k selection of the sparse codecs (sparse.py): per chunk of `block` values (the last one may be
+ * short), the in-chunk indices of the k entries of largest magnitude, ties to the lower index, in
+ * ascending order -- what a stable descending sort of |x| followed by an ascending sort of the
+ * first k picks. out holds k indices per chunk; a short last chunk of m < k values is padded the
+ * way the torch code pads it: indices 0..k-1 (its m entries, then padding positions).
+ * The k-th largest magnitude is found by radix selection on the bits of |x| (ordered like the
+ * values for finite x: the caller checks finiteness first), then one pass in index order keeps
+ * everything above it and the first ties. Blocks are at most 4096 values (wire.MAX_BLOCK_SIZE). */
+void ods_topk_indices(const float *x, int64_t n, int64_t block, int64_t k, int64_t *out)
+{
+    uint32_t mag[4096];
+    int64_t n_chunks = (n + block - 1) / block;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const float *p = x + c * block;
+        int64_t m = (c == n_chunks - 1) ? n - c * block : block;
+        int64_t *o = out + c * k;
+        if (m <= k) {
+            for (int64_t j = 0; j < k; j++)
+                o[j] = j;
+            continue;
+        }
+        for (int64_t i = 0; i < m; i++)
+            mag[i] = magnitude_bits(p[i]);
+        uint32_t prefix = 0, mask = 0;
+        int64_t remaining = k; /* rank of the threshold among the values matching the prefix */
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            int64_t hist[256] = {0};
+            for (int64_t i = 0; i < m; i++)
+                if ((mag[i] & mask) == prefix)
+                    hist[(mag[i] >> shift) & 255]++;
+            int b = 255;
+            for (; b > 0 && hist[b] < remaining; b--)
+                remaining -= hist[b];
+            prefix |= (uint32_t)b << shift;
+            mask |= 255u << shift;
+        }
+        /* prefix is the k-th largest magnitude; `remaining` of its ties are kept (the first ones) */
+        int64_t j = 0;
+        for (int64_t i = 0; i < m && j < k; i++) {
+            if (mag[i] > prefix || (mag[i] == prefix && remaining-- > 0))
+                o[j++] = i;
+        }
+    }
+}

@@ -14,7 +14,8 @@ so concurrent first uses are safe. Without a compiler, or with ``ODS_NATIVE=0``,
 in torch as before (``native.available()`` is False and ``native.why_not()`` says why).
 
 What runs here: the 4-bit and int8 encoders (``blockwise.quantize``), the 4- and 8-bit decoders
-(``blockwise.dequantize``), the reducer's weighted mean (``transport/reduce.py``) and the hivemind
+(``blockwise.dequantize``), the sparse codecs' top-k selection (``sparse.quantize``), the
+reducer's weighted mean (``transport/reduce.py``) and the hivemind
 lane's copy of an outer gradient into the averager's buffer with its finite check. ``fresh_copy``
 (huge-page result copies) needs no compiler. The hivemind transport loads the kernels before it
 forks an averager, so the averager inherits them. ctypes releases the GIL during a call, so
@@ -56,6 +57,7 @@ _SIGNATURES = {
     "ods_dequantize4": (None, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ods_dequantize8": (ctypes.c_int, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_int, ctypes.c_void_p]),
+    "ods_topk_indices": (None, [ctypes.c_void_p, _I64, _I64, _I64, ctypes.c_void_p]),
     "ods_weighted_mean": (None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, _I64, ctypes.c_float,
                                  ctypes.c_void_p]),
 }
@@ -240,6 +242,17 @@ def weighted_mean(values: list[torch.Tensor], weights: list[float], total: float
     pointers = (ctypes.c_void_p * len(values))(*(v.data_ptr() for v in values))
     factors = (ctypes.c_float * len(weights))(*weights)
     _library().ods_weighted_mean(pointers, factors, len(values), n, total, out.data_ptr())
+    return out
+
+
+def topk_indices(x: torch.Tensor, block: int, k: int) -> torch.Tensor:
+    """Per chunk of ``block`` values of flat fp32 ``x`` (finite), the ascending in-chunk indices of
+    its ``k`` largest magnitudes, ties to the lower index: an int64 tensor (chunks, k), a short last
+    chunk padded as ``sparse.quantize`` pads it (indices 0..k-1)."""
+    if not 1 <= k <= block <= 4096 or x.dtype != torch.float32:
+        raise ValueError(f"native top-k: k={k}, block={block}, dtype {x.dtype}")
+    out = torch.empty(-(-x.numel() // block), k, dtype=torch.int64)
+    _library().ods_topk_indices(_ptr(x), x.numel(), block, k, _ptr(out))
     return out
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from opendiloco_stream.compression import native
 from opendiloco_stream.compression.blockwise import store_scales
 from opendiloco_stream.compression.wire import CODE_BITS, NonFiniteError, WireHeader, index_bits
 
@@ -79,10 +80,14 @@ def quantize(x: torch.Tensor, fmt: str, block_size: int, k: int, scale_dtype: st
     amax = a.amax(dim=1)
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteError(f"cannot encode a tensor holding NaN or Inf ({fmt}, numel={numel})")
-    # Stable descending sort: among equal magnitudes the lower index comes first, so the padding
-    # of a short last chunk (zeros after its real entries) is never picked over a real entry.
-    order = torch.sort(a, dim=1, descending=True, stable=True).indices[:, :k]
-    idx = torch.sort(order, dim=1).values
+    flat = x.detach().reshape(-1)
+    if flat.dtype == torch.float32 and native.usable(flat):
+        idx = native.topk_indices(flat, block_size, k)  # the same selection, ~10x faster (native.py)
+    else:
+        # Stable descending sort: among equal magnitudes the lower index comes first, so the padding
+        # of a short last chunk (zeros after its real entries) is never picked over a real entry.
+        order = torch.sort(a, dim=1, descending=True, stable=True).indices[:, :k]
+        idx = torch.sort(order, dim=1).values
     vals = torch.gather(yb, 1, idx)
     rest = numel - (n_chunks - 1) * block_size  # length of the last chunk
     keep = torch.ones(n_chunks, k, dtype=torch.bool)
