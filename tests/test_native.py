@@ -185,3 +185,20 @@ def test_native_top_k_selects_what_the_stable_sort_selects(fmt, block_size, dens
     for x in (torch.randn(20_011, generator=g), ties, short, zeros, torch.randn(3, generator=g)):
         got, want = both(lambda: codec.encode(x))
         assert got == want, f"{fmt} block {block_size}: bytes differ"
+
+
+def test_a_compiler_that_fails_leaves_the_codecs_in_torch(tmp_path):
+    # CC=false: a real compiler failure (no fake in the code path); the codec still encodes, in torch
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    expected = get_codec("fp4-e3m0").encode(x).hex()
+    code = ("import sys, torch; from opendiloco_stream.compression import native, get_codec; "
+            "x = torch.randn(1000, generator=torch.Generator().manual_seed(2)); "
+            "print(native.available(), native.why_not() is not None and 'failed' in native.why_not()); "
+            "print(get_codec('fp4-e3m0').encode(x).hex())")
+    env = dict(os.environ, ODS_CACHE_DIR=str(tmp_path), ODS_NATIVE="1", CC=shutil.which("false"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.split()
+    assert lines[:2] == ["False", "True"], done.stdout + done.stderr
+    assert lines[2] == expected  # the torch path's bytes are the kernels'
+    assert "native codec kernels unavailable, using torch" in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing half-built left in the cache

@@ -100,9 +100,14 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
+        for flags in (FLAGS, [f for f in FLAGS if f != "-march=native"]):  # some compilers lack -march=native
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep the other users of a shared cache out
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
