@@ -206,16 +206,17 @@ class StreamingDiLoCo(HasSyncLog):
         if f.pending is not None:
             self._land(f, shift=False)
         f.pending = self._launch(f, k, d)
-        prev = f.last
+        prev, scale = f.last, None
         if prev is None:
             estimate, kind = d, "local-only"
         elif self.config.eager_estimate == "mixed" and prev.average is not None:
             estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
         elif self.config.eager_estimate == "scaled" and prev.coef is not None:
-            estimate, kind = d * prev.coef, "eager"  # projected_estimate, its coefficient kept at landing
+            estimate, scale, kind = d, prev.coef, "eager"  # projected_estimate: d * its coefficient kept at landing
         else:
             estimate, kind = d, "eager"
-        f.restart_from(f.opt.lookahead(estimate))
+        # the look-ahead is written straight into ``start`` (kept in eager), param by param
+        f.restart_from(f.opt.lookahead(estimate, scale=scale, out=f.start))
         self._outer_step(f, k, kind)
 
     def _land(self, f: FragmentState, shift: bool) -> None:

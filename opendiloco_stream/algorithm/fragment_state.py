@@ -184,7 +184,7 @@ class FragmentState:
 
     def restart_from(self, values: list[torch.Tensor]) -> None:
         """Local parameters (and ``start``, if kept) <- values."""
-        if self.start is not None:
+        if self.start is not None and values is not self.start:
             for s, v in zip(self.start, values):
                 s.copy_(v)
         self.set_local(values)

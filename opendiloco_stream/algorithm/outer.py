@@ -7,6 +7,8 @@ gradients, ``q`` deQ(Q(d)) exactly as this peer sent it, ``share`` this peer's w
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -39,18 +41,25 @@ class OuterOptimizer:
         for p in self.params:
             p.grad = None
 
-    def lookahead(self, outer_grad: torch.Tensor) -> list[torch.Tensor]:
-        """The parameters ``step(outer_grad)`` would produce, without changing any state."""
+    def lookahead(self, outer_grad: torch.Tensor, scale: Optional[float] = None,
+                  out: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
+        """The parameters ``step(outer_grad * scale)`` would produce, without changing any state.
+
+        ``scale`` is applied one parameter at a time and ``out`` (tensors shaped like the
+        parameters) receives the result: with both, no fragment-sized temporary is made. The values
+        are the same either way, bit for bit."""
         group = self.opt.param_groups[0]
         lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        out = []
-        for p, g in zip(self.params, self.split(outer_grad)):
+        result = []
+        for i, (p, g) in enumerate(zip(self.params, self.split(outer_grad))):
+            if scale is not None:
+                g = g * scale
             if beta > 0:
                 buf = self.opt.state.get(p, {}).get("momentum_buffer")
                 buf = g.clone() if buf is None else buf * beta + g
                 g = g + buf * beta if nesterov else buf
-            out.append(p - g * lr)
-        return out
+            result.append(torch.sub(p, g * lr, out=out[i]) if out is not None else p - g * lr)
+        return result
 
     def state_dict(self) -> dict:
         return self.opt.state_dict()
