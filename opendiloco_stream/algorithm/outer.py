@@ -59,7 +59,7 @@ class OuterOptimizer:
                 buf = g.clone() if buf is None else buf * beta + g
                 g = g + buf * beta if nesterov else buf
             result.append(torch.sub(p, g * lr, out=out[i]) if out is not None else p - g * lr)
-        return result
+        return out if out is not None else result  # ``out`` itself: callers may test identity
 
     def state_dict(self) -> dict:
         return self.opt.state_dict()
