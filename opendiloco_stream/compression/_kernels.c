@@ -40,15 +40,6 @@ int ods_block_absmax(const float *x, int64_t n, int64_t block, float *amax)
     return bad;
 }
 
-/* 0 if every value is finite. */
-int ods_all_finite(const float *x, int64_t n)
-{
-    uint32_t bad = 0;
-    for (int64_t i = 0; i < n; i++)
-        bad |= magnitude_bits(x[i]) >= 0x7f800000u;
-    return (int)bad;
-}
-
 /* dst = src, and whether src holds NaN or Inf (one pass instead of a check and a copy). */
 int ods_copy_finite(const float *src, float *dst, int64_t n)
 {

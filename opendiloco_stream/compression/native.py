@@ -49,7 +49,6 @@ _why_not: Optional[str] = None
 _I64 = ctypes.c_int64
 _SIGNATURES = {
     "ods_block_absmax": (ctypes.c_int, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p]),
-    "ods_all_finite": (ctypes.c_int, [ctypes.c_void_p, _I64]),
     "ods_copy_finite": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, _I64]),
     "ods_quantize4": (None, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]),
@@ -193,10 +192,6 @@ def block_absmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, bool]:
     amax = torch.empty(n_blocks, dtype=torch.float32)
     bad = _library().ods_block_absmax(_ptr(x), x.numel(), block, _ptr(amax))
     return amax, not bad
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    return not _library().ods_all_finite(_ptr(x), x.numel())
 
 
 def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> bool:
