@@ -44,7 +44,7 @@ def test_two_peers_of_two_ranks_train_together_and_a_killed_rank_stops_only_its_
                   "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--nproc-per-node", "2",
                   "--sync-timeout", "30"]
         a = start_peer(tmp_path, "a", addrs, *common, "--steps", "40", "--shard", "0/2")
-        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2")
+        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2", "--step-delay-s", "0.1")
         procs += [a, b]
 
         def shared_rounds() -> int:
@@ -92,19 +92,21 @@ def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_s
     procs = [boot]
     try:
         common = ["--run-id", "sharded", "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2",
-                  "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--sync-timeout", "30",
-                  "--step-delay-s", "0.1"]  # leaves the averagers CPU on 2 cores, so that rounds meet
+                  "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--sync-timeout", "30"]
         ckpt = tmp_path / "ckpt"
+        # The step delays leave the averagers CPU on 2 cores. The sharded peer is the slower one:
+        # b, ahead, waits in each round's matchmaking for it. (The other way round, b would reach
+        # every round only by catching up, seconds late, and on a loaded box could miss them all.)
         sharded = ["--nproc-per-node", "2", "--sharding", "fsdp", "--outer-device", "cpu",
-                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "16"]
+                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "16", "--step-delay-s", "0.3"]
         a = start_peer(tmp_path, "a", addrs, *common, *sharded, "--steps", "48", "--shard", "0/2")
         procs.append(a)
         # b starts once a trains (a's two ranks start slower) and trains on past a's end
         wait_for(lambda: any(r["event"] == "step" for r in records(tmp_path / "a.jsonl")), 120, "a's first step", [a])
-        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2")
+        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2", "--step-delay-s", "0.1")
         procs.append(b)
         a.wait(timeout=240)
-        assert a.returncode == 0, (tmp_path / "a.log").read_text()[-3000:]
+        assert a.returncode == 0, (tmp_path / "a.log").read_text()[-8000:]
         recs_a, recs_b = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
         summary = recs_a[-1]
         assert summary["event"] == "summary" and summary["ranks"] == 2, summary
@@ -128,7 +130,8 @@ def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_s
         recs = records(tmp_path / "a2.jsonl")
         assert [r["step"] for r in recs if r["event"] == "resumed"] == [48]
         steps = [r["step"] for r in recs if r["event"] == "step"]
-        assert steps[0] > 48 and steps[-1] == 56, steps  # (catch-up jumps count as steps)
+        # (catch-up jumps count as steps; one may jump past the last step: b is far ahead)
+        assert steps[0] > 48 and steps[-1] >= 56, steps
         assert recs[-1]["eval_loss_initial"] < summary["eval_loss_initial"] - 0.3, recs[-1]  # trained weights
     finally:
         stop_processes(procs, grace=10)

@@ -48,6 +48,12 @@ def ranks_for(args: argparse.Namespace, cfg: Any) -> Union[None, int, Any]:
     if k not in (1, env.world):
         raise UsageError(f"--nproc-per-node {k}, but this process is rank {env.rank} of WORLD_SIZE={env.world} "
                          "(started by torchrun?): give one or the other")
+    import faulthandler
+
+    # a rank killed by a fatal signal (a C++ abort in a collective, a segfault) prints every
+    # thread's Python stack to the peer's stderr before it dies: the launcher's "rank N ended with
+    # signal ..." then comes with where it happened
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     return Ranks(env, cfg.train.device, collective_timeout(cfg))
 
 
