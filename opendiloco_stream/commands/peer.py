@@ -74,18 +74,21 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(ranks, int):
         return ranks
     if ranks is not None and not ranks.leader:
-        return peer_ranks.follow(cfg, ranks)
+        peer_ranks.end_rank(peer_ranks.follow(cfg, ranks))
     try:
-        return _lead(args, cfg, auth, ranks)
+        code = _lead(args, cfg, auth, ranks)
     except RuntimeError as e:
         if ranks is None or not peer_ranks.lost_rank(e):
             raise
         print(f"opendiloco-stream peer: another rank of this peer stopped ({peer_ranks.first_line(e)}); "
               "leaving the run", file=sys.stderr)
-        return 1
+        code = 1
     finally:
         if ranks is not None:
             ranks.close()
+    if ranks is not None:
+        peer_ranks.end_rank(code)
+    return code
 
 
 def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Union
+from typing import Any, NoReturn, Optional, Union
 
 GRACE_S = 15.0  # a failed rank's peers: how long the others get to leave before their trees are killed
 
@@ -122,6 +122,23 @@ def launch(args: argparse.Namespace, k: int) -> int:
     if lead is not None and lead > 0:
         return lead
     return 128 - code if code < 0 else max(1, code)
+
+
+def end_rank(code: int) -> NoReturn:
+    """A rank's process ends here, once its process group is destroyed, without the interpreter's
+    teardown. FSDP2's device mesh and DDP keep the gloo group's C++ object alive past
+    ``destroy_process_group``; freed during finalization, its worker threads can abort the process
+    (CI saw a rank end with SIGABRT after its run had finished). Everything the rank wrote is
+    flushed first; the DHT, averagers and files were closed by the rank itself."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def lost_rank(e: BaseException) -> bool:
