@@ -21,7 +21,7 @@ from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
 from opendiloco_stream.transport.hivemind import HivemindTransport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.direct import (
-    DirectStream, group_tag, hello_is_valid, make_hello, parse_address, read_hello,
+    DirectStream, RunningGroups, group_tag, hello_is_valid, make_hello, parse_address, read_hello,
 )
 from opendiloco_stream.transport.hivemind.protocol import (
     CONTRIB, DONE, Message, ProtocolError, frame_parts, pack_frame, parse_message, unpack_frame,
@@ -187,3 +187,36 @@ def test_bytes_are_counted_the_same_on_both_paths():
             swarm.close()
     assert counts[True] == counts[False], counts
     assert len({c for peer in counts[True] for c in peer}) == 1  # symmetric, round after round
+
+
+def test_a_stream_waiting_for_its_group_wakes_when_the_group_registers_and_gives_up_at_its_deadline():
+    """``RunningGroups.find``: a groupmate's stream that arrives before our round is registered
+    waits for the registration (woken by ``notify``, long before its deadline), and a group that
+    never registers gives None at the deadline."""
+    import asyncio
+    import time
+
+    async def scenario():
+        loop = asyncio.get_event_loop()
+        board = RunningGroups({})
+
+        async def register_later():
+            await asyncio.sleep(0.05)
+            board.groups[b"other"] = None
+            board.notify()  # not ours: the waiter looks again and waits on
+            await asyncio.sleep(0.05)
+            board.groups[b"ours"] = loop.create_future()
+            board.notify()
+
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(register_later())
+        found = await board.find(lambda g: g == b"ours", loop.time() + 30.0)
+        woke_after = time.monotonic() - t0
+        await task
+        missing = await board.find(lambda g: g == b"never", loop.time() + 0.1)
+        return found, woke_after, missing
+
+    found, woke_after, missing = asyncio.run(scenario())
+    assert found == b"ours"
+    assert woke_after < 15.0  # woken by the registration, not by the 30 s deadline
+    assert missing is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import defaultdict
 
 import pytest

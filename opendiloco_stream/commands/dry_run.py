@@ -219,7 +219,7 @@ def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path
     checks.run("device", lambda: check_device(cfg.train.device))
     if checks.failure:
         raise UsageError(f"dry run failed: {checks.failure}")
-    print(f"dry run passed: nothing was started; run the same command without --dry-run")
+    print("dry run passed: nothing was started; run the same command without --dry-run")
     return 0
 
 

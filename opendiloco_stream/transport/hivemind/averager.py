@@ -22,6 +22,7 @@ These overrides touch hivemind internals, hence the exact pin ``hivemind==1.1.12
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -40,7 +41,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import Codec, native
-from opendiloco_stream.transport.hivemind.direct import DirectListener, serve_connections
+from opendiloco_stream.transport.hivemind.direct import DirectListener, RunningGroups, serve_connections
 from opendiloco_stream.transport.hivemind.protocol import as_protobufs
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
 from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, RoundTimeouts
@@ -90,6 +91,7 @@ class FragmentAverager(DecentralizedAverager):
         # direct TCP data path (direct.py): a listener if we reduce; addresses that failed us
         self.direct, self.direct_failed, self._direct_task = direct, set(), None
         self._direct = DirectListener.for_dht(dht) if direct and not client_mode else None
+        self._groups = RunningGroups(self._running_groups)  # (the same dict, in the averager process after the fork)
         native.available()  # build/load the codec kernels here: the averager inherits them loaded
         self.start()  # fork: the buffers above are shared, the host's threads are not copied
         if self._direct is not None:
@@ -126,7 +128,7 @@ class FragmentAverager(DecentralizedAverager):
         await super().add_p2p_handlers(p2p, *args, **kwargs)
         if self._direct is not None and self._direct_task is None:
             self._direct_task = asyncio.ensure_future(
-                serve_connections(self._direct, self._running_groups, self.prefix, self.timeouts.next_chunk))
+                serve_connections(self._direct, self._groups, self.prefix, self.timeouts.next_chunk))
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
         if self._direct_task is not None:
@@ -193,6 +195,13 @@ class FragmentAverager(DecentralizedAverager):
         await asyncio.sleep(self.timeouts.request)  # cancelled as soon as the follower closes
 
     # ------------------------------------------------------------------ the all-reduce
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo):
+        """hivemind's registration of a running group, and a wake-up for the streams waiting for it."""
+        with super()._register_allreduce_group(group_info):
+            self._groups.notify()
+            yield
+
     async def _aggregate_with_group(self, group_info: GroupInfo, **_allreduce_kwargs) -> dict:
         registered = self._running_groups[group_info.group_id]
         try:
@@ -224,8 +233,7 @@ class FragmentAverager(DecentralizedAverager):
         # (our BEGIN_ALLREDUCE still in flight, or this process starved of CPU): wait as long as a
         # sender may stay silent before its first contribution, not just one matchmaking request.
         deadline = asyncio.get_event_loop().time() + self.timeouts.next_chunk
-        while request.group_id not in self._running_groups and asyncio.get_event_loop().time() < deadline:
-            await asyncio.sleep(0.02)  # polled: hivemind's step loop owns _pending_groups_registered
+        await self._groups.find(lambda g: g == request.group_id, deadline)
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)

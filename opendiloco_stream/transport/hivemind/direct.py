@@ -246,12 +246,44 @@ class _Incoming:
         return msg
 
 
-async def serve_connections(listener: DirectListener, groups: dict, prefix: str, wait_s: float) -> None:
+class RunningGroups:
+    """The averager's running groups (``_running_groups``: group id -> future of its runner) and a
+    wake-up for the streams that wait for one. A groupmate's stream often arrives before our own
+    round is registered (its BEGIN_ALLREDUCE came first, or this process is short of CPU): it waits
+    for the registration itself, not on a poll (a 20 ms poll cost rounds ~10 ms on average)."""
+
+    def __init__(self, groups: dict):
+        self.groups = groups
+        self._changed: Optional[asyncio.Event] = None  # created by the first waiter, in the averager's loop
+
+    def notify(self) -> None:
+        """A group was registered (the averager calls this, in its loop)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def find(self, match: Callable[[Any], bool], deadline: float) -> Optional[Any]:
+        """The id of the first running group that ``match``es, waiting until the loop's ``deadline``;
+        None if none registered by then."""
+        loop = asyncio.get_event_loop()
+        while True:
+            group_id = next((g for g in list(self.groups) if match(g)), None)
+            remaining = deadline - loop.time()
+            if group_id is not None or remaining <= 0:
+                return group_id
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def serve_connections(listener: DirectListener, groups: RunningGroups, prefix: str, wait_s: float) -> None:
     """Accept direct connections forever (the averager's task; cancel it to stop).
 
-    ``groups`` is the averager's ``_running_groups`` (group id -> future of its runner); a sender
-    may connect before our own round is registered, so a hello waits for its group up to
-    ``wait_s`` (the longest silence tolerated before a first contribution)."""
+    A sender may connect before our own round is registered in ``groups``, so a hello waits for
+    its group up to ``wait_s`` (the longest silence tolerated before a first contribution)."""
     loop = asyncio.get_event_loop()
     tasks: set = set()
     try:
@@ -266,20 +298,16 @@ async def serve_connections(listener: DirectListener, groups: dict, prefix: str,
             task.cancel()
 
 
-async def _serve_connection(sock: socket.socket, groups: dict, prefix: str, wait_s: float) -> None:
+async def _serve_connection(sock: socket.socket, groups: RunningGroups, prefix: str, wait_s: float) -> None:
     loop = asyncio.get_event_loop()
     deadline = loop.time() + wait_s
     try:
         tag, sender, mac = read_hello(bytes(await asyncio.wait_for(_recv_exactly(sock, _HELLO.size), wait_s)))
-        group_id = None
-        while group_id is None:
-            group_id = next((g for g in list(groups) if group_tag(g) == tag), None)
-            if group_id is None:
-                if loop.time() >= deadline:
-                    await write_message(sock, Message(averaging_pb2.BAD_GROUP_ID, has_part=False))
-                    return
-                await asyncio.sleep(0.02)  # polled, as rpc_aggregate_part does
-        future = groups[group_id]
+        group_id = await groups.find(lambda g: group_tag(g) == tag, deadline)
+        future = None if group_id is None else groups.groups.get(group_id)
+        if future is None:
+            await write_message(sock, Message(averaging_pb2.BAD_GROUP_ID, has_part=False))
+            return
         try:
             runner = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - loop.time()))
         except Exception:  # no runner (mismatching peers, shutting down): the sender fails too
