@@ -76,6 +76,26 @@ def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apa
             p.close()
 
 
+def test_a_fixed_group_size_announces_rounds_without_waiting_for_the_dht_and_plans_nothing():
+    """``before_round(plan=False)`` (``--target-group-size`` given): no plan and no DHT lookup in
+    the round's path, yet the announcements land, so a peer behind still learns it is late."""
+    dht = FakeDHT()
+    gets = []
+    real_get = dht.get
+    dht.get = lambda *a, **k: gets.append(a) or real_get(*a, **k)
+    a, b = (Presence(dht, "run", name, ttl=60, late_after=0, poll_s=1000) for name in "ab")
+    try:
+        assert a.before_round(0, 0, plan=False) is None
+        assert a.before_round(0, 1, plan=False) is None
+        assert gets == []  # nothing read on the way
+        assert not b.is_late(0, 1)  # watched from now on
+        b.beat()
+        assert b.is_late(0, 1)  # a's announcement of round 1 arrived
+    finally:
+        a.close()
+        b.close()
+
+
 def run_round(swarm, peers, rnd):
     args = [dict(seed=10 * rnd + p.index, numel=NUMEL, return_tensors=False) for p in peers]
     return swarm.call_all("all_reduce", (0, rnd), per_peer=args, peers=peers, timeout=60)

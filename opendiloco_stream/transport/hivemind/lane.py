@@ -150,7 +150,9 @@ class _Lane:
         if not self.averager.is_alive():
             handle.fail("closed", f"the averager of fragment {fragment} is gone")
             return
-        plan = None if self.presence is None else self.presence.before_round(fragment, int(round_index))
+        # the announcement others' catch-up reads; a plan (a DHT lookup) only for a live group size
+        plan = None if self.presence is None else self.presence.before_round(fragment, int(round_index),
+                                                                             plan=self.live_target)
         if self.live_target and plan.skip:
             handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
                                    f"part from round {round_index + 1} on (the others did not count it)")

@@ -108,7 +108,9 @@ class Presence:
         self._thread.start()
 
     # ------------------------------------------------------------------ DHT records
-    def _store(self, fragment: int, round_index: int, value: Optional[list]) -> None:
+    def _store(self, fragment: int, round_index: int, value: Optional[list], wait: bool = True) -> None:
+        """Announce ``value`` for a round; ``wait=False`` sends it without waiting for the DHT's
+        answer (a lost one costs one heartbeat: the next refresh stores it again)."""
         with self._lock:
             key = (fragment, round_index)
             # a later expiration wins on the DHT: "left" must outlive the last refresh
@@ -118,7 +120,8 @@ class Presence:
             with self._dht_lock:
                 future = self.dht.store(live_key(self.run_id, fragment, round_index), subkey=self.peer_id,
                                         value=value, expiration_time=expiration, return_future=True)
-            future.result(timeout=self.dht_timeout)
+            if wait:
+                future.result(timeout=self.dht_timeout)
         except Exception as e:  # a DHT hiccup costs one refresh, not the round
             logger.info("presence: could not announce fragment %d round %d: %r", fragment, round_index, e)
 
@@ -142,15 +145,20 @@ class Presence:
         return out
 
     # ------------------------------------------------------------------ rounds
-    def before_round(self, fragment: int, round_index: int) -> RoundPlan:
-        """Announce this peer for the round after ``round_index`` and plan ``round_index``."""
+    def before_round(self, fragment: int, round_index: int, plan: bool = True) -> Optional[RoundPlan]:
+        """Announce this peer for the round after ``round_index`` and plan ``round_index``.
+
+        ``plan=False`` (a fixed group size: nothing to plan): only the announcements, sent without
+        waiting for the DHT, and None; the round's critical path then holds no DHT round trip."""
         launched_at = get_dht_time()
         with self._lock:
             new = fragment not in self._ahead
             self._ahead[fragment] = (round_index + 1, launched_at)
         if new:
-            self._store(fragment, round_index, [False, launched_at])
-        self._store(fragment, round_index + 1, [True, launched_at])
+            self._store(fragment, round_index, [False, launched_at], wait=plan)
+        self._store(fragment, round_index + 1, [True, launched_at], wait=plan)
+        if not plan:
+            return None
         ahead = {peer for peer, (is_ahead, _) in self._entries(fragment, round_index).items() if is_ahead}
         if new:
             if ahead - {self.peer_id}:
