@@ -43,7 +43,7 @@ def test_two_peers_of_two_ranks_train_together_and_a_killed_rank_stops_only_its_
                   "--inner-steps", "8", "--target-group-size", "2", "--no-join", "--nproc-per-node", "2",
                   "--sync-timeout", "30"]
         a = start_peer(tmp_path, "a", addrs, *common, "--steps", "40", "--shard", "0/2")
-        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2", "--step-delay-s", "0.1")
+        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2")
         procs += [a, b]
 
         def shared_rounds() -> int:

@@ -250,7 +250,7 @@ class RunningGroups:
     """The averager's running groups (``_running_groups``: group id -> future of its runner) and a
     wake-up for the streams that wait for one. A groupmate's stream often arrives before our own
     round is registered (its BEGIN_ALLREDUCE came first, or this process is short of CPU): it waits
-    for the registration itself, not on a poll (a 20 ms poll cost rounds ~10 ms on average)."""
+    for the registration itself, not on a poll (which added up to 20 ms to each early stream)."""
 
     def __init__(self, groups: dict):
         self.groups = groups
