@@ -133,10 +133,18 @@ def test_late_joiner_downloads_state_converges_and_contributes(tmp_path):
         outer = [[f["outer_params"] for f in
                   torch.load(tmp_path / f"ck{r}" / f"worker-{r}.pt", weights_only=False)["diloco"]["fragments"]]
                  for r in range(3)]  # checkpoint files are named after the peer's shard
+        # The joiner ends with its donor's theta_bar: the same averages applied to the state it
+        # downloaded. (Not necessarily p0's: a round that failed for both first peers before the
+        # join stepped each with its own d, and they stay that far apart.)
+        ids = {records(tmp_path / f"p{r}.jsonl")[0]["peer_id"]: r for r in range(2)}
+        donors = {r["donor"] for r in jrecs if r["event"] == "state_download" and r.get("done")}
+        assert len(donors) == 1 and donors <= set(ids), (donors, ids)
+        donor = ids[donors.pop()]
         rounds = {name: [(r["fragment"], r["round"], r["ok"], r["group_size"], r["step"])
-                         for r in records(tmp_path / f"{name}.jsonl") if r["event"] == "sync"] for name in ("p0", "p2")}
+                         for r in records(tmp_path / f"{name}.jsonl") if r["event"] == "sync"]
+                  for name in (f"p{donor}", "p2")}
         for frag in range(2):
-            for a, b in zip(outer[2][frag], outer[0][frag]):
+            for a, b in zip(outer[2][frag], outer[donor][frag]):
                 assert torch.allclose(a, b, atol=1e-5), ((a - b).abs().max(), joined, rounds)
     finally:
         stop_processes(procs, grace=10)

@@ -118,6 +118,16 @@ _lock = threading.Lock()
 _off = False  # inside ``disabled()``
 
 
+def _fresh_lock_in_child() -> None:
+    # a fork while another thread held the lock would leave it held forever in the child (an
+    # averager process), and its first kernel call would hang: the child starts with a free one
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def _library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, built and loaded once per process (thread-safe); None while ``disabled``."""
     with _lock:
