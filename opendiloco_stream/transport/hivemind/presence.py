@@ -148,15 +148,16 @@ class Presence:
     def before_round(self, fragment: int, round_index: int, plan: bool = True) -> Optional[RoundPlan]:
         """Announce this peer for the round after ``round_index`` and plan ``round_index``.
 
-        ``plan=False`` (a fixed group size: nothing to plan): only the announcements, sent without
-        waiting for the DHT, and None; the round's critical path then holds no DHT round trip."""
+        The announcements go out without waiting for the DHT's answers (the heartbeat stores them
+        again); the plan is one DHT lookup. ``plan=False`` (a fixed group size: nothing to plan):
+        no lookup and None, so the round's critical path holds no DHT round trip at all."""
         launched_at = get_dht_time()
         with self._lock:
             new = fragment not in self._ahead
             self._ahead[fragment] = (round_index + 1, launched_at)
         if new:
-            self._store(fragment, round_index, [False, launched_at], wait=plan)
-        self._store(fragment, round_index + 1, [True, launched_at], wait=plan)
+            self._store(fragment, round_index, [False, launched_at], wait=False)
+        self._store(fragment, round_index + 1, [True, launched_at], wait=False)
         if not plan:
             return None
         ahead = {peer for peer, (is_ahead, _) in self._entries(fragment, round_index).items() if is_ahead}
