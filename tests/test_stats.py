@@ -71,3 +71,38 @@ def test_one_reader_for_whole_files_and_files_still_being_written(tmp_path):
 @pytest.mark.parametrize("stats", [A, A.to_record()])
 def test_worker_reports_accept_the_record_or_the_old_dict(stats):
     assert SyncStats.of(stats) == A
+
+
+def test_a_failed_round_s_record_carries_the_transport_s_message_and_a_good_one_none():
+    """``SyncLog``: the sync record of a failed round has its reason and the transport's message
+    (where the round stood), taken once; a successful round's record has neither."""
+    import torch
+
+    from opendiloco_stream.algorithm.sync_log import SyncLog
+    from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
+
+    class Handle(SyncHandle):  # what a transport hands back: done, with a result or a failure
+        def __init__(self, key, outcome):
+            self.key, self._outcome = key, outcome
+
+        def done(self) -> bool:
+            return True
+
+        def wait(self, timeout=None):
+            if isinstance(self._outcome, Exception):
+                raise self._outcome
+            return self._outcome
+
+    log = SyncLog()
+    why = "round (1, 0): not finished within 19.0s (contributions 2/3, verdicts 0/2, results 0/2)"
+    result, reason, _ = log.wait(Handle((1, 0), SyncFailed(why, key=(1, 0), reason="timeout")), timeout=1.0)
+    assert result is None and reason == "timeout"
+    log.record(1, 0, 10, result, reason, 0.5, "local-only")
+    ok = SyncResult(average=torch.zeros(3), sent=torch.zeros(3), group_size=2, weight_share=0.5,
+                    bytes_sent=12, bytes_received=12)
+    result, reason, _ = log.wait(Handle((0, 1), ok), timeout=1.0)
+    log.record(0, 1, 15, result, reason, 0.0, "average")
+    failed, good = log.events
+    assert failed["ok"] is False and failed["reason"] == "timeout" and failed["message"] == why
+    assert good["ok"] is True and "message" not in good and "reason" not in good
+    assert log._messages == {}  # taken with its record

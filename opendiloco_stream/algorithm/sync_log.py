@@ -18,6 +18,7 @@ class SyncLog:
         self.record_digests = record_digests
         self.stats = SyncStats()
         self.events: list[dict[str, Any]] = []
+        self._messages: dict[Any, str] = {}  # round key -> why it failed, until its record is emitted
 
     def wait(self, handle: SyncHandle, timeout: float) -> tuple[Optional[SyncResult], Optional[str], float]:
         """(result or None, failure reason or None, seconds waited); a failed round is not an error."""
@@ -26,6 +27,7 @@ class SyncLog:
             result, reason = handle.wait(timeout=timeout), None
         except SyncFailed as e:
             result, reason = None, e.reason
+            self._messages[getattr(handle, "key", None)] = str(e)
         waited = time.perf_counter() - start
         self.stats.wait_s += waited
         return result, reason, waited
@@ -52,6 +54,9 @@ class SyncLog:
                                                 digest_size=16).hexdigest()
         else:
             rec.update(group_size=0, reason=reason)
+            message = self._messages.pop((p, k), None)
+            if message:  # the transport's own words: where the round stood when it failed
+                rec["message"] = message[:500]
             s.failed_syncs += 1
         if estimate is not None:
             rec["estimate"] = estimate
