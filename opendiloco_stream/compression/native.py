@@ -189,10 +189,6 @@ def usable(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and available()
 
 
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
-
-
 # ---------------------------------------------------------------------------------------- kernels
 # Callers check ``usable`` and dtypes: fp32 values, uint8 codes, fp32 steps.
 
@@ -200,7 +196,7 @@ def block_absmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, bool]:
     """(per-block max |x| as fp32, whether x is all finite)."""
     n_blocks = -(-x.numel() // block)
     amax = torch.empty(n_blocks, dtype=torch.float32)
-    bad = _library().ods_block_absmax(_ptr(x), x.numel(), block, _ptr(amax))
+    bad = _library().ods_block_absmax(x.data_ptr(), x.numel(), block, amax.data_ptr())
     return amax, not bad
 
 
@@ -208,18 +204,18 @@ def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """``dst.copy_(src)`` for fp32 tensors of one size; returns whether src is all finite."""
     if src.numel() != dst.numel():
         raise ValueError(f"copy of {src.numel()} values into {dst.numel()}")
-    return not _library().ods_copy_finite(_ptr(src), _ptr(dst), src.numel())
+    return not _library().ods_copy_finite(src.data_ptr(), dst.data_ptr(), src.numel())
 
 
 def quantize4(x: torch.Tensor, block: int, step: torch.Tensor, mids: torch.Tensor, top: float) -> torch.Tensor:
     out = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
-    _library().ods_quantize4(_ptr(x), x.numel(), block, _ptr(step), _ptr(mids), top, _ptr(out))
+    _library().ods_quantize4(x.data_ptr(), x.numel(), block, step.data_ptr(), mids.data_ptr(), top, out.data_ptr())
     return out
 
 
 def quantize_int8(x: torch.Tensor, block: int, step: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.numel(), dtype=torch.uint8)
-    _library().ods_quantize_int8(_ptr(x), x.numel(), block, _ptr(step), _ptr(out))
+    _library().ods_quantize_int8(x.data_ptr(), x.numel(), block, step.data_ptr(), out.data_ptr())
     return out
 
 
@@ -236,10 +232,11 @@ def dequantize(codes: torch.Tensor, numel: int, block: int, step: torch.Tensor, 
         raise ValueError(f"native decode: {codes.numel()} code bytes, {step.numel()} steps and {out.numel()} "
                          f"outputs do not fit {numel} values in blocks of {block}")
     if four:
-        _library().ods_dequantize4(_ptr(codes), numel, block, _ptr(step), _ptr(lut), _ptr(out))
+        _library().ods_dequantize4(codes.data_ptr(), numel, block, step.data_ptr(), lut.data_ptr(), out.data_ptr())
         return True
     mask, value = forbidden
-    return not _library().ods_dequantize8(_ptr(codes), numel, block, _ptr(step), _ptr(lut), mask, value, _ptr(out))
+    return not _library().ods_dequantize8(codes.data_ptr(), numel, block, step.data_ptr(), lut.data_ptr(), mask, value,
+                                          out.data_ptr())
 
 
 def weighted_mean(values: list[torch.Tensor], weights: list[float], total: float) -> torch.Tensor:
@@ -262,7 +259,7 @@ def topk_indices(x: torch.Tensor, block: int, k: int) -> torch.Tensor:
     if not 1 <= k <= block <= 4096 or x.dtype != torch.float32:
         raise ValueError(f"native top-k: k={k}, block={block}, dtype {x.dtype}")
     out = torch.empty(-(-x.numel() // block), k, dtype=torch.int64)
-    _library().ods_topk_indices(_ptr(x), x.numel(), block, k, _ptr(out))
+    _library().ods_topk_indices(x.data_ptr(), x.numel(), block, k, out.data_ptr())
     return out
 
 

@@ -73,10 +73,10 @@ def quantize(x: torch.Tensor, fmt: str, block_size: int, k: int, scale_dtype: st
         return torch.zeros(0, dtype=torch.float16 if scale_dtype == "fp16" else torch.float32), *(
             np.zeros(0, np.uint8),) * 2
     n_chunks = -(-numel // block_size)
-    y = torch.zeros(n_chunks * block_size, dtype=torch.float32)
-    y[:numel].copy_(x.detach().reshape(-1))
-    yb = y.view(n_chunks, block_size)
     flat = x.detach().reshape(-1)
+    y = torch.zeros(n_chunks * block_size, dtype=torch.float32)
+    y[:numel].copy_(flat)
+    yb = y.view(n_chunks, block_size)
     fast = flat.dtype == torch.float32 and native.usable(flat)  # the C kernels: same choice, same scales
     if fast:
         amax, finite = native.block_absmax(flat, block_size)
