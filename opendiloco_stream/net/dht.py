@@ -251,6 +251,7 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
     from opendiloco_stream.net.lifecycle import descendants, kill_process_tree, process_name
 
     from opendiloco_stream.net.auth import run_validators
+    from opendiloco_stream.net.routes import keep_routes
 
     check_run_id(net.run_id)
     record_validators = [*record_validators, *run_validators(net)]  # a run key signs and checks every record
@@ -281,6 +282,7 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
         raise NetError(explain_start_error(e, net, host)) from None
     # remembered now: if the DHT process dies, its p2pd is re-parented and no longer found through it
     dht._ods_children = {p: process_name(p) for p in descendants(dht.pid)}
+    keep_routes(dht)  # re-find the peers a partition made it drop (net/routes.py)
     logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(host))
     return dht
 

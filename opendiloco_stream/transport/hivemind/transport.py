@@ -25,6 +25,7 @@ Design (docs/architecture.md, "hivemind transport"):
   never blocks and the shared buffers are only touched between steps.
 - Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given.
 - Late joiners (``state.py``): state served and downloaded by the host, not the averagers.
+- Partitions (``net/routes.py``): the DHT re-pings the peers it dropped, so a healed link rejoins.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hivemind.dht import DHT
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.net.dht import unstick_hivemind_locks
+from opendiloco_stream.net.routes import keep_routes
 from opendiloco_stream.transport.base import Transport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane  # noqa: F401 (re-exported)
@@ -114,6 +116,7 @@ class HivemindTransport(Transport):
         self._state: Optional[StateSharing] = None
         self.presence_ttl, self._presence = presence_ttl, None
         self._closed = False
+        keep_routes(dht)  # a healed partition must not leave the run split in two (net/routes.py)
 
     def timeouts(self, numel: int) -> RoundTimeouts:
         """The timeouts a fragment of ``numel`` elements gets."""
