@@ -20,8 +20,12 @@ same fp32 tensor between the same number of processes on 127.0.0.1 (one thread e
 peers), and writes it as ``gloo_round_s`` next to each row's ``round_s_median``: the reference for
 "as fast as the link". ``--numels 10000000 50000000`` gives the 10M and 50M rows.
 
-Loopback numbers measure CPU (encode, decode, reduce) and the p2p daemons, not a network: on a
-real link add bytes / rate. All peers share this machine's cores.
+Loopback numbers measure CPU (encode, decode, reduce) and the p2p daemons, not a network. With
+``--link-mbit R`` (root; ``benchmarks/netns.py``) every peer, and every gloo rank, runs in its own
+network namespace behind a link shaped to R Mbit/s each way by ``tc tbf``: a row then also
+reports ``link_floor_s``, the time the link needs for the bytes the busiest peer sent or received
+(the fastest any transport could move those bytes), and gloo runs over the same shaped links.
+All peers share this machine's cores.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import random
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,10 +59,15 @@ def reduce_staged(peer, key: tuple, weight: float) -> dict:
 
 
 def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
-                  gloo: Optional[dict[int, float]] = None) -> list[dict]:
+                  gloo: Optional[dict[int, float]] = None, topo=None) -> list[dict]:
     rows = []
     kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0)
-    with LoopbackSwarm(PEERS, run_id=f"bench_{codec.replace('-', '_')}", transport_kwargs=kwargs) as swarm:
+    overrides = None
+    if topo is not None:  # each peer in its namespace, timeouts derived from the shaped rate
+        kwargs["link_mbit"] = topo.rate_mbit
+        overrides = {i: dict(netns=topo.ns(f"p{i}"), host=topo.ip(f"p{i}")) for i in range(PEERS)}
+    with LoopbackSwarm(PEERS, run_id=f"bench_{codec.replace('-', '_')}", transport_kwargs=kwargs,
+                       peer_overrides=overrides) as swarm:
         swarm.call_all("prepare", {f: n for f, n in enumerate(numels)}, timeout=300)
         for fragment, numel in enumerate(numels):
             times, sent, received, phases = [], [], [], []
@@ -68,7 +80,8 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                                          per_peer=[dict(weight=1.0 + i) for i in range(PEERS)], timeout=600)
                 failed = [r for r in results if not r["ok"]]
                 if failed:
-                    raise RuntimeError(f"{codec} numel={numel} round {rnd}: {failed[0]['reason']}: {failed[0]['message']}")
+                    raise RuntimeError(f"{codec} numel={numel} round {rnd}: " + "; ".join(
+                        f"peer {i}: {r['reason']}: {r['message']}" for i, r in enumerate(results) if not r["ok"]))
                 if len({r["sha256"] for r in results}) != 1:
                     raise RuntimeError(f"{codec} numel={numel} round {rnd}: averages differ between peers")
                 if rnd == 0:
@@ -84,6 +97,9 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                              phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}))
             if gloo and numel in gloo:
                 rows[-1]["gloo_round_s"] = gloo[numel]
+            if topo is not None:
+                busiest = max(max(r["bytes_sent"], r["bytes_received"]) for r in results)  # last round
+                rows[-1].update(link_mbit=topo.rate_mbit, link_floor_s=8 * busiest / (topo.rate_mbit * 1e6))
             print(_row(rows[-1]), flush=True)
             print("    phases (median over peers and rounds): " + ", ".join(
                 f"{k} {1000 * v:.0f} ms" for k, v in rows[-1]["phases_s_median"].items()), flush=True)
@@ -138,6 +154,49 @@ def _gloo_rank(rank: int, world: int, port: int, numel: int, rounds: int, out) -
         dist.destroy_process_group()
 
 
+_GLOO_RANK = r"""
+import json, os, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from hv_loopback import make_tensor
+rank, world, addr, numel, rounds = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world)
+tensor, times = make_tensor(rank, numel), []
+for rnd in range(rounds + 1):
+    work = tensor.clone()
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(work)
+    if rnd:
+        times.append(time.perf_counter() - t0)
+dist.destroy_process_group()
+print(json.dumps(times), flush=True)
+"""
+
+
+def measure_gloo_netns(topo, numel: int, rounds: int, peers: int = PEERS, timeout: float = 600) -> float:
+    """As :func:`measure_gloo`, each rank in its peer namespace behind the shaped link (TCP on ``wan0``)."""
+    addr = f"{topo.ip('p0')}:{random.randint(20000, 60000)}"  # fresh namespaces: nothing else listens
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "wan0"}
+    procs = [subprocess.Popen(topo.exec_argv(f"p{r}", [sys.executable, "-c", _GLOO_RANK, str(Path(__file__).parent),
+                                                        str(r), str(peers), addr, str(numel), str(rounds)]),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(peers)]
+    try:
+        outs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    for proc, (out, err) in zip(procs, outs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"gloo rank failed in its namespace: {err[-800:]}")
+    per_rank = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return statistics.median(max(times[i] for times in per_rank) for i in range(rounds))
+
+
 def measure_gloo(numel: int, rounds: int, peers: int = PEERS) -> float:
     """Median over rounds of the slowest rank's ``all_reduce`` time (gloo, fp32, 127.0.0.1)."""
     with socket.socket() as s:
@@ -161,6 +220,8 @@ def measure_gloo(numel: int, rounds: int, peers: int = PEERS) -> float:
 
 def _row(r: dict) -> str:
     gloo = f" {r['gloo_round_s']:7.3f} | {r['round_s_median'] / r['gloo_round_s']:6.1f}x |" if "gloo_round_s" in r else ""
+    if "link_floor_s" in r:
+        gloo += f" {r['link_floor_s']:7.3f} | {r['link_floor_s'] / r['round_s_median']:5.0%} |"
     return (f"| {r['codec']:>9} | {r['numel']:>10,} | {r['round_s_median']:8.3f} | {r['round_s_min']:6.3f}-{r['round_s_max']:6.3f} "
             f"| {r['bytes_sent_per_peer'] / 2**20:9.2f} | {r['bytes_received_per_peer'] / 2**20:9.2f} "
             f"| {r['wire_bits_per_element']:6.2f} |" + gloo)
@@ -172,25 +233,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numels", nargs="+", type=int, default=[1_000_000, 10_000_000])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--matchmaking-time", type=float, default=3.0)
-    p.add_argument("--no-kill", action="store_true", help="skip the killed-peer scenario")
+    p.add_argument("--no-kill", action="store_true", help="skip the killed-peer scenario (always skipped with --link-mbit)")
     p.add_argument("--gloo", action="store_true",
                    help="also time a torch.distributed gloo fp32 all_reduce of each size (gloo_round_s per row)")
+    p.add_argument("--link-mbit", type=float,
+                   help="run every peer and gloo rank in its own network namespace behind a link shaped to this "
+                        "many Mbit/s each way (tc tbf; needs root, see benchmarks/netns.py)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.link_mbit is None:
+        return run(args, None)
+    import netns  # benchmarks/netns.py
 
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"--link-mbit: {reason}", file=sys.stderr)
+        return 2
+    with netns.Topology(peers=PEERS) as topo:
+        topo.shape(args.link_mbit)
+        probe = netns.measure_throughput(topo, "p0", "p1", nbytes=max(2_000_000, int(args.link_mbit * 1e6 / 8)))
+        print(f"links shaped to {args.link_mbit:g} Mbit/s each way; one TCP stream p0 -> p1: "
+              f"{probe['mbit_s']:.1f} Mbit/s", flush=True)
+        return run(args, topo, probe)
+
+
+def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> int:
     gloo = {}
     if args.gloo:  # first, on a quiet machine (the peers' daemons are not up yet)
         for numel in args.numels:
-            gloo[numel] = measure_gloo(numel, args.rounds)
+            gloo[numel] = measure_gloo(numel, args.rounds) if topo is None else measure_gloo_netns(topo, numel, args.rounds)
             print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
     extra = (" gloo s  | ours/gloo |", "---------|-----------|") if gloo else ("", "")
+    if topo is not None:
+        extra = (extra[0] + " link floor s | floor/ours |", extra[1] + "--------------|------------|")
     print("| codec     | elements   | median s | min-max s     | sent MiB  | recv MiB  | bits/el |" + extra[0])
     print("|-----------|------------|----------|---------------|-----------|-----------|---------|" + extra[1], flush=True)
     rows = []
     for codec in args.codecs:
-        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo)
+        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo)
     report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()})
-    if not args.no_kill:
+    if topo is not None:
+        report.update(link_mbit=topo.rate_mbit, probe_mbit_s=probe["mbit_s"])
+    if not args.no_kill and topo is None:
         kill = measure_kill(max(args.numels), "fp32", args.matchmaking_time)
         report["kill"] = kill
         print(f"\nkilled peer ({kill['numel']:,} fp32, round {kill['round_s']:.2f}s, kill at {kill['kill_after_s']:.2f}s): "

@@ -1,11 +1,12 @@
 """The WAN emulation layer of benchmarks/wan.py: namespaces, tbf shaping, counters, teardown.
 
 Needs root and ``ip netns``; skipped with the reason otherwise. Bounded: one ~2 MB transfer at
-8 Mbit/s (~2 s) plus namespace set-up.
+8 Mbit/s (~2 s) plus namespace set-up, and one short run of transport_rounds.py over 50 Mbit/s links.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 import netns  # noqa: E402
 
 REASON = netns.unavailable_reason()
@@ -102,3 +104,26 @@ def test_cleanup_leftovers_removes_a_dead_runs_namespaces():
     finally:
         live.teardown()
         netns.delete_namespaces([n for n in netns.our_namespaces(dead_pid)])
+
+
+@pytest.mark.network
+@pytest.mark.timeout(300)
+def test_transport_rounds_over_shaped_links_times_gloo_on_the_same_links(tmp_path):
+    """benchmarks/transport_rounds.py --link-mbit: 3 peers and 3 gloo ranks, each in a namespace
+    behind a 50 Mbit/s link; neither can beat the link, so both prove they ran over it."""
+    out, numel, rate = tmp_path / "rounds.json", 200_000, 50.0
+    before = set(netns.our_namespaces())
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "transport_rounds.py"), "--codecs", "fp32", "fp4-e3m0",
+                          "--numels", str(numel), "--rounds", "1", "--gloo", "--link-mbit", str(rate),
+                          "--out", str(out)], capture_output=True, text=True, timeout=280, cwd=BENCHMARKS.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["link_mbit"] == rate and 0.75 * rate < report["probe_mbit_s"] <= 1.05 * rate
+    fp32, fp4 = report["rows"]
+    ring_bytes = 2 * (3 - 1) / 3 * 4 * numel  # what each gloo rank (and each of our fp32 peers) sends at least
+    for row in (fp32, fp4):
+        assert row["link_mbit"] == rate and row["link_floor_s"] > 0
+        assert row["round_s_median"] >= 0.9 * row["link_floor_s"], row  # nobody is faster than the link
+        assert row["gloo_round_s"] >= 0.9 * 8 * ring_bytes / (rate * 1e6), row  # gloo went over the link too
+    assert fp32["bytes_sent_per_peer"] >= ring_bytes and fp4["bytes_sent_per_peer"] < fp32["bytes_sent_per_peer"] / 4
+    assert set(netns.our_namespaces()) <= before  # the benchmark removed its namespaces
