@@ -21,7 +21,7 @@ from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
 from opendiloco_stream.transport.hivemind import HivemindTransport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.direct import (
-    DirectStream, RunningGroups, group_tag, hello_is_valid, make_hello, parse_address, read_hello,
+    DirectStream, FailedAddresses, RunningGroups, group_tag, hello_is_valid, make_hello, parse_address, read_hello,
 )
 from opendiloco_stream.transport.hivemind.protocol import (
     CONTRIB, DONE, Message, ProtocolError, frame_parts, pack_frame, parse_message, unpack_frame,
@@ -54,6 +54,23 @@ def test_parsed_frames_are_views_and_truncated_messages_are_refused():
     assert isinstance(frame.payload, memoryview) and frame.payload == b"payload"
     with pytest.raises(ProtocolError):
         parse_message(wire[:-3])
+
+
+def test_a_failed_direct_address_is_retried_after_a_doubling_back_off():
+    now = [100.0]
+    failed = FailedAddresses(first_s=30, max_s=100, clock=lambda: now[0])
+    a, b = ("10.0.0.1", 5000), ("10.0.0.2", 5000)
+    assert not failed.blocked(a) and a not in failed
+    assert failed.failed(a) == 30 and failed.blocked(a) and not failed.blocked(b)
+    now[0] += 29.9
+    assert failed.blocked(a)
+    now[0] += 0.2  # back-off over: the next round tries direct again
+    assert not failed.blocked(a)
+    assert [failed.failed(a), failed.failed(a), failed.failed(a)] == [60, 100, 100]  # doubles, capped
+    failed.succeeded(a)  # a success forgets it: the next failure starts over
+    assert not failed.blocked(a) and len(failed) == 0 and failed.failed(a) == 30
+    with pytest.raises(ValueError):
+        FailedAddresses(first_s=0)
 
 
 def test_hello_authenticates_one_sender_of_one_group():

@@ -41,7 +41,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import Codec, native
-from opendiloco_stream.transport.hivemind.direct import DirectListener, RunningGroups, serve_connections
+from opendiloco_stream.transport.hivemind.direct import DirectListener, FailedAddresses, RunningGroups, serve_connections
 from opendiloco_stream.transport.hivemind.protocol import as_protobufs
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
 from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, RoundTimeouts
@@ -89,7 +89,7 @@ class FragmentAverager(DecentralizedAverager):
         self.codec, self.timeouts = codec, timeouts
         self.chunk_bytes, self.norm_bound = chunk_bytes, norm_bound
         # direct TCP data path (direct.py): a listener if we reduce; addresses that failed us
-        self.direct, self.direct_failed, self._direct_task = direct, set(), None
+        self.direct, self.direct_failed, self._direct_task = direct, FailedAddresses(), None
         self._direct = DirectListener.for_dht(dht) if direct and not client_mode else None
         self._groups = RunningGroups(self._running_groups)  # (the same dict, in the averager process after the fork)
         native.available()  # build/load the codec kernels here: the averager inherits them loaded

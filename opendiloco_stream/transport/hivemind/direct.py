@@ -19,7 +19,11 @@ back on the same connection. Discovery, matchmaking and peer authentication stay
   end, writes its results and DONE and closes. TCP delivers what was written before a close, so
   the linger of the p2p path is not needed.
 - *Fallback.* A sender that cannot open the connection within ``request_timeout`` (a peer behind
-  NAT, a firewall) uses the p2p daemon for that exchange, and for later rounds to that address.
+  NAT, a firewall) uses the p2p daemon for that exchange, and for later rounds to that address
+  until a back-off ends (``FailedAddresses``: 30 s, doubling to 10 min); then it tries direct
+  again. A connect that timed out once on a busy machine so does not keep a pair of peers on the
+  slower daemon path for the rest of the run, and an address that never answers costs one
+  ``request_timeout`` per back-off, not per round.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import ipaddress
 import logging
 import socket
 import struct
+import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from hivemind.proto import averaging_pb2
@@ -86,6 +91,39 @@ def parse_address(value: Any) -> Optional[tuple[str, int]]:
         except (TypeError, ValueError):
             continue
     return None
+
+
+class FailedAddresses:
+    """Reducer addresses a direct connection to failed, each blocked until its back-off ends.
+
+    The first failure blocks an address for ``first_s``; each further failure without a success
+    in between doubles that, up to ``max_s``. A success forgets the address."""
+
+    def __init__(self, first_s: float = 30.0, max_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        if not 0 < first_s <= max_s:
+            raise ValueError(f"need 0 < first_s <= max_s, got {first_s}, {max_s}")
+        self.first_s, self.max_s, self.clock = first_s, max_s, clock
+        self._entries: dict[Any, tuple[float, float]] = {}  # address -> (blocked until, current back-off)
+
+    def blocked(self, address: Any) -> bool:
+        entry = self._entries.get(address)
+        return entry is not None and self.clock() < entry[0]
+
+    def failed(self, address: Any) -> float:
+        """Record a failure; return how long the address is now blocked."""
+        previous = self._entries.get(address)
+        backoff = self.first_s if previous is None else min(2 * previous[1], self.max_s)
+        self._entries[address] = (self.clock() + backoff, backoff)
+        return backoff
+
+    def succeeded(self, address: Any) -> None:
+        self._entries.pop(address, None)
+
+    def __contains__(self, address: Any) -> bool:  # "is it blocked now"
+        return self.blocked(address)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class DirectListener:

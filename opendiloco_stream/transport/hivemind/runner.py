@@ -29,7 +29,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from opendiloco_stream.compression import Codec
-from opendiloco_stream.transport.hivemind.direct import DirectStream, make_hello, parse_address
+from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddresses, make_hello, parse_address
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
@@ -54,7 +54,7 @@ class HvAllReduceRunner:
 
     def __init__(self, *, p2p: P2P, servicer_type: type, prefix: str, group_info: GroupInfo, tensor: torch.Tensor,
                  codec: Codec, timeouts: RoundTimeouts, chunk_bytes: int, norm_bound: Optional[float],
-                 direct_failed: Optional[set] = None, result: Optional[torch.Tensor] = None,
+                 direct_failed: Optional[FailedAddresses] = None, result: Optional[torch.Tensor] = None,
                  sent: Optional[torch.Tensor] = None):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_info.group_id, tuple(group_info.peer_ids)
@@ -303,17 +303,20 @@ class HvAllReduceRunner:
 
     async def _open_stream(self, q: int) -> AsyncIterator:
         """A stream to reducer ``q``: direct TCP if it advertised an address we can connect to, else
-        the p2p daemon (and no more direct attempts to that address from this averager)."""
+        the p2p daemon (and no direct attempt to that address from this averager until its
+        back-off ends, ``direct.FailedAddresses``)."""
         address = self.direct[q] if self.direct_failed is not None else None
-        if address is not None and address not in self.direct_failed:
+        if address is not None and not self.direct_failed.blocked(address):
             try:
-                return await DirectStream.open(address, make_hello(self.group_id, self.prefix, self.me, q),
-                                               lambda: self._contributions_for(q), min(self.t.request, self._remaining()),
-                                               self.max_message_bytes)
+                stream = await DirectStream.open(address, make_hello(self.group_id, self.prefix, self.me, q),
+                                                 lambda: self._contributions_for(q), min(self.t.request, self._remaining()),
+                                                 self.max_message_bytes)
+                self.direct_failed.succeeded(address)
+                return stream
             except (OSError, asyncio.TimeoutError) as e:
-                logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon",
-                            self.key, self._name(q), address, e)
-                self.direct_failed.add(address)
+                backoff = self.direct_failed.failed(address)
+                logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon "
+                            "(direct again in %.0f s)", self.key, self._name(q), address, e, backoff)
         stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
         return await asyncio.wait_for(stub.rpc_aggregate_part(as_protobufs(self._contributions_for(q))),
                                       min(self.t.next_chunk, self._remaining()))
