@@ -233,6 +233,13 @@ class NetConfig(_Strict):
                                              "waits for the run's live peers, counted on the DHT")
     chunk_bytes: int = Field(1 << 20, ge=1024, description="encoded bytes per streamed chunk of a part "
                              "(the local transport cuts parts the same way)")
+    direct: bool = Field(True, description="stream rounds' bulk bytes over direct TCP between groupmates "
+                         "(fast, NOT encrypted), the p2p daemon as fallback; --no-direct: p2p daemon only "
+                         "(encrypted, slower)")
+    data_port: Optional[int] = Field(None, ge=1, le=65535, description="direct data path: fragment p listens on "
+                                     "TCP port data_port + p (open them in the firewall); default: random ports "
+                                     "(senders a firewall drops fall back to the p2p daemon)",
+                                     json_schema_extra=cli(metavar="PORT"))
     norm_bound: Optional[float] = Field(10.0, gt=1.0, description="reject a contribution whose norm exceeds this "
                                         "multiple of the group median (3+ contributions); unset: no check")
 

@@ -237,3 +237,80 @@ def test_a_stream_waiting_for_its_group_wakes_when_the_group_registers_and_gives
     assert found == b"ours"
     assert woke_after < 15.0  # woken by the registration, not by the 30 s deadline
     assert missing is None
+
+
+def _free_range(count: int) -> int:
+    """A base port with ``count`` free TCP ports from it (on 127.0.0.1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.network
+def test_fixed_data_ports_and_a_peer_without_the_direct_path(tmp_path, monkeypatch):
+    """``net.data_port``: fragment p listens on data_port + p. ``--no-direct``: a peer that
+    advertises no address and opens none; its groupmates reach it, and it them, over the daemon."""
+    monkeypatch.setenv("ODS_TEST_PATH_LOG", str(tmp_path))
+    numel, base = 50_000, _free_range(20)
+    swarm = LoopbackSwarm(3, run_id="hvports", transport_kwargs=dict(
+        codec="fp32", target_group_size=3, matchmaking_time=3.0, request_timeout=1.0, next_chunk_timeout=15.0,
+        allreduce_timeout=40.0), transport_cls=f"{MODULE}:PathLoggingTransport",
+        peer_overrides={0: dict(direct_port=base), 1: dict(direct_port=base + 10), 2: dict(direct=False)})
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: numel, 1: numel}, timeout=120)
+        assert all(_listening(p) for p in (base, base + 1, base + 10, base + 11))
+        assert not _listening(base + 2) and not _listening(base + 12)  # one port per fragment, no more
+        args = [dict(seed=i, numel=numel, return_tensors=False) for i in range(3)]
+        results = swarm.call_all("all_reduce", (1, 0), per_peer=args, timeout=90)
+        assert [(r["ok"], r["group_size"]) for r in results] == [(True, 3)] * 3, results
+        assert len({r["sha256"] for r in results}) == 1
+        order = results[0]["peers"]
+        plain = order.index(swarm.peers[2].peer_id)
+        paths = _paths(tmp_path, 0)
+        assert len(paths) == 6, paths
+        for (sender, reducer), path in paths.items():
+            assert path == ("p2p" if plain in (sender, reducer) else "direct"), (sender, reducer, paths)
+    finally:
+        swarm.close()
+
+
+@pytest.mark.network
+def test_a_taken_data_port_is_an_error_with_the_fix_and_a_free_one_is_used():
+    from opendiloco_stream.config import NetConfig
+    from opendiloco_stream.net.dht import NetError, start_dht, stop_dht
+    from opendiloco_stream.transport.hivemind.direct import DirectListener
+
+    dht = start_dht(NetConfig())  # a local node: listens on 127.0.0.1
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            taken = s.getsockname()[1]
+            with pytest.raises(NetError, match=f"cannot listen on data port {taken}/tcp .*--data-port"):
+                DirectListener.for_dht(dht, taken)
+        free = _free_range(1)
+        listener = DirectListener.for_dht(dht, free)
+        try:
+            assert listener.port == free and listener.addresses == [["127.0.0.1", free]]
+        finally:
+            listener.close()
+    finally:
+        stop_dht(dht)

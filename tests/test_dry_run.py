@@ -98,6 +98,24 @@ def test_a_taken_port_fails_with_one_line(tmp_path):
     assert "[ok]   model" in proc.stdout
 
 
+def test_a_taken_data_port_fails_and_free_data_ports_are_listed(tmp_path):
+    with socket.socket() as s:  # us-east has 4 fragments: data ports base..base+3; take base+2
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        base = taken - 2
+        proc = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--data-port", str(base), "--dry-run",
+                    cwd=tmp_path)
+        line = _one_line_error(proc)
+    assert f"data port {taken}/tcp (net.data_port + fragment) is in use" in line and "--no-direct" in line, line
+    free = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--data-port", "45100", "--dry-run",
+                cwd=tmp_path)
+    assert free.returncode == 0 and "data 45100-45103 tcp free" in free.stdout, free.stdout + free.stderr
+    p2p_only = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--no-direct", "--dry-run", cwd=tmp_path)
+    assert p2p_only.returncode == 0 and "data path: p2p daemon only (--no-direct)" in p2p_only.stdout
+    assert _origins(p2p_only.stdout)["net.direct"] == ("False", "flag")
+
+
 BAD = [
     (["--initial-peers", "127.0.0.1:31337"], "is not a valid multiaddr"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),

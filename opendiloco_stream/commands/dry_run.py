@@ -169,6 +169,20 @@ def check_ports(cfg: RunConfig) -> str:
         done.append(f"p2p {cfg.net.port} tcp+udp free")
     elif not cfg.net.client_mode:
         done.append("p2p port: a random free one")
+    if cfg.net.data_port and cfg.net.direct and not cfg.net.client_mode:
+        first, last = cfg.net.data_port, cfg.net.data_port + cfg.diloco.num_fragments - 1
+        if last > 65535:
+            raise UsageError(f"data ports {first}-{last} (net.data_port + one per fragment) go past 65535: "
+                             f"pick a lower --data-port")
+        taken = {cfg.net.port: "the p2p port", cfg.net.metrics_port: "the metrics port"}
+        for port in range(first, last + 1):
+            why = f"{taken[port]} too" if port in taken else _port_free(port, socket.SOCK_STREAM)
+            if why:
+                raise UsageError(f"data port {port}/tcp (net.data_port + fragment) is {why}: pick another "
+                                 f"--data-port, stop the process holding it (ss -ltnp | grep :{port}), or --no-direct")
+        done.append(f"data {first}-{last} tcp free" if last > first else f"data {first} tcp free")
+    elif not cfg.net.client_mode:
+        done.append("data ports: random free ones" if cfg.net.direct else "data path: p2p daemon only (--no-direct)")
     if cfg.net.metrics_port:
         why = _port_free(cfg.net.metrics_port, socket.SOCK_STREAM)
         if why:

@@ -132,6 +132,8 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
                        "--run-id", run_id, "--initial-peers", *addrs, "--shard", f"{r}/{M}", "--no-join",
                        "--metrics-file", str(workdir / f"peer-{r}.jsonl"), "--no-progress",
                        "--threads", str(threads), "--target-group-size", str(M)]
+                if cfg.net.data_port:  # one range of data ports per peer: they share this machine
+                    cmd += ["--data-port", str(cfg.net.data_port + r * cfg.diloco.num_fragments)]
                 peers.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer-{r}.log", "w"),
                                               stderr=subprocess.STDOUT, start_new_session=True))
             procs.extend(peers)

@@ -75,7 +75,7 @@ class FragmentAverager(DecentralizedAverager):
     def __init__(self, numel: int, dht: DHT, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
                  chunk_bytes: int, norm_bound: Optional[float], target_group_size: Optional[int],
                  client_mode: bool, startup_timeout: float = 60.0, admission: Optional[Any] = None,
-                 direct: bool = True):
+                 direct: bool = True, direct_port: int = 0):
         self.admission = admission  # net/auth.py Admission: what groupmates must prove (None: nothing)
         self.input_buffer = torch.zeros(numel, dtype=torch.float32)
         super().__init__(
@@ -90,7 +90,7 @@ class FragmentAverager(DecentralizedAverager):
         self.chunk_bytes, self.norm_bound = chunk_bytes, norm_bound
         # direct TCP data path (direct.py): a listener if we reduce; addresses that failed us
         self.direct, self.direct_failed, self._direct_task = direct, FailedAddresses(), None
-        self._direct = DirectListener.for_dht(dht) if direct and not client_mode else None
+        self._direct = DirectListener.for_dht(dht, direct_port) if direct and not client_mode else None
         self._groups = RunningGroups(self._running_groups)  # (the same dict, in the averager process after the fork)
         native.available()  # build/load the codec kernels here: the averager inherits them loaded
         self.start()  # fork: the buffers above are shared, the host's threads are not copied

@@ -140,9 +140,10 @@ class DirectListener:
         self.addresses = [[ip, self.port] for ip in advertise]
 
     @classmethod
-    def for_dht(cls, dht: Any) -> Optional["DirectListener"]:
+    def for_dht(cls, dht: Any, port: int = 0) -> Optional["DirectListener"]:
         """Listen where the DHT listens (127.0.0.1 stays local), advertise the IPv4 addresses it
-        announces; None (p2p only) if it has none or the socket cannot be bound."""
+        announces; None (p2p only) if it has none or the socket cannot be bound. ``port``: a
+        fixed port (``net.data_port``); one that cannot be bound raises ``NetError`` with the fix."""
         hosts = [_ip4(m) for m in (getattr(dht, "kwargs", {}).get("host_maddrs") or [])]
         bind = next((h for h in hosts if h), "0.0.0.0")
         visible = [ip for ip in dict.fromkeys(_ip4(m) for m in dht.get_visible_maddrs()) if ip and ip != "0.0.0.0"]
@@ -151,8 +152,14 @@ class DirectListener:
         if not visible:
             return None
         try:
-            return cls(bind, visible)
+            return cls(bind, visible, port)
         except OSError as e:
+            if port:
+                from opendiloco_stream.net.dht import NetError
+
+                raise NetError(f"cannot listen on data port {port}/tcp ({e.strerror or e}): pick another "
+                               f"net.data_port (--data-port), free it (ss -ltnp | grep :{port}), or use "
+                               f"--no-direct") from None
             logger.warning("no direct data path (cannot listen on %s: %s); rounds use the p2p daemon", bind, e)
             return None
 

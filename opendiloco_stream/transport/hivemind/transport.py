@@ -79,6 +79,8 @@ class HivemindTransport(Transport):
         direct: stream a round's bytes over direct TCP connections between groupmates (each
             reducing peer listens on one port per fragment, next to the DHT's address), with the
             p2p daemon as fallback; ``False``: p2p daemon only (encrypted, slower). See ``direct.py``.
+        direct_port: fragment ``p``'s data port is ``direct_port + p`` (ports to open in a firewall);
+            ``None``: random free ports.
         admission: what groupmates, state donors and joiners must prove (``net/auth.py``: the run
             key, the run fingerprint); ``None`` admits every peer of the run.
     """
@@ -93,7 +95,7 @@ class HivemindTransport(Transport):
                  window_s: Optional[float] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
                  state_timeout: float = 30.0, startup_timeout: float = 60.0, admission: Any = None,
-                 direct: bool = True):
+                 direct: bool = True, direct_port: Optional[int] = None):
         if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
             raise ValueError(f"run_id {run_id!r}: use letters, digits, '_' and '-' only")
         if target_group_size is not None and target_group_size < 2:
@@ -109,7 +111,10 @@ class HivemindTransport(Transport):
                                  allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout)
         derive_timeouts(encoded_bytes=0, numel=0, chunk_bytes=self.chunk_bytes, link_mbit=link_mbit,
                         window_s=window_s, **self.timeout_args)  # fail on a broken hierarchy now, not in prepare
+        if direct_port is not None and not 1 <= direct_port <= 65535:
+            raise ValueError(f"direct_port must be in 1..65535 (or None), got {direct_port}")
         self.state_timeout, self.admission, self.direct = state_timeout, admission, direct
+        self.direct_port = direct_port
         self.peer_id = str(dht.peer_id)
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
@@ -131,6 +136,9 @@ class HivemindTransport(Transport):
             return
         if any(n < 1 for n in numels.values()) or any(p < 0 for p in numels):
             raise ValueError(f"fragments must have indices >= 0 and at least one element: {numels}")
+        if self.direct_port is not None and self.direct_port + max(numels) > 65535:
+            raise ValueError(f"data ports {self.direct_port}..{self.direct_port + max(numels)} go past 65535: "
+                             f"pick a lower net.data_port")
         if mp.get_start_method() != "fork":
             raise RuntimeError("hivemind averagers need the 'fork' multiprocessing start method "
                                f"(this process uses {mp.get_start_method()!r})")
@@ -143,7 +151,7 @@ class HivemindTransport(Transport):
                     n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
                     client_mode=self.client_mode, startup_timeout=self.startup_timeout, admission=self.admission,
-                    direct=self.direct))
+                    direct=self.direct, direct_port=0 if self.direct_port is None else self.direct_port + p))
         except BaseException:
             for _, averager in averagers.values():
                 averager.close()
