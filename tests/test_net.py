@@ -456,14 +456,64 @@ def publishing_peer(bootstrap):
 @pytest.mark.timeout(180)
 def test_doctor_passes_against_a_live_bootstrap(bootstrap, publishing_peer):
     address, _ = bootstrap
-    result = _run("doctor", "--initial-peers", address, "--run-id", "net-test")
+    data_port = _free_port()
+    result = _run("doctor", "--initial-peers", address, "--run-id", "net-test", "--data-port", str(data_port))
     lines = [l for l in result.stdout.splitlines() if l.startswith("[")]
-    assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 6, result.stdout + result.stderr
+    assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 7, result.stdout + result.stderr
     assert "run 'net-test' has 1 peer(s) publishing metrics" in lines[2]  # decoded the signed records
     assert "the bootstrap" in lines[3] and "opened a new connection" in lines[3]  # a real dial-back
-    assert lines[4].startswith("[ok] share: --initial-peers /ip4/127.0.0.1/tcp/")
-    assert lines[5].startswith("[ok] kernels: native codec kernels loaded")
+    assert f"[ok] data port: the bootstrap opened a TCP connection to 127.0.0.1:{data_port}" in lines[4]
+    assert lines[5].startswith("[ok] share: --initial-peers /ip4/127.0.0.1/tcp/")
+    assert lines[6].startswith("[ok] kernels: native codec kernels loaded")
     assert result.returncode == 0 and "Traceback" not in result.stderr
+    # without --data-port the check says what random ports mean; with its port taken it fails
+    plain = _run("doctor", "--initial-peers", address, "--run-id", "net-test")
+    assert "[skip] data port: random data ports" in plain.stdout and plain.returncode == 0, plain.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        busy = _run("doctor", "--initial-peers", address, "--run-id", "net-test", "--data-port", str(taken))
+    assert busy.returncode == 1 and f"[FAIL] data port: cannot listen on TCP 127.0.0.1:{taken}" in busy.stdout, busy.stdout
+
+
+async def _tcp_dialback(_dht, node, helper: str, targets: list) -> object:
+    """In the DHT process: ask the bootstrap to open TCP connections to ``targets``; the answer or the error."""
+    from hivemind.p2p import PeerID
+
+    from opendiloco_stream.net.reachability import request_tcp_dialback
+
+    maddrs = [f"{m}/p2p/{node.peer_id}" if "/p2p/" not in str(m) else str(m) for m in await node.p2p.get_visible_maddrs()]
+    try:
+        return await request_tcp_dialback(node.p2p, PeerID.from_base58(helper), maddrs, [tuple(t) for t in targets], 30)
+    except LookupError as e:
+        return f"LookupError: {e}"
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_the_bootstrap_dials_data_ports_only_at_the_callers_own_addresses(bootstrap):
+    import functools
+
+    from hivemind.utils.multiaddr import Multiaddr
+
+    address, _ = bootstrap
+    helper = Multiaddr(address)["p2p"]
+    dht = start_dht(NetConfig(initial_peers=[address]))
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            open_port, closed_port = s.getsockname()[1], _free_port()
+            answer = dht.run_coroutine(functools.partial(
+                _tcp_dialback, helper=helper, targets=[("127.0.0.1", open_port), ("127.0.0.1", closed_port)]))
+        assert answer[f"127.0.0.1:{open_port}"] is None, answer
+        assert "refused" in answer[f"127.0.0.1:{closed_port}"].lower(), answer
+        # another host is not the caller's: no scanning through the bootstrap
+        refused = dht.run_coroutine(functools.partial(_tcp_dialback, helper=helper, targets=[("192.0.2.1", 80)]))
+        assert isinstance(refused, str) and "TCP targets must be IPs of the announced multiaddrs" in refused
+    finally:
+        stop_dht(dht)
 
 
 @pytest.mark.network

@@ -11,8 +11,11 @@ In order, each check printed as it completes:
                  of check 2 (see :mod:`opendiloco_stream.net.reachability`). If it offers no such
                  service, this machine dials them instead, and the result says that only this was
                  checked.
-5. ``share``     the address others should pass as ``--initial-peers``.
-6. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
+5. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
+                 TCP D, and the bootstrap opens a TCP connection to D at each address that passed
+                 check 4 (skipped for random data ports, ``--no-direct`` and client mode).
+6. ``share``     the address others should pass as ``--initial-peers``.
+7. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
                  them the codecs run in torch, several times slower on the CPU (warn).
 
 Status: ``ok``, ``FAIL`` (the peer will not work as configured), ``warn`` (it may), ``skip``.
@@ -35,7 +38,8 @@ from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_st
                                        rank_maddrs, run_key)
 from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.metrics import metrics_validators
-from opendiloco_stream.net.reachability import probe_dial, request_dialback, short_error
+from opendiloco_stream.net.reachability import (probe_dial, probe_tcp, request_dialback, request_tcp_dialback,
+                                                 short_error)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,17 @@ def _ip_is(maddr: Any, attribute: str) -> bool:
         if proto in maddr:
             return getattr(ipaddress.ip_address(maddr[proto]), attribute)
     return False
+
+
+def _ip4(maddr: Any) -> Optional[str]:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    maddr = Multiaddr(str(maddr))
+    return maddr["ip4"] if "ip4" in maddr else None
+
+
+async def _hang_up(reader: Any, writer: Any) -> None:
+    writer.close()
 
 
 def _reach_fix(net: NetConfig) -> str:
@@ -198,6 +213,55 @@ class _Doctor:
         return Check("dial-back", "ok", f"the bootstrap ({self.helper}) opened a new connection to "
                      f"{' '.join(self.reached)}{extra}")
 
+    async def data_port(self) -> Check:
+        net, name = self.net, "data port"
+        if net.client_mode:
+            return Check(name, "skip", "client mode: this peer reduces no part and listens on no data port")
+        if not net.direct:
+            return Check(name, "skip", "--no-direct: every byte goes through the p2p daemon (encrypted)")
+        if not net.data_port:
+            return Check(name, "skip", "random data ports (no --data-port): where a firewall drops them, rounds "
+                         "use the p2p daemon instead (slower)", "to open them in a firewall, fix them: --data-port D "
+                         "(fragment p listens on TCP D + p)")
+        port = net.data_port
+        bind = next((ip for ip in (_ip4(m) for m in self.host) if ip), "0.0.0.0")
+        try:
+            server = await asyncio.start_server(_hang_up, bind, port)
+        except OSError as e:
+            return Check(name, "FAIL", f"cannot listen on TCP {bind}:{port} ({e.strerror or e})",
+                         f"pick another --data-port or stop the process holding it (ss -ltnp | grep :{port})")
+        try:
+            if not self.reached:
+                return Check(name, "skip", f"listening on TCP {port}; not dialed, since no p2p address was "
+                             f"reachable (see dial-back)")
+            targets = sorted({(ip, port) for ip in (_ip4(m) for m in self.reached) if ip})
+            results: dict[str, Optional[str]] = {}
+            why_local = "no bootstrap to ask"
+            if self.helper is not None:
+                try:
+                    results = await request_tcp_dialback(self.node.p2p, self.helper, self.reached, targets,
+                                                         self.timeout * math.ceil(len(targets) / 2) + 5)
+                except (LookupError, TimeoutError) as e:
+                    why_local = str(e)
+            local_only = not results
+            if local_only:
+                results = {f"{ip}:{p}": await probe_tcp(ip, p, self.timeout) for ip, p in targets}
+        finally:
+            server.close()
+            await server.wait_closed()
+        reached = [t for t, err in results.items() if err is None]
+        failed = "; ".join(f"{t}: {err}" for t, err in results.items() if err is not None)
+        more = "and the next ports, one per fragment"
+        if not reached:
+            return Check(name, "FAIL", f"no TCP connection to the data port ({failed})",
+                         f"open/forward TCP {port} ({more}) to this machine, or use --no-direct (slower, encrypted)")
+        if local_only:
+            return Check(name, "warn", f"dialed from THIS machine only ({why_local}): {' '.join(reached)} accepts "
+                         f"connections; reachability from other machines is not verified")
+        extra = f" (not: {failed})" if failed else ""
+        return Check(name, "ok", f"the bootstrap opened a TCP connection to {' '.join(reached)}{extra}; "
+                     f"open the next ports too, one per fragment")
+
     def share(self) -> Check:
         if not self.reached:
             return Check("share", "skip", "no address was verified")
@@ -240,13 +304,14 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
 
     try:
         if add(await doctor.p2pd()).status == "FAIL":
-            for name in ("listen", "bootstrap", "dial-back", "share"):
+            for name in ("listen", "bootstrap", "dial-back", "data port", "share"):
                 add(Check(name, "skip", "needs p2pd"))
             add(doctor.kernels())
             return checks
         add(await doctor.listen())
         add(await doctor.bootstrap())
         add(await doctor.dial_back())
+        add(await doctor.data_port())
         add(doctor.share())
         add(doctor.kernels())
         return checks

@@ -18,15 +18,18 @@ from opendiloco_stream.config_cli import add_config_flags, config_from_args, ove
 BASIC = ("initial_peers", "run_id", "run_key_file")
 LISTEN = ("port", "public_ip", "host_maddrs", "announce_maddrs")
 IDENTITY = ("identity_path",)
+DATA = ("data_port", "direct")  # doctor: the data path it checks
 
 
 def add_network_flags(p: argparse.ArgumentParser, *, listen: bool = True, identity: bool = True,
-                      config: bool = True, every_field: bool = False) -> None:
+                      config: bool = True, every_field: bool = False, data: bool = False) -> None:
     """Add ``--initial-peers``, ``--run-id`` and (``listen``) the listen/announce/identity flags;
+    ``data``: the data path's (``--data-port``, ``--no-direct``);
     ``every_field``: a flag for every ``net`` field (timeouts, client mode, ... : ``peer``)."""
     if config:
         p.add_argument("--config", metavar="TOML", help="a config file; its [net] table is used")
-    names = None if every_field else BASIC + (LISTEN if listen else ()) + (IDENTITY if identity else ())
+    names = None if every_field else (BASIC + (LISTEN if listen else ()) + (IDENTITY if identity else ())
+                                      + (DATA if data else ()))
     add_config_flags(p, ("net",), names)
     p.add_argument("--initial-peers-file", metavar="F",
                    help="read more initial peers from F, one per line (e.g. a bootstrap's --addr-file)")

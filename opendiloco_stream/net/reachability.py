@@ -11,9 +11,13 @@ to know is to be dialed from the outside:
   succeeded.
 * :func:`probe_dial` is that dial, usable on its own (``doctor`` falls back to it, from this
   machine, when the bootstrap offers no dial-back service, and says so).
+* The same service opens plain TCP connections to a peer's *data ports* (the direct data path of
+  rounds, ``net.data_port``) when asked with ``"tcp": [[ip, port], ...]`` (:func:`request_tcp_dialback`,
+  :func:`probe_tcp`). Only IPs of the caller's own announced multiaddrs are dialed, so the service
+  cannot be used to scan other hosts.
 
-Abuse bound: one request at a time per caller, at most ``max_addrs`` addresses, all of one peer id,
-and at most two dials in flight per service.
+Abuse bound: one request at a time per caller, at most ``max_addrs`` addresses (and TCP targets),
+all of one peer id, and at most two dials in flight per service.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 from typing import Any, Optional, Sequence
 
@@ -55,6 +60,28 @@ async def probe_dial(maddr: str, timeout: float = 10.0) -> Optional[str]:
         return short_error(e)
     await p2p.shutdown()
     return None
+
+
+async def probe_tcp(ip: str, port: int, timeout: float = 10.0) -> Optional[str]:
+    """Open (and close) a plain TCP connection to ``ip:port``; None on success, else a short reason."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+    except asyncio.TimeoutError:
+        return f"no answer in {timeout:g} s (a firewall dropping the port?)"
+    except OSError as e:  # asyncio words it "Connect call failed (...)": name the errno instead
+        return os.strerror(e.errno) if e.errno else (str(e) or type(e).__name__)
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return None
+
+
+def _maddr_ips(maddrs: Sequence[str]) -> set[str]:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    return {Multiaddr(m)["ip4"] for m in maddrs if "ip4" in Multiaddr(m)}
 
 
 class DialbackService:
@@ -146,6 +173,21 @@ class DialbackService:
             return {"error": "bad request: expected {\"maddrs\": [multiaddrs with /p2p/<id>]}"}
         if len(ids) != 1:
             return {"error": "all addresses of one request must carry the same /p2p/ id"}
+        if "tcp" in json.loads(payload):  # data ports: TCP only, to the caller's own announced IPs
+            try:
+                targets = [(str(ip), int(port)) for ip, port in json.loads(payload)["tcp"]][: self.max_addrs]
+            except Exception:
+                return {"error": "bad request: expected \"tcp\": [[ip, port], ...]"}
+            allowed = _maddr_ips(maddrs)
+            if any(ip not in allowed or not 1 <= port <= 65535 for ip, port in targets):
+                return {"error": "TCP targets must be IPs of the announced multiaddrs, ports 1-65535"}
+
+            async def connect(ip: str, port: int) -> Optional[str]:
+                async with self._dials:
+                    return await probe_tcp(ip, port, self.timeout)
+
+            answers = await asyncio.gather(*(connect(ip, port) for ip, port in targets))
+            return {"tcp": {f"{ip}:{port}": a for (ip, port), a in zip(targets, answers)}}
 
         async def dial(m: str) -> Optional[str]:
             async with self._dials:
@@ -175,3 +217,26 @@ async def request_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], timeout
     if "error" in answer:
         raise LookupError(f"dial-back refused: {answer['error']}")
     return {m: answer["results"].get(m, "not dialed") for m in maddrs}
+
+
+async def request_tcp_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], targets: Sequence[tuple[str, int]],
+                               timeout: float) -> dict[str, Optional[str]]:
+    """Ask ``helper`` to open a TCP connection to each ``(ip, port)`` (IPs of ``maddrs``, this
+    peer's announced addresses). Returns ``{"ip:port": None (reached) or reason}``; raises
+    ``LookupError`` if the helper offers no such service (an older bootstrap), ``TimeoutError``."""
+    from google.protobuf.wrappers_pb2 import BytesValue
+
+    request = BytesValue(value=json.dumps({"maddrs": list(maddrs), "tcp": [list(t) for t in targets]}).encode())
+    try:
+        reply = await asyncio.wait_for(
+            p2p.call_protobuf_handler(helper, DIALBACK_HANDLER, request, BytesValue), timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"no dial-back answer within {timeout:g} s") from None
+    except Exception as e:
+        raise LookupError(f"{helper} offers no dial-back service ({short_error(e)})") from None
+    answer = json.loads(reply.value)
+    if "error" in answer:
+        raise LookupError(f"dial-back refused: {answer['error']}")
+    if "tcp" not in answer:
+        raise LookupError(f"{helper} does not check data ports (an older bootstrap)")
+    return {f"{ip}:{port}": answer["tcp"].get(f"{ip}:{port}", "not dialed") for ip, port in targets}
