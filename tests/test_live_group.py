@@ -96,6 +96,46 @@ def test_a_fixed_group_size_announces_rounds_without_waiting_for_the_dht_and_pla
         b.close()
 
 
+def test_a_stuck_dht_store_delays_neither_the_heartbeat_nor_its_look_at_late_rounds():
+    """A store that never answers (a fake: a DHT stuck on one request cannot be produced on demand):
+    the heartbeat does not wait for it, still learns that a round is late, and sends no second
+    refresh of the same round while the first is unanswered."""
+    dht = FakeDHT()
+    stores, stuck = [], []
+    real_store = dht.store
+
+    def store(key, subkey, value, expiration_time, return_future=False):
+        stores.append((key, subkey))
+        if subkey == "b":  # b's stores hang forever; they never reach the records
+            stuck.append(Future())
+            return stuck[-1]
+        return real_store(key, subkey, value, expiration_time, return_future)
+
+    dht.store = store
+    a, b = (Presence(dht, "run", name, ttl=60, late_after=0, poll_s=1000, dht_timeout=2) for name in "ab")
+    try:
+        b.before_round(0, 0, plan=False)  # b announces round 1 ahead: one stuck store
+        assert not b.is_late(0, 1)  # watched from now on
+        a.before_round(0, 0, plan=False)
+        a.before_round(0, 1, plan=False)  # a launched round 1: b, still in round 0's window, is late
+        t0 = time.monotonic()
+        for _ in range(3):
+            b.beat()
+        assert time.monotonic() - t0 < 5  # three beats, none waited its 2 s for the stuck store (6 s if they did)
+        assert b.is_late(0, 1)
+        b_refreshes = [k for k, subkey in stores if subkey == "b" and k.endswith("_r1")]
+        assert len(b_refreshes) == 2, stores  # the announcement, then one refresh; then nothing while it hangs
+        stuck[-1].set_result(True)  # it answers at last: the next beat refreshes again
+        b.beat()
+        assert len([k for k, subkey in stores if subkey == "b" and k.endswith("_r1")]) == 3
+    finally:
+        for f in stuck:
+            if not f.done():
+                f.set_result(True)
+        a.close()
+        b.close()
+
+
 def run_round(swarm, peers, rnd):
     args = [dict(seed=10 * rnd + p.index, numel=NUMEL, return_tensors=False) for p in peers]
     return swarm.call_all("all_reduce", (0, rnd), per_peer=args, peers=peers, timeout=60)

@@ -103,14 +103,16 @@ class Presence:
         self._expires: dict[tuple[int, int], float] = {}  # (fragment, round) -> our last expiration there
         self._watch: dict[int, int] = {}                  # fragment -> the round is_late was asked about
         self._launched: dict[tuple[int, int], float] = {}  # (fragment, round) -> earliest launch by others
+        self._pending: dict[tuple[int, int], Any] = {}  # (fragment, round) -> the heartbeat's last store, unanswered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="hv-presence", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ DHT records
-    def _store(self, fragment: int, round_index: int, value: Optional[list], wait: bool = True) -> None:
+    def _store(self, fragment: int, round_index: int, value: Optional[list], wait: bool = True) -> Any:
         """Announce ``value`` for a round; ``wait=False`` sends it without waiting for the DHT's
-        answer (a lost one costs one heartbeat: the next refresh stores it again)."""
+        answer (a lost one costs one heartbeat: the next refresh stores it again) and returns the
+        DHT's future (None if it could not be sent)."""
         with self._lock:
             key = (fragment, round_index)
             # a later expiration wins on the DHT: "left" must outlive the last refresh
@@ -122,8 +124,10 @@ class Presence:
                                         value=value, expiration_time=expiration, return_future=True)
             if wait:
                 future.result(timeout=self.dht_timeout)
+            return future
         except Exception as e:  # a DHT hiccup costs one refresh, not the round
             logger.info("presence: could not announce fragment %d round %d: %r", fragment, round_index, e)
+            return None
 
     def _entries(self, fragment: int, round_index: int) -> dict[str, tuple[bool, float]]:
         """Live announcements for a round: peer id -> (ahead, launched_at); malformed ones are ignored."""
@@ -214,8 +218,20 @@ class Presence:
         """One refresh of this peer's announcements and one look at the watched rounds."""
         with self._lock:
             ahead, watch = dict(self._ahead), dict(self._watch)
+        # refreshes are not waited for: on a slow DHT, waiting would delay the look at the watched
+        # rounds (a slower peer's catch-up) by a store round trip per fragment. A refresh whose
+        # predecessor is still unanswered is skipped, so a stuck DHT queues at most one per round.
         for fragment, (round_index, launched_at) in ahead.items():
-            self._store(fragment, round_index, [True, launched_at])
+            key = (fragment, round_index)
+            previous = self._pending.get(key)
+            if previous is not None and not previous.done():
+                continue
+            if previous is not None and previous.exception() is not None:
+                logger.info("presence: could not refresh fragment %d round %d: %r", fragment, round_index,
+                            previous.exception())
+            self._pending[key] = self._store(fragment, round_index, [True, launched_at], wait=False)
+        for key in [k for k in self._pending if k not in {(f, r) for f, (r, _) in ahead.items()}]:
+            del self._pending[key]  # rounds this peer moved past
         for fragment, round_index in watch.items():
             if self._stop.is_set():
                 return
