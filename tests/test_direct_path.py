@@ -60,7 +60,7 @@ def test_a_failed_direct_address_is_retried_after_a_doubling_back_off():
     now = [100.0]
     failed = FailedAddresses(first_s=30, max_s=100, clock=lambda: now[0])
     a, b = ("10.0.0.1", 5000), ("10.0.0.2", 5000)
-    assert not failed.blocked(a) and a not in failed
+    assert not failed.blocked(a) and len(failed) == 0
     assert failed.failed(a) == 30 and failed.blocked(a) and not failed.blocked(b)
     now[0] += 29.9
     assert failed.blocked(a)

@@ -167,15 +167,16 @@ class DialbackService:
         from hivemind.utils.multiaddr import Multiaddr
 
         try:
-            maddrs = [str(m) for m in json.loads(payload)["maddrs"]][: self.max_addrs]
+            request = json.loads(payload)
+            maddrs = [str(m) for m in request["maddrs"]][: self.max_addrs]
             ids = {Multiaddr(m)["p2p"] for m in maddrs}
         except Exception:
             return {"error": "bad request: expected {\"maddrs\": [multiaddrs with /p2p/<id>]}"}
         if len(ids) != 1:
             return {"error": "all addresses of one request must carry the same /p2p/ id"}
-        if "tcp" in json.loads(payload):  # data ports: TCP only, to the caller's own announced IPs
+        if "tcp" in request:  # data ports: TCP only, to the caller's own announced IPs
             try:
-                targets = [(str(ip), int(port)) for ip, port in json.loads(payload)["tcp"]][: self.max_addrs]
+                targets = [(str(ip), int(port)) for ip, port in request["tcp"]][: self.max_addrs]
             except Exception:
                 return {"error": "bad request: expected \"tcp\": [[ip, port], ...]"}
             allowed = _maddr_ips(maddrs)

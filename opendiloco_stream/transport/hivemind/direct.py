@@ -119,10 +119,7 @@ class FailedAddresses:
     def succeeded(self, address: Any) -> None:
         self._entries.pop(address, None)
 
-    def __contains__(self, address: Any) -> bool:  # "is it blocked now"
-        return self.blocked(address)
-
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # addresses remembered (blocked now or in a back-off that may double)
         return len(self._entries)
 
 
