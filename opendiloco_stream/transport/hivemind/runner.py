@@ -302,9 +302,8 @@ class HvAllReduceRunner:
             yield msg
 
     async def _open_stream(self, q: int) -> AsyncIterator:
-        """A stream to reducer ``q``: direct TCP if it advertised an address we can connect to, else
-        the p2p daemon (and no direct attempt to that address from this averager until its
-        back-off ends, ``direct.FailedAddresses``)."""
+        """A stream to reducer ``q``: direct TCP to the address it advertised, else (or while that
+        address is in its back-off, ``direct.FailedAddresses``) the p2p daemon."""
         address = self.direct[q] if self.direct_failed is not None else None
         if address is not None and not self.direct_failed.blocked(address):
             try:
@@ -314,9 +313,8 @@ class HvAllReduceRunner:
                 self.direct_failed.succeeded(address)
                 return stream
             except (OSError, asyncio.TimeoutError) as e:
-                backoff = self.direct_failed.failed(address)
-                logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon "
-                            "(direct again in %.0f s)", self.key, self._name(q), address, e, backoff)
+                logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon (direct again "
+                            "in %.0f s)", self.key, self._name(q), address, e, self.direct_failed.failed(address))
         stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
         return await asyncio.wait_for(stub.rpc_aggregate_part(as_protobufs(self._contributions_for(q))),
                                       min(self.t.next_chunk, self._remaining()))
