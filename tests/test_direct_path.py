@@ -239,24 +239,6 @@ def test_a_stream_waiting_for_its_group_wakes_when_the_group_registers_and_gives
     assert missing is None
 
 
-def _free_range(count: int) -> int:
-    """A base port with ``count`` free TCP ports from it (on 127.0.0.1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(2.0)
@@ -264,11 +246,11 @@ def _listening(port: int) -> bool:
 
 
 @pytest.mark.network
-def test_fixed_data_ports_and_a_peer_without_the_direct_path(tmp_path, monkeypatch):
+def test_fixed_data_ports_and_a_peer_without_the_direct_path(tmp_path, monkeypatch, free_port_range):
     """``net.data_port``: fragment p listens on data_port + p. ``--no-direct``: a peer that
     advertises no address and opens none; its groupmates reach it, and it them, over the daemon."""
     monkeypatch.setenv("ODS_TEST_PATH_LOG", str(tmp_path))
-    numel, base = 50_000, _free_range(20)
+    numel, base = 50_000, free_port_range(20)
     swarm = LoopbackSwarm(3, run_id="hvports", transport_kwargs=dict(
         codec="fp32", target_group_size=3, matchmaking_time=3.0, request_timeout=1.0, next_chunk_timeout=15.0,
         allreduce_timeout=40.0), transport_cls=f"{MODULE}:PathLoggingTransport",
@@ -293,7 +275,7 @@ def test_fixed_data_ports_and_a_peer_without_the_direct_path(tmp_path, monkeypat
 
 
 @pytest.mark.network
-def test_a_taken_data_port_is_an_error_with_the_fix_and_a_free_one_is_used():
+def test_a_taken_data_port_is_an_error_with_the_fix_and_a_free_one_is_used(free_port_range):
     from opendiloco_stream.config import NetConfig
     from opendiloco_stream.net.dht import NetError, start_dht, stop_dht
     from opendiloco_stream.transport.hivemind.direct import DirectListener
@@ -306,7 +288,7 @@ def test_a_taken_data_port_is_an_error_with_the_fix_and_a_free_one_is_used():
             taken = s.getsockname()[1]
             with pytest.raises(NetError, match=f"cannot listen on data port {taken}/tcp .*--data-port"):
                 DirectListener.for_dht(dht, taken)
-        free = _free_range(1)
+        free = free_port_range(1)
         listener = DirectListener.for_dht(dht, free)
         try:
             assert listener.port == free and listener.addresses == [["127.0.0.1", free]]

@@ -6,7 +6,6 @@ Every process is started by PID in its own session and killed (whole tree) in a 
 from __future__ import annotations
 
 import os
-import socket
 import signal
 import subprocess
 import sys
@@ -44,22 +43,7 @@ def wait_for(pred, timeout: float, what: str, procs=()):
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def _free_port_range(count: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("0.0.0.0", 0))
-            base = s.getsockname()[1]
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
-
-
-def test_three_peers_eager_fp4_learn_with_bit_identical_averages(tmp_path):
+def test_three_peers_eager_fp4_learn_with_bit_identical_averages(tmp_path, free_port_range):
     """Also: fixed data ports (net.data_port, here from the environment): the launcher gives each peer
     its own range of 2 (one per fragment); a collision would stop a peer with exit 2 and fail the run."""
     metrics = tmp_path / "run.jsonl"
@@ -68,7 +52,7 @@ def test_three_peers_eager_fp4_learn_with_bit_identical_averages(tmp_path):
          "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--steps", "60",
          *SMALL, "--metrics-file", str(metrics)],
         capture_output=True, text=True, timeout=420, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true",
-                                                          "ODS_NET__DATA_PORT": str(_free_port_range(6))})
+                                                          "ODS_NET__DATA_PORT": str(free_port_range(6))})
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(metrics)
     summary = recs[-1]

@@ -198,15 +198,11 @@ class DialbackService:
         return {"results": dict(zip(maddrs, results))}
 
 
-async def request_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], timeout: float) -> dict[str, Optional[str]]:
-    """Ask the peer ``helper`` (a PeerID ``p2p`` is connected to) to dial each of ``maddrs``.
-
-    Returns ``{maddr: None (reached) or reason}``. Raises ``LookupError`` if the helper offers no
-    dial-back service, ``TimeoutError`` if it does not answer within ``timeout``.
-    """
+async def _ask(p2p: Any, helper: Any, body: dict, timeout: float) -> dict[str, Any]:
+    """One request to ``helper``'s dial-back service; its answer, or LookupError / TimeoutError."""
     from google.protobuf.wrappers_pb2 import BytesValue
 
-    request = BytesValue(value=json.dumps({"maddrs": list(maddrs)}).encode())
+    request = BytesValue(value=json.dumps(body).encode())
     try:
         reply = await asyncio.wait_for(
             p2p.call_protobuf_handler(helper, DIALBACK_HANDLER, request, BytesValue), timeout)
@@ -217,6 +213,16 @@ async def request_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], timeout
     answer = json.loads(reply.value)
     if "error" in answer:
         raise LookupError(f"dial-back refused: {answer['error']}")
+    return answer
+
+
+async def request_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], timeout: float) -> dict[str, Optional[str]]:
+    """Ask the peer ``helper`` (a PeerID ``p2p`` is connected to) to dial each of ``maddrs``.
+
+    Returns ``{maddr: None (reached) or reason}``. Raises ``LookupError`` if the helper offers no
+    dial-back service, ``TimeoutError`` if it does not answer within ``timeout``.
+    """
+    answer = await _ask(p2p, helper, {"maddrs": list(maddrs)}, timeout)
     return {m: answer["results"].get(m, "not dialed") for m in maddrs}
 
 
@@ -225,19 +231,7 @@ async def request_tcp_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], tar
     """Ask ``helper`` to open a TCP connection to each ``(ip, port)`` (IPs of ``maddrs``, this
     peer's announced addresses). Returns ``{"ip:port": None (reached) or reason}``; raises
     ``LookupError`` if the helper offers no such service (an older bootstrap), ``TimeoutError``."""
-    from google.protobuf.wrappers_pb2 import BytesValue
-
-    request = BytesValue(value=json.dumps({"maddrs": list(maddrs), "tcp": [list(t) for t in targets]}).encode())
-    try:
-        reply = await asyncio.wait_for(
-            p2p.call_protobuf_handler(helper, DIALBACK_HANDLER, request, BytesValue), timeout)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"no dial-back answer within {timeout:g} s") from None
-    except Exception as e:
-        raise LookupError(f"{helper} offers no dial-back service ({short_error(e)})") from None
-    answer = json.loads(reply.value)
-    if "error" in answer:
-        raise LookupError(f"dial-back refused: {answer['error']}")
+    answer = await _ask(p2p, helper, {"maddrs": list(maddrs), "tcp": [list(t) for t in targets]}, timeout)
     if "tcp" not in answer:
         raise LookupError(f"{helper} does not check data ports (an older bootstrap)")
     return {f"{ip}:{port}": answer["tcp"].get(f"{ip}:{port}", "not dialed") for ip, port in targets}
