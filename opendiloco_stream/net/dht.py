@@ -93,6 +93,12 @@ def _tcp_or_udp_port(maddr) -> Optional[int]:
     return None
 
 
+def ip4_of(maddr: Any) -> str:
+    """The IPv4 address of a multiaddr (``/ip4/A.B.C.D/...``), "" if it has none."""
+    parts = str(maddr).split("/")
+    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else ""
+
+
 def _is_loopback(maddr) -> bool:
     for proto in ("ip4", "ip6"):
         if proto in maddr:

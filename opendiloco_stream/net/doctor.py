@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from opendiloco_stream.config import NetConfig
-from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, listen_maddrs,
+from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, ip4_of, listen_maddrs,
                                        rank_maddrs, run_key)
 from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.metrics import metrics_validators
@@ -71,13 +71,6 @@ def _ip_is(maddr: Any, attribute: str) -> bool:
         if proto in maddr:
             return getattr(ipaddress.ip_address(maddr[proto]), attribute)
     return False
-
-
-def _ip4(maddr: Any) -> Optional[str]:
-    from hivemind.utils.multiaddr import Multiaddr
-
-    maddr = Multiaddr(str(maddr))
-    return maddr["ip4"] if "ip4" in maddr else None
 
 
 async def _hang_up(reader: Any, writer: Any) -> None:
@@ -182,6 +175,19 @@ class _Doctor:
                      f"has {publishing} peer(s) publishing metrics (lookup done {(time.monotonic() - t0) * 1e3:.0f} "
                      f"ms after start)")
 
+    async def _dial(self, ask: Callable[[float], Any], here: dict[str, Callable[[], Any]]
+                    ) -> tuple[dict[str, Optional[str]], Optional[str]]:
+        """``{target: None (reached) or reason}`` from the bootstrap (``ask(bound)``, the bootstrap
+        dials two at a time), else dialed from this machine (``here``); the second item says why
+        it was dialed from here (None: the bootstrap did it)."""
+        why_local = "no bootstrap to ask"
+        if self.helper is not None:
+            try:
+                return await ask(self.timeout * math.ceil(len(here) / 2) + 5), None
+            except (LookupError, TimeoutError) as e:
+                why_local = str(e)
+        return {target: await dial() for target, dial in here.items()}, why_local
+
     async def dial_back(self) -> Check:
         if not self.ours_maddrs:
             return Check("dial-back", "skip", "nothing is listening (see listen)")
@@ -189,17 +195,10 @@ class _Doctor:
         if self.net.initial_peers and not all(_ip_is(m, "is_loopback") for m in self.net.initial_peers):
             # a remote helper dialing 127.0.0.1 reaches itself, not us
             candidates = [m for m in candidates if not _ip_is(m, "is_loopback")] or candidates
-        results: dict[str, Optional[str]] = {}
-        why_local = "no bootstrap to ask"
-        if self.helper is not None:
-            bound = self.timeout * math.ceil(len(candidates) / 2) + 5  # the helper dials two at a time
-            try:
-                results = await request_dialback(self.node.p2p, self.helper, candidates, bound)
-            except (LookupError, TimeoutError) as e:
-                why_local = str(e)
-        local_only = not results
-        if local_only:
-            results = {m: await probe_dial(m, self.timeout) for m in candidates}
+        results, why_local = await self._dial(
+            lambda bound: request_dialback(self.node.p2p, self.helper, candidates, bound),
+            {m: lambda m=m: probe_dial(m, self.timeout) for m in candidates})
+        local_only = why_local is not None
         self.reached = [m for m, err in results.items() if err is None]
         failed = "; ".join(f"{m}: {err}" for m, err in results.items() if err is not None)
         if not self.reached:
@@ -224,7 +223,7 @@ class _Doctor:
                          "use the p2p daemon instead (slower)", "to open them in a firewall, fix them: --data-port D "
                          "(fragment p listens on TCP D + p)")
         port = net.data_port
-        bind = next((ip for ip in (_ip4(m) for m in self.host) if ip), "0.0.0.0")
+        bind = next((ip for ip in map(ip4_of, self.host) if ip), "0.0.0.0")
         try:
             server = await asyncio.start_server(_hang_up, bind, port)
         except OSError as e:
@@ -234,18 +233,11 @@ class _Doctor:
             if not self.reached:
                 return Check(name, "skip", f"listening on TCP {port}; not dialed, since no p2p address was "
                              f"reachable (see dial-back)")
-            targets = sorted({(ip, port) for ip in (_ip4(m) for m in self.reached) if ip})
-            results: dict[str, Optional[str]] = {}
-            why_local = "no bootstrap to ask"
-            if self.helper is not None:
-                try:
-                    results = await request_tcp_dialback(self.node.p2p, self.helper, self.reached, targets,
-                                                         self.timeout * math.ceil(len(targets) / 2) + 5)
-                except (LookupError, TimeoutError) as e:
-                    why_local = str(e)
-            local_only = not results
-            if local_only:
-                results = {f"{ip}:{p}": await probe_tcp(ip, p, self.timeout) for ip, p in targets}
+            targets = sorted({(ip, port) for ip in map(ip4_of, self.reached) if ip})
+            results, why_local = await self._dial(
+                lambda bound: request_tcp_dialback(self.node.p2p, self.helper, self.reached, targets, bound),
+                {f"{ip}:{p}": lambda ip=ip, p=p: probe_tcp(ip, p, self.timeout) for ip, p in targets})
+            local_only = why_local is not None
         finally:
             server.close()
             await server.wait_closed()

@@ -29,6 +29,8 @@ import os
 import threading
 from typing import Any, Optional, Sequence
 
+from opendiloco_stream.net.dht import ip4_of
+
 logger = logging.getLogger(__name__)
 
 DIALBACK_HANDLER = "ods_dialback_v1"
@@ -76,12 +78,6 @@ async def probe_tcp(ip: str, port: int, timeout: float = 10.0) -> Optional[str]:
     except OSError:
         pass
     return None
-
-
-def _maddr_ips(maddrs: Sequence[str]) -> set[str]:
-    from hivemind.utils.multiaddr import Multiaddr
-
-    return {Multiaddr(m)["ip4"] for m in maddrs if "ip4" in Multiaddr(m)}
 
 
 class DialbackService:
@@ -179,7 +175,7 @@ class DialbackService:
                 targets = [(str(ip), int(port)) for ip, port in request["tcp"]][: self.max_addrs]
             except Exception:
                 return {"error": "bad request: expected \"tcp\": [[ip, port], ...]"}
-            allowed = _maddr_ips(maddrs)
+            allowed = set(map(ip4_of, maddrs)) - {""}
             if any(ip not in allowed or not 1 <= port <= 65535 for ip, port in targets):
                 return {"error": "TCP targets must be IPs of the announced multiaddrs, ports 1-65535"}
 

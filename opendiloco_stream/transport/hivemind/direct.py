@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from hivemind.proto import averaging_pb2
 
+from opendiloco_stream.net.dht import NetError, ip4_of
 from opendiloco_stream.transport.hivemind.protocol import DONE, Message, ProtocolError, frame_kind, parse_message
 
 logger = logging.getLogger(__name__)
@@ -141,9 +142,9 @@ class DirectListener:
         """Listen where the DHT listens (127.0.0.1 stays local), advertise the IPv4 addresses it
         announces; None (p2p only) if it has none or the socket cannot be bound. ``port``: a
         fixed port (``net.data_port``); one that cannot be bound raises ``NetError`` with the fix."""
-        hosts = [_ip4(m) for m in (getattr(dht, "kwargs", {}).get("host_maddrs") or [])]
+        hosts = [ip4_of(m) for m in (getattr(dht, "kwargs", {}).get("host_maddrs") or [])]
         bind = next((h for h in hosts if h), "0.0.0.0")
-        visible = [ip for ip in dict.fromkeys(_ip4(m) for m in dht.get_visible_maddrs()) if ip and ip != "0.0.0.0"]
+        visible = [ip for ip in dict.fromkeys(ip4_of(m) for m in dht.get_visible_maddrs()) if ip and ip != "0.0.0.0"]
         if ipaddress.ip_address(bind).is_loopback:
             visible = [ip for ip in visible if ipaddress.ip_address(ip).is_loopback] or [bind]
         if not visible:
@@ -152,8 +153,6 @@ class DirectListener:
             return cls(bind, visible, port)
         except OSError as e:
             if port:
-                from opendiloco_stream.net.dht import NetError
-
                 raise NetError(f"cannot listen on data port {port}/tcp ({e.strerror or e}): pick another "
                                f"net.data_port (--data-port), free it (ss -ltnp | grep :{port}), or use "
                                f"--no-direct") from None
@@ -162,11 +161,6 @@ class DirectListener:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _ip4(maddr: Any) -> str:
-    parts = str(maddr).split("/")
-    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else ""
 
 
 # ---------------------------------------------------------------------------------------- messages

@@ -230,7 +230,8 @@ class Presence:
                 logger.info("presence: could not refresh fragment %d round %d: %r", fragment, round_index,
                             previous.exception())
             self._pending[key] = self._store(fragment, round_index, [True, launched_at], wait=False)
-        for key in [k for k in self._pending if k not in {(f, r) for f, (r, _) in ahead.items()}]:
+        current = {(f, r) for f, (r, _) in ahead.items()}
+        for key in [k for k in self._pending if k not in current]:
             del self._pending[key]  # rounds this peer moved past
         for fragment, round_index in watch.items():
             if self._stop.is_set():
