@@ -99,7 +99,8 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                 rows[-1]["gloo_round_s"] = gloo[numel]
             if topo is not None:
                 busiest = max(max(r["bytes_sent"], r["bytes_received"]) for r in results)  # last round
-                rows[-1].update(link_mbit=topo.rate_mbit, link_floor_s=8 * busiest / (topo.rate_mbit * 1e6))
+                rows[-1].update(link_mbit=topo.rate_mbit, link_floor_s=8 * busiest / (topo.rate_mbit * 1e6),
+                                peer_maddrs=[m for p in swarm.peers for m in p.maddrs])  # where the peers listened
             print(_row(rows[-1]), flush=True)
             print("    phases (median over peers and rounds): " + ", ".join(
                 f"{k} {1000 * v:.0f} ms" for k, v in rows[-1]["phases_s_median"].items()), flush=True)
