@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,10 @@ def test_teardown_removes_namespaces_and_processes():
     t.create()
     sleeper = subprocess.Popen(t.exec_argv("p0", [sys.executable, "-c", "import time; time.sleep(120)"]))
     try:
+        # `ip netns exec` enters the namespace a moment after Popen returns: wait for it (bounded)
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in netns.namespace_pids(t.ns("p0")) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sleeper.pid in netns.namespace_pids(t.ns("p0"))
         t.teardown()
         assert sleeper.wait(timeout=10) is not None  # killed by teardown, not by us
