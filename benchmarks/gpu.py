@@ -48,6 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inner-steps", type=int, default=100)
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
     p.add_argument("--outer-device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--no-plain", dest="plain", action="store_false",
+                   help="skip the plain loop (the same steps without the wrapper) that tokens/s is compared with")
+    p.add_argument("--codec-numel", type=int, default=1 << 24,
+                   help="elements of the codec check's tensor (default 2^24; 0 skips the codec check)")
+    p.add_argument("--codec-repeats", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu.json"), help="JSON results (default: %(default)s)")
     return p.parse_args(argv)
 
@@ -57,8 +62,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0") -> dict[str, Any]:
-    """One preset's row. ``device``: the tests run the same loop on the CPU (no memory figure there)."""
+def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrapper: bool = True) -> dict[str, Any]:
+    """One preset's row. ``device``: the tests run the same loop on the CPU (no memory figure there).
+    ``wrapper=False``: the plain loop, the same inner steps with no ``StreamingDiLoCo`` (the reference)."""
     import torch.nn.functional as F
 
     from opendiloco_stream.algorithm.diloco import wrap
@@ -79,13 +85,13 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0") -> d
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                             weight_decay=cfg.train.weight_decay)
     diloco = wrap(model, opt, transport=local_swarm(cfg, 1).transport(0), config=cfg.diloco,
-                  blocks=transformer_blocks(model))
+                  blocks=transformer_blocks(model)) if wrapper else None
     bf16 = use_bf16_autocast(cfg.train.precision, device)
     gen = torch.Generator(device=device).manual_seed(0)
     _sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    inner, wrapper, losses = [], [], []
+    inner, outer, losses = [], [], []
     for step in range(args.warmup + args.steps):
         batch = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=gen)
         _sync(device)
@@ -99,25 +105,66 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0") -> d
         opt.zero_grad(set_to_none=True)
         _sync(device)
         t1 = time.perf_counter()
-        diloco.step(tokens=batch[:, 1:].numel())
-        _sync(device)
-        t2 = time.perf_counter()
+        if diloco is not None:
+            diloco.step(tokens=batch[:, 1:].numel())
+            _sync(device)
+        t2 = time.perf_counter() if diloco is not None else t1
         if step >= args.warmup:
             inner.append(t1 - t0)
-            wrapper.append(t2 - t1)
+            outer.append(t2 - t1)
             losses.append(loss.item())
-    diloco.close()
+    if diloco is not None:
+        diloco.close()
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     params = sum(p.numel() for p in model.parameters())
     del model, opt, diloco, logits, loss
     if cuda:
         torch.cuda.empty_cache()
-    total = sum(inner) + sum(wrapper)
-    return {"preset": name, "params": params, "steps": len(inner), "tokens_per_step": args.batch_size * args.seq_len,
+    total = sum(inner) + sum(outer)
+    return {"preset": name, "wrapper": wrapper, "params": params, "steps": len(inner),
+            "tokens_per_step": args.batch_size * args.seq_len,
             "tokens_per_s": args.batch_size * args.seq_len * len(inner) / total,
             "peak_memory_gib": peak / 2**30, "inner_step_ms": 1e3 * sum(inner) / len(inner),
-            "wrapper_step_ms_mean": 1e3 * sum(wrapper) / len(wrapper), "wrapper_step_ms_max": 1e3 * max(wrapper),
-            "wrapper_share": sum(wrapper) / total, "loss_first": losses[0], "loss_last": losses[-1]}
+            "wrapper_step_ms_mean": 1e3 * sum(outer) / len(outer), "wrapper_step_ms_max": 1e3 * max(outer),
+            "wrapper_share": sum(outer) / total, "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def _timed(fn, repeats: int, device: torch.device) -> tuple[Any, float]:
+    """``fn()``'s result and its median time over ``repeats`` calls (after one untimed call)."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return result, sorted(times)[len(times) // 2]
+
+
+def codec_rows(numel: int, repeats: int, device: str = "cuda:0") -> dict[str, Any]:
+    """Every codec on a ``numel``-element outer-gradient-like tensor on ``device`` against the same
+    tensor on the CPU: whether the bytes (encode) and the decoded values are bit-identical across
+    the two devices, and the GPU's encode (device tensor -> bytes on the host) and decode (bytes ->
+    device tensor) throughput over the fp32 input, next to the memcpy reference: the fp32 tensor's
+    copy from the device into pinned host memory (what any send must do at least)."""
+    from opendiloco_stream.compression import CODEC_NAMES, get_codec
+
+    device = torch.device(device)
+    host = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3
+    x = host.to(device)
+    nbytes = 4 * numel
+    pinned = torch.empty(numel, pin_memory=device.type == "cuda")
+    _, copy_s = _timed(lambda: pinned.copy_(x), repeats, device)
+    rows = []
+    for name in CODEC_NAMES:
+        codec = get_codec(name)
+        data, enc_s = _timed(lambda: codec.encode(x), repeats, device)
+        values, dec_s = _timed(lambda: codec.decode(data, device=device), repeats, device)
+        rows.append({"codec": name, "wire_bytes": len(data), "same_bytes_as_cpu": data == codec.encode(host),
+                     "same_values_as_cpu": torch.equal(values.cpu(), codec.decode(data)),
+                     "encode_gb_per_s": nbytes / enc_s / 1e9, "decode_gb_per_s": nbytes / dec_s / 1e9})
+    return {"numel": numel, "repeats": repeats, "device_to_pinned_host_gb_per_s": nbytes / copy_s / 1e9, "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -126,18 +173,45 @@ def main(argv=None) -> int:
         print("benchmarks/gpu.py: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine",
               file=sys.stderr)
         return 2
-    rows = [run_preset(name, args) for name in args.presets]
+    rows, plain = [], {}
+    for name in args.presets:
+        if args.plain:
+            print(f"{name}: the plain loop ...", file=sys.stderr, flush=True)
+            plain[name] = run_preset(name, args, wrapper=False)
+        print(f"{name}: with StreamingDiLoCo ...", file=sys.stderr, flush=True)
+        rows.append(run_preset(name, args))
+    for r in rows:
+        ref = plain.get(r["preset"])
+        r["plain_tokens_per_s"] = ref["tokens_per_s"] if ref else None
+        r["plain_peak_memory_gib"] = ref["peak_memory_gib"] if ref else None
+        r["tokens_per_s_vs_plain"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+    na = "—"
     table = markdown_table(
-        ["preset", "parameters", "tokens/s", "peak GPU memory (GiB)", "inner step (ms)", "diloco.step mean (ms)",
-         "diloco.step max (ms)", "wrapper share"],
-        [[r["preset"], f"{r['params']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['peak_memory_gib']:.2f}",
+        ["preset", "parameters", "tokens/s", "plain loop tokens/s", "vs plain", "peak GPU memory (GiB)",
+         "plain loop peak (GiB)", "inner step (ms)", "diloco.step mean (ms)", "diloco.step max (ms)", "wrapper share"],
+        [[r["preset"], f"{r['params']:,}", f"{r['tokens_per_s']:,.0f}",
+          f"{r['plain_tokens_per_s']:,.0f}" if r["plain_tokens_per_s"] else na,
+          f"{r['tokens_per_s_vs_plain']:.3f}" if r["tokens_per_s_vs_plain"] else na, f"{r['peak_memory_gib']:.2f}",
+          f"{r['plain_peak_memory_gib']:.2f}" if r["plain_peak_memory_gib"] is not None else na,
           f"{r['inner_step_ms']:.1f}", f"{r['wrapper_step_ms_mean']:.2f}", f"{r['wrapper_step_ms_max']:.1f}",
           f"{100 * r['wrapper_share']:.2f}%"] for r in rows])
     print(f"{torch.cuda.get_device_name(0)}; {args.mode} {args.codec}, P={args.fragments}, H={args.inner_steps}, "
           f"precision {args.precision}, outer device {args.outer_device}; batch {args.batch_size} x {args.seq_len}")
     print(table)
+    codecs = None
+    if args.codec_numel > 0:
+        print(f"codecs on {args.codec_numel:,} elements ...", file=sys.stderr, flush=True)
+        codecs = codec_rows(args.codec_numel, args.codec_repeats)
+        print(f"\ncodecs, {codecs['numel']:,} fp32 elements on the GPU; memcpy reference (GPU -> pinned host): "
+              f"{codecs['device_to_pinned_host_gb_per_s']:.1f} GB/s")
+        print(markdown_table(
+            ["codec", "wire bytes", "same bytes as CPU", "same values as CPU", "encode GB/s", "decode GB/s"],
+            [[c["codec"], f"{c['wire_bytes']:,}", "yes" if c["same_bytes_as_cpu"] else "NO",
+              "yes" if c["same_values_as_cpu"] else "NO", f"{c['encode_gb_per_s']:.2f}", f"{c['decode_gb_per_s']:.2f}"]
+             for c in codecs["rows"]]))
     out = write_json(args.out, {"command": command_line(argv), "environment": environment(),
-                                "device": torch.cuda.get_device_name(0), "settings": vars(args), "rows": rows})
+                                "device": torch.cuda.get_device_name(0), "settings": vars(args), "rows": rows,
+                                "plain_rows": list(plain.values()), "codecs": codecs})
     print(f"wrote {relative(out)}")
     return 0
 

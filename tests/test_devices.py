@@ -221,3 +221,20 @@ def test_gpu_benchmark_loop_runs_on_cpu():
     row = gpu.run_preset("tiny", args, device="cpu")
     assert row["steps"] == 4 and row["tokens_per_s"] > 0 and row["peak_memory_gib"] == 0
     assert 0 < row["wrapper_share"] < 1 and row["wrapper_step_ms_max"] >= row["wrapper_step_ms_mean"]
+    plain = gpu.run_preset("tiny", args, device="cpu", wrapper=False)
+    assert plain["steps"] == 4 and not plain["wrapper"] and plain["tokens_per_s"] > 0
+    assert plain["wrapper_step_ms_max"] == 0 and plain["wrapper_share"] == 0  # no diloco.step() in the plain loop
+
+
+def test_gpu_benchmark_codec_check_runs_on_cpu():
+    import gpu
+
+    from opendiloco_stream.compression import CODEC_NAMES
+
+    res = gpu.codec_rows(4096, 2, device="cpu")
+    assert [r["codec"] for r in res["rows"]] == list(CODEC_NAMES)
+    for r in res["rows"]:  # the CPU against itself: every codec is deterministic without stochastic rounding
+        assert r["same_bytes_as_cpu"] and r["same_values_as_cpu"], r
+        assert r["encode_gb_per_s"] > 0 and r["decode_gb_per_s"] > 0
+    by = {r["codec"]: r["wire_bytes"] for r in res["rows"]}
+    assert by["fp4-e3m0"] < by["int8"] < by["fp16"] < by["fp32"]
