@@ -22,6 +22,8 @@ Without a CUDA device it prints one line on stderr and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from typing import Any
@@ -53,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--codec-numel", type=int, default=1 << 24,
                    help="elements of the codec check's tensor (default 2^24; 0 skips the codec check)")
     p.add_argument("--codec-repeats", type=int, default=5)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the N functions with the most cumulative time inside diloco.step() (cProfile)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu.json"), help="JSON results (default: %(default)s)")
     return p.parse_args(argv)
 
@@ -92,6 +96,7 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     inner, outer, losses = [], [], []
+    profiler = cProfile.Profile() if wrapper and getattr(args, "profile", 0) else None
     for step in range(args.warmup + args.steps):
         batch = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=gen)
         _sync(device)
@@ -106,8 +111,12 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
         _sync(device)
         t1 = time.perf_counter()
         if diloco is not None:
+            if profiler is not None and step >= args.warmup:
+                profiler.enable()
             diloco.step(tokens=batch[:, 1:].numel())
             _sync(device)
+            if profiler is not None:
+                profiler.disable()
         t2 = time.perf_counter() if diloco is not None else t1
         if step >= args.warmup:
             inner.append(t1 - t0)
@@ -115,6 +124,9 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             losses.append(loss.item())
     if diloco is not None:
         diloco.close()
+    if profiler is not None:
+        print(f"{name}: the {args.profile} functions with the most cumulative time in diloco.step()", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     params = sum(p.numel() for p in model.parameters())
     del model, opt, diloco, logits, loss
