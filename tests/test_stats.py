@@ -40,6 +40,8 @@ def test_summary_and_multi_peer_combine_agree_on_the_counters():
     for key in (*A.to_record(), "bytes_sent_per_worker"):
         assert together[key] == combined[key] == SyncStats.total([A, B]).summary_fields(2)[key], key
     assert together["bytes_sent_per_worker"] == 70 and together["peak_bytes_per_sync"] == 70
+    per_peer[0]["eval_loss_global"], per_peer[1]["eval_loss_global"] = 3.0, 3.5
+    assert combine(per_peer, 2.0)["eval_loss_global"] == 3.25  # the mean of the peers' theta_bar evals
 
 
 def test_the_live_monitor_publishes_the_same_record():

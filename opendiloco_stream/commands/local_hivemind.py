@@ -102,7 +102,7 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     out.update(
         event="summary", transport="hivemind", workers=len(summaries), steps=max(s["steps"] for s in summaries),
         tokens=tokens, eval_loss_initial=mean("eval_loss_initial"), eval_loss=mean("eval_loss"),
-        eval_loss_before_finish=mean("eval_loss_before_finish"),
+        eval_loss_before_finish=mean("eval_loss_before_finish"), eval_loss_global=mean("eval_loss_global"),
         train_loss=mean("train_loss"), **stats.summary_fields(len(summaries)),
         compute_utilization=mean("compute_utilization"), wall_time_s=wall,
         tokens_per_s=tokens / wall if wall > 0 else 0.0, peers=[s.get("peer_id") for s in summaries])
