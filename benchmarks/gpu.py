@@ -14,7 +14,13 @@ are random ids (throughput does not depend on the text). Every step is timed wit
 Reported per preset: tokens/s over the timed steps, peak GPU memory
 (``torch.cuda.max_memory_allocated``, reset per preset), the inner step's mean, ``diloco.step()``'s
 mean and max (the max is a sync step) and its share of the step time (the sum of ``diloco.step()``
-times over the sum of step times). A table on stdout, JSON in ``--out``.
+times over the sum of step times). The one-member ``LocalSwarm`` encodes, reduces and decodes inside
+``diloco.step()`` (on the host); a peer does that in its averager process, in the background. So the
+time inside the transport's ``all_reduce`` is reported on its own, with the wrapper's share without
+it. The plain loop (the same steps without the wrapper, ``--no-plain`` skips it) gives the reference
+tokens/s and peak memory, measured in the same run. A codec check (``--codec-numel``, 0 skips it)
+encodes and decodes every codec on the GPU and on the CPU: bit-identical bytes and values, and
+GB/s next to the GPU -> pinned host copy. A table on stdout, JSON in ``--out``.
 
 Without a CUDA device it prints one line on stderr and exits with code 2.
 """
@@ -88,8 +94,19 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                             weight_decay=cfg.train.weight_decay)
-    diloco = wrap(model, opt, transport=local_swarm(cfg, 1).transport(0), config=cfg.diloco,
-                  blocks=transformer_blocks(model)) if wrapper else None
+    transport = local_swarm(cfg, 1).transport(0)
+    in_transport = [0.0]  # seconds inside the one-member LocalSwarm's all_reduce (encode, reduce, decode, in-process)
+    all_reduce = transport.all_reduce
+
+    def timed_all_reduce(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return all_reduce(*a, **k)
+        finally:
+            in_transport[0] += time.perf_counter() - t0
+
+    transport.all_reduce = timed_all_reduce
+    diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model)) if wrapper else None
     bf16 = use_bf16_autocast(cfg.train.precision, device)
     gen = torch.Generator(device=device).manual_seed(0)
     _sync(device)
@@ -117,6 +134,8 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             _sync(device)
             if profiler is not None:
                 profiler.disable()
+        if step + 1 == args.warmup:
+            in_transport[0] = 0.0  # count the timed steps only
         t2 = time.perf_counter() if diloco is not None else t1
         if step >= args.warmup:
             inner.append(t1 - t0)
@@ -138,7 +157,10 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             "tokens_per_s": args.batch_size * args.seq_len * len(inner) / total,
             "peak_memory_gib": peak / 2**30, "inner_step_ms": 1e3 * sum(inner) / len(inner),
             "wrapper_step_ms_mean": 1e3 * sum(outer) / len(outer), "wrapper_step_ms_max": 1e3 * max(outer),
-            "wrapper_share": sum(outer) / total, "loss_first": losses[0], "loss_last": losses[-1]}
+            "wrapper_share": sum(outer) / total,
+            # what a peer does in the background (its averager process), here inline in diloco.step()
+            "transport_in_process_ms_mean": 1e3 * in_transport[0] / len(inner),
+            "wrapper_share_without_transport": (sum(outer) - in_transport[0]) / (total - in_transport[0]), "loss_first": losses[0], "loss_last": losses[-1]}
 
 
 def _timed(fn, repeats: int, device: torch.device) -> tuple[Any, float]:
@@ -200,13 +222,15 @@ def main(argv=None) -> int:
     na = "—"
     table = markdown_table(
         ["preset", "parameters", "tokens/s", "plain loop tokens/s", "vs plain", "peak GPU memory (GiB)",
-         "plain loop peak (GiB)", "inner step (ms)", "diloco.step mean (ms)", "diloco.step max (ms)", "wrapper share"],
+         "plain loop peak (GiB)", "inner step (ms)", "diloco.step mean (ms)", "diloco.step max (ms)", "wrapper share",
+         "of which in-process transport (ms/step)", "wrapper share without it"],
         [[r["preset"], f"{r['params']:,}", f"{r['tokens_per_s']:,.0f}",
           f"{r['plain_tokens_per_s']:,.0f}" if r["plain_tokens_per_s"] else na,
           f"{r['tokens_per_s_vs_plain']:.3f}" if r["tokens_per_s_vs_plain"] else na, f"{r['peak_memory_gib']:.2f}",
           f"{r['plain_peak_memory_gib']:.2f}" if r["plain_peak_memory_gib"] is not None else na,
           f"{r['inner_step_ms']:.1f}", f"{r['wrapper_step_ms_mean']:.2f}", f"{r['wrapper_step_ms_max']:.1f}",
-          f"{100 * r['wrapper_share']:.2f}%"] for r in rows])
+          f"{100 * r['wrapper_share']:.2f}%", f"{r['transport_in_process_ms_mean']:.2f}",
+          f"{100 * r['wrapper_share_without_transport']:.2f}%"] for r in rows])
     print(f"{torch.cuda.get_device_name(0)}; {args.mode} {args.codec}, P={args.fragments}, H={args.inner_steps}, "
           f"precision {args.precision}, outer device {args.outer_device}; batch {args.batch_size} x {args.seq_len}")
     print(table)

@@ -221,6 +221,9 @@ def test_gpu_benchmark_loop_runs_on_cpu():
     row = gpu.run_preset("tiny", args, device="cpu")
     assert row["steps"] == 4 and row["tokens_per_s"] > 0 and row["peak_memory_gib"] == 0
     assert 0 < row["wrapper_share"] < 1 and row["wrapper_step_ms_max"] >= row["wrapper_step_ms_mean"]
+    # the one-member LocalSwarm's rounds ran inside diloco.step(): counted apart, a part of the wrapper's time
+    assert 0 < row["transport_in_process_ms_mean"] < row["wrapper_step_ms_mean"]
+    assert 0 <= row["wrapper_share_without_transport"] < row["wrapper_share"]
     plain = gpu.run_preset("tiny", args, device="cpu", wrapper=False)
     assert plain["steps"] == 4 and not plain["wrapper"] and plain["tokens_per_s"] > 0
     assert plain["wrapper_step_ms_max"] == 0 and plain["wrapper_share"] == 0  # no diloco.step() in the plain loop

@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved configuration (with where each value came from), check it, start nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-level", default="WARNING",
+                   help="--transport hivemind: each peer's python logging level, in its log (default WARNING)")
     add_training_flags(p, exclude=("data.shard",))  # workers take shards r/N
     p.set_defaults(func=run)
 

@@ -131,7 +131,7 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
                 cmd = [_python(), "-m", "opendiloco_stream", "peer", "--config", str(workdir / "run.toml"),
                        "--run-id", run_id, "--initial-peers", *addrs, "--shard", f"{r}/{M}", "--no-join",
                        "--metrics-file", str(workdir / f"peer-{r}.jsonl"), "--no-progress",
-                       "--threads", str(threads), "--target-group-size", str(M)]
+                       "--threads", str(threads), "--target-group-size", str(M), "--log-level", args.log_level]
                 if cfg.net.data_port:  # one range of data ports per peer: they share this machine
                     cmd += ["--data-port", str(cfg.net.data_port + r * cfg.diloco.num_fragments)]
                 peers.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer-{r}.log", "w"),
