@@ -1,14 +1,11 @@
 """One all-reduce round of one fragment, run inside the hivemind averager process.
 
-Replaces hivemind's ``AllReduceRunner`` (which returns ``avg - decoded(part)`` deltas, so peers end
-with different results under lossy codecs, and silently keeps local values for parts whose reducer
-failed). The reduction itself is ``transport/reduce.py`` (shared with ``LocalSwarm``); this module
-moves it between peers in the frames of ``protocol.py``: each sender opens one stream per remote
-reducer, sends its contribution chunks and (if it reduces a part itself) its verdict on it, then
-reads the averaged chunks back on the same stream. A stream is a direct TCP connection to the
-address the reducer advertised (``direct.py``) or, where none can be opened, an
-``rpc_aggregate_part`` stream through hivemind's p2p daemon; both carry the same messages.
-
+Replaces hivemind's ``AllReduceRunner`` (whose ``avg - decoded(part)`` deltas leave peers with
+different results under lossy codecs, and which keeps local values for parts whose reducer failed).
+The reduction is ``transport/reduce.py`` (shared with ``LocalSwarm``); this module moves it between
+peers in ``protocol.py``'s frames: each sender opens one stream per remote reducer (direct TCP,
+``direct.py``, else ``rpc_aggregate_part`` through the p2p daemon), sends its contribution chunks and,
+if it reduces a part itself, its verdict on it, then reads the averaged chunks back on that stream.
 Every wait is bounded: ``next_chunk`` between two messages of a stream (and for a sender to show
 up), the round deadline (``allreduce``) for the verdicts and the first result. Any part that does
 not arrive complete and consistent fails the whole round with ``RoundError(reason="partial")``.
@@ -33,6 +30,7 @@ from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddr
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
+from opendiloco_stream.transport.hivemind.forked import once_more_on_bad_pool
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
 from opendiloco_stream.transport.hivemind.round_report import describe_progress, round_summary
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
@@ -112,7 +110,7 @@ class HvAllReduceRunner:
         return str(self.peer_ids[i])
 
     async def _in_executor(self, fn, *args):
-        return await asyncio.get_event_loop().run_in_executor(None, fn, *args)
+        return await asyncio.get_event_loop().run_in_executor(None, once_more_on_bad_pool, fn, *args)
 
     def encode_contribution(self, chunk: torch.Tensor) -> bytes:
         """What goes on the wire for one chunk of this peer's tensor."""
@@ -191,8 +189,7 @@ class HvAllReduceRunner:
                     raise ProtocolError(f"expected a verdict, got frame kind {frame.kind}")
                 if not self.verdicts[s].done():  # done: we already counted this peer as lost
                     self.verdicts[s].set_result(frame.status)
-            # Wait for the sender to finish writing (end of stream) before answering: closing the
-            # stream while it still writes would break its pipe.
+            # the sender's end of stream first: closing while it still writes would break its pipe
             try:
                 msg = await asyncio.wait_for(it.__anext__(), min(self.t.next_chunk, self._remaining()))
                 raise ProtocolError(f"unexpected message after the contribution (code {msg.code})")
@@ -288,7 +285,11 @@ class HvAllReduceRunner:
     # ------------------------------------------------------------------ sender side
     async def _contributions_for(self, q: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         for j, (lo, hi) in enumerate(self.layout.chunks[q]):
-            payload = await self._in_executor(self._encode_chunk, lo, hi)
+            try:
+                payload = await self._in_executor(self._encode_chunk, lo, hi)
+            except Exception:  # the reducer only sees our stream end: say why here
+                logger.warning("round %s: encoding chunk %d for %s failed", self.key, j, self._name(q), exc_info=True)
+                raise
             msg = _message(frame_parts(CONTRIB, j, payload), self.group_id)  # payload: bytes or fp32 (header, view)
             self.bytes_sent += msg.ByteSize()
             yield msg
@@ -335,8 +336,7 @@ class HvAllReduceRunner:
                     raise ProtocolError(f"expected result chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
                 self._record_part(q, frame.status, frame.total_weight)
                 await self._in_executor(self._take_result, frame.payload, lo, hi, frame.status)
-            # DONE closes the exchange (it also carries the verdict when the part is empty); then
-            # we close the stream: the reducer waits for that.
+            # DONE (with the verdict when the part is empty) ends it; then we close: the reducer waits
             timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
             msg = await asyncio.wait_for(it.__anext__(), timeout)
             self.bytes_received += msg.ByteSize()
