@@ -160,7 +160,8 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             "wrapper_share": sum(outer) / total,
             # what a peer does in the background (its averager process), here inline in diloco.step()
             "transport_in_process_ms_mean": 1e3 * in_transport[0] / len(inner),
-            "wrapper_share_without_transport": (sum(outer) - in_transport[0]) / (total - in_transport[0]), "loss_first": losses[0], "loss_last": losses[-1]}
+            "wrapper_share_without_transport": (sum(outer) - in_transport[0]) / (total - in_transport[0]),
+            "loss_first": losses[0], "loss_last": losses[-1]}
 
 
 def _timed(fn, repeats: int, device: torch.device) -> tuple[Any, float]:
