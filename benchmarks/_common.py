@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -116,6 +116,25 @@ def _numeric(s: str) -> bool:
         return True
     except ValueError:
         return s == "—"
+
+
+def time_ops(ops: dict[str, Callable[[], Any]], repeats: int,
+             sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of each op in each of ``repeats`` rounds, after one warm-up call of each (allocator,
+    lazy tables). Every round times each op once, in turn, so a burst of load from other processes
+    cannot spoil all the samples of one op. ``sync`` runs before and after each call (a GPU:
+    ``torch.cuda.synchronize``), so queued device work is counted in its op."""
+    for fn in ops.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def mean_spread(xs: Sequence[float]) -> dict[str, float]:

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 try:
-    from benchmarks._common import RESULTS_DIR, command_line, environment, markdown_table, relative, write_json
+    from benchmarks._common import (RESULTS_DIR, command_line, environment, markdown_table, relative, time_ops,
+                                    write_json)
 except ImportError:  # run as a script: python benchmarks/gpu.py
-    from _common import RESULTS_DIR, command_line, environment, markdown_table, relative, write_json
+    from _common import RESULTS_DIR, command_line, environment, markdown_table, relative, time_ops, write_json
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,7 +107,8 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             in_transport[0] += time.perf_counter() - t0
 
     transport.all_reduce = timed_all_reduce
-    diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model)) if wrapper else None
+    diloco = (wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model))
+              if wrapper else None)
     bf16 = use_bf16_autocast(cfg.train.precision, device)
     gen = torch.Generator(device=device).manual_seed(0)
     _sync(device)
@@ -164,19 +166,6 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
-def _timed(fn, repeats: int, device: torch.device) -> tuple[Any, float]:
-    """``fn()``'s result and its median time over ``repeats`` calls (after one untimed call)."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        result = fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return result, sorted(times)[len(times) // 2]
-
-
 def codec_rows(numel: int, repeats: int, device: str = "cuda:0") -> dict[str, Any]:
     """Every codec on a ``numel``-element outer-gradient-like tensor on ``device`` against the same
     tensor on the CPU: whether the bytes (encode) and the decoded values are bit-identical across
@@ -190,16 +179,19 @@ def codec_rows(numel: int, repeats: int, device: str = "cuda:0") -> dict[str, An
     x = host.to(device)
     nbytes = 4 * numel
     pinned = torch.empty(numel, pin_memory=device.type == "cuda")
-    _, copy_s = _timed(lambda: pinned.copy_(x), repeats, device)
-    rows = []
-    for name in CODEC_NAMES:
-        codec = get_codec(name)
-        data, enc_s = _timed(lambda: codec.encode(x), repeats, device)
-        values, dec_s = _timed(lambda: codec.decode(data, device=device), repeats, device)
-        rows.append({"codec": name, "wire_bytes": len(data), "same_bytes_as_cpu": data == codec.encode(host),
-                     "same_values_as_cpu": torch.equal(values.cpu(), codec.decode(data)),
-                     "encode_gb_per_s": nbytes / enc_s / 1e9, "decode_gb_per_s": nbytes / dec_s / 1e9})
-    return {"numel": numel, "repeats": repeats, "device_to_pinned_host_gb_per_s": nbytes / copy_s / 1e9, "rows": rows}
+    codecs = {name: get_codec(name) for name in CODEC_NAMES}
+    data = {name: codec.encode(x) for name, codec in codecs.items()}
+    ops = {"copy": lambda: pinned.copy_(x)}
+    for name, codec in codecs.items():
+        ops[f"{name}/encode"] = lambda codec=codec: codec.encode(x)
+        ops[f"{name}/decode"] = lambda codec=codec, payload=data[name]: codec.decode(payload, device=device)
+    median = {op: sorted(ts)[len(ts) // 2] for op, ts in time_ops(ops, repeats, lambda: _sync(device)).items()}
+    rows = [{"codec": name, "wire_bytes": len(data[name]), "same_bytes_as_cpu": data[name] == codec.encode(host),
+             "same_values_as_cpu": torch.equal(codec.decode(data[name], device=device).cpu(), codec.decode(data[name])),
+             "encode_gb_per_s": nbytes / median[f"{name}/encode"] / 1e9,
+             "decode_gb_per_s": nbytes / median[f"{name}/decode"] / 1e9} for name, codec in codecs.items()]
+    return {"numel": numel, "repeats": repeats, "device_to_pinned_host_gb_per_s": nbytes / median["copy"] / 1e9,
+            "rows": rows}
 
 
 def main(argv=None) -> int:

@@ -40,9 +40,10 @@ import torch.nn.functional as F
 
 try:
     from benchmarks._common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, plot_bars,
-                                    relative, write_json)
+                                    relative, time_ops, write_json)
 except ImportError:  # run as a script: python benchmarks/overhead.py
-    from _common import IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, plot_bars, relative, write_json
+    from _common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, plot_bars, relative, time_ops,
+                         write_json)
 
 from opendiloco_stream.compression import CODEC_NAMES, get_codec, native
 from opendiloco_stream.config import RunConfig, load_config
@@ -202,20 +203,6 @@ def loop_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str,
     return {"runs": runs, "summary": summary, "mirror_check": check}
 
 
-def _best_times(ops: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Best time of each op over ``repeats`` rounds; every round times each op once, in turn, so a
-    burst of load from other processes cannot spoil all the samples of one op."""
-    for fn in ops.values():
-        fn()  # warm-up: allocator, lazy tables
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(repeats):
-        for name, fn in ops.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: min(ts) for name, ts in times.items()}
-
-
 NATIVE_CODECS = ("int8", "fp8-e4m3", "fp4-e3m0", "fp4-e2m1", "topk-int2", "topk-int4")  # where native.py applies
 
 
@@ -240,7 +227,7 @@ def codec_benchmark(preset: Preset, progress: Callable[[str], None]) -> dict[str
         if native.available() and name in NATIVE_CODECS:  # the same ops in torch, timed in turn
             ops[f"{name}/encode-torch"] = lambda codec=codec: _in_torch(codec.encode, x)
             ops[f"{name}/decode-torch"] = lambda codec=codec, payload=payload: _in_torch(codec.decode, payload)
-    best = _best_times(ops, preset.codec_repeats)
+    best = {name: min(ts) for name, ts in time_ops(ops, preset.codec_repeats).items()}
     copy_s, clone_s = best["copy_"], best["clone"]
     rows = {"copy_": {"seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9},
             "clone": {"seconds": clone_s, "gb_per_s": nbytes / clone_s / 1e9}}
