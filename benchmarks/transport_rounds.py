@@ -4,8 +4,11 @@
     python benchmarks/transport_rounds.py --codecs fp32 fp4-e3m0 --numels 1000000 --rounds 5
 
 For each codec: start 3 peers (``LoopbackSwarm``), declare one fragment per size, run one warm-up
-round and ``--rounds`` measured rounds per size. A round's time is the slowest peer's, from
-``all_reduce`` to the result (``target_group_size`` = 3, so matchmaking does not wait). Bytes are
+round and ``--rounds`` measured rounds per size. Every peer calls ``all_reduce`` at the same
+moment (``time.time()``, a common start ``START_AHEAD_S`` after the command is sent, as gloo's
+barrier), and a round's time runs from that moment to the last peer's result
+(``target_group_size`` = 3, so matchmaking does not wait); ``started_late_s_max`` is how late the
+latest peer actually began. Bytes are
 what each peer's transport counted on the wire (serialized messages), averaged over peers.
 ``phases_s_median`` splits a round into the phases of ``SyncResult.phases`` (prepare, matchmaking,
 contributions, verdicts, reduce, results, drain, finish): the median over peers and rounds.
@@ -18,7 +21,10 @@ peers, after ``matchmaking_time`` since the target of 3 is no longer reachable) 
 With ``--gloo``, the same run also times ``torch.distributed.all_reduce`` (gloo backend) of the
 same fp32 tensor between the same number of processes on 127.0.0.1 (one thread each, like the
 peers), and writes it as ``gloo_round_s`` next to each row's ``round_s_median``: the reference for
-"as fast as the link". ``--numels 10000000 50000000`` gives the 10M and 50M rows.
+"as fast as the link". ``--numels 10000000 50000000`` gives the 10M and 50M rows. With
+``--gloo``, each row also gets ``codec_floor_s`` (``codec_floor.py``): the codec work of the same
+round alone (encode, checks, mean, decode, the host's copy), spread over this machine's cores,
+which no implementation of the round on these cores beats.
 
 Loopback numbers measure CPU (encode, decode, reduce) and the p2p daemons, not a network. With
 ``--link-mbit R`` (root; ``benchmarks/netns.py``) every peer, and every gloo rank, runs in its own
@@ -46,6 +52,7 @@ from typing import Optional
 from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/hv_loopback.py, next to this script
 
 PEERS = 3
+START_AHEAD_S = 0.3  # a round's common start, this far after its command is sent
 
 
 def stage_tensor(peer, seed: int, numel: int) -> None:
@@ -53,13 +60,18 @@ def stage_tensor(peer, seed: int, numel: int) -> None:
     peer.staged = make_tensor(seed, numel)
 
 
-def reduce_staged(peer, key: tuple, weight: float) -> dict:
-    """Inside a peer: the round, on the staged tensor."""
-    return peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False)
+def reduce_staged(peer, key: tuple, weight: float, start_at: float) -> dict:
+    """Inside a peer: the round, on the staged tensor, started at ``start_at`` (``time.time()``,
+    the same for every peer: a common start, as gloo's barrier)."""
+    time.sleep(max(0.0, start_at - time.time()))
+    started = time.time()
+    out = peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False)
+    return dict(out, started_late_s=started - start_at)
 
 
 def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
-                  gloo: Optional[dict[int, float]] = None, topo=None) -> list[dict]:
+                  gloo: Optional[dict[int, float]] = None, topo=None,
+                  floors: Optional[dict[tuple, float]] = None) -> list[dict]:
     rows = []
     kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0)
     overrides = None
@@ -70,14 +82,16 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                        peer_overrides=overrides) as swarm:
         swarm.call_all("prepare", {f: n for f, n in enumerate(numels)}, timeout=300)
         for fragment, numel in enumerate(numels):
-            times, sent, received, phases = [], [], [], []
+            times, sent, received, phases, late = [], [], [], [], []
             for rnd in range(rounds + 1):
                 # tensors first, on every peer, then the round: as gloo's barrier, so that no peer's
                 # round time includes waiting for another one still drawing its random tensor
                 swarm.call_all("call", function="transport_rounds:stage_tensor", numel=numel, timeout=300,
                                per_peer=[dict(seed=1000 * rnd + i) for i in range(PEERS)])
+                start_at = time.time() + START_AHEAD_S  # every peer's command arrives before this moment
                 results = swarm.call_all("call", function="transport_rounds:reduce_staged", key=(fragment, rnd),
-                                         per_peer=[dict(weight=1.0 + i) for i in range(PEERS)], timeout=600)
+                                         start_at=start_at, per_peer=[dict(weight=1.0 + i) for i in range(PEERS)],
+                                         timeout=600)
                 failed = [r for r in results if not r["ok"]]
                 if failed:
                     raise RuntimeError(f"{codec} numel={numel} round {rnd}: " + "; ".join(
@@ -86,7 +100,8 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                     raise RuntimeError(f"{codec} numel={numel} round {rnd}: averages differ between peers")
                 if rnd == 0:
                     continue  # warm-up: first-touch allocations, connections
-                times.append(max(r["elapsed_s"] for r in results))
+                times.append(max(r["finished_at"] for r in results) - start_at)
+                late.append(max(r["started_late_s"] for r in results))
                 sent.append(statistics.mean(r["bytes_sent"] for r in results))
                 received.append(statistics.mean(r["bytes_received"] for r in results))
                 phases += [r["phases"] for r in results]
@@ -94,9 +109,12 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                              round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
                              bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
                              wire_bits_per_element=8 * statistics.mean(sent) / numel,
-                             phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}))
+                             phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
+                             started_late_s_max=max(late)))
             if gloo and numel in gloo:
                 rows[-1]["gloo_round_s"] = gloo[numel]
+            if floors and (codec, numel) in floors:
+                rows[-1]["codec_floor_s"] = floors[(codec, numel)]
             if topo is not None:
                 busiest = max(max(r["bytes_sent"], r["bytes_received"]) for r in results)  # last round
                 rows[-1].update(link_mbit=topo.rate_mbit, link_floor_s=8 * busiest / (topo.rate_mbit * 1e6),
@@ -221,6 +239,8 @@ def measure_gloo(numel: int, rounds: int, peers: int = PEERS) -> float:
 
 def _row(r: dict) -> str:
     gloo = f" {r['gloo_round_s']:7.3f} | {r['round_s_median'] / r['gloo_round_s']:6.1f}x |" if "gloo_round_s" in r else ""
+    if "codec_floor_s" in r:
+        gloo += f" {r['codec_floor_s']:7.3f} |"
     if "link_floor_s" in r:
         gloo += f" {r['link_floor_s']:7.3f} | {r['link_floor_s'] / r['round_s_median']:5.0%} |"
     return (f"| {r['codec']:>9} | {r['numel']:>10,} | {r['round_s_median']:8.3f} | {r['round_s_min']:6.3f}-{r['round_s_max']:6.3f} "
@@ -264,15 +284,24 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
         for numel in args.numels:
             gloo[numel] = measure_gloo(numel, args.rounds) if topo is None else measure_gloo_netns(topo, numel, args.rounds)
             print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
-    extra = (" gloo s  | ours/gloo |", "---------|-----------|") if gloo else ("", "")
+    floors = {}
+    if args.gloo:  # the codec work alone, spread over this machine's cores (codec_floor.py)
+        import codec_floor
+
+        for codec in args.codecs:
+            for numel in args.numels:
+                floors[(codec, numel)] = codec_floor.measure(codec, numel, PEERS, repeats=3)["floor_s"]
+                print(f"codec floor {codec}, {numel:,} elements: {floors[(codec, numel)]:.3f} s", flush=True)
+    extra = (" gloo s  | ours/gloo | floor s |", "---------|-----------|---------|") if gloo else ("", "")
     if topo is not None:
         extra = (extra[0] + " link floor s | floor/ours |", extra[1] + "--------------|------------|")
     print("| codec     | elements   | median s | min-max s     | sent MiB  | recv MiB  | bits/el |" + extra[0])
     print("|-----------|------------|----------|---------------|-----------|-----------|---------|" + extra[1], flush=True)
     rows = []
     for codec in args.codecs:
-        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo)
-    report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()})
+        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo, floors)
+    report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()},
+                  codec_floor_s={f"{c} {n}": t for (c, n), t in floors.items()}, start_ahead_s=START_AHEAD_S)
     if topo is not None:
         report.update(link_mbit=topo.rate_mbit, probe_mbit_s=probe["mbit_s"])
     if not args.no_kill and topo is None:
