@@ -58,7 +58,7 @@ class _Peer:
 
     def all_reduce(self, key: tuple, tensor: Optional[torch.Tensor] = None, *, seed: int = 0, numel: int = 0,
                    offset: float = 0.0, weight: float = 1.0, wait_timeout: Optional[float] = None,
-                   return_tensors: bool = True) -> dict:
+                   return_tensors: bool = True, abandon_after_s: Optional[float] = None) -> dict:
         from opendiloco_stream.transport.base import SyncFailed
 
         if tensor is None:
@@ -66,12 +66,17 @@ class _Peer:
         t0 = time.perf_counter()
         handle = self.transport.all_reduce(tuple(key), tensor, weight=weight)
         launch_s = time.perf_counter() - t0
+        abandoned = None
+        if abandon_after_s is not None:  # give the round up after a while (a peer catching up)
+            time.sleep(abandon_after_s)
+            abandoned = handle.abandon()
         try:
             result = handle.wait(wait_timeout)
         except SyncFailed as e:
             return dict(ok=False, reason=e.reason, message=str(e), launch_s=launch_s, elapsed_s=time.perf_counter() - t0,
-                        finished_at=time.time())
+                        finished_at=time.time(), abandoned=abandoned)
         out = dict(ok=True, launch_s=launch_s, elapsed_s=time.perf_counter() - t0, finished_at=time.time(),
+                   abandoned=abandoned,
                    group_size=result.group_size,
                    weight_share=result.weight_share, bytes_sent=result.bytes_sent,
                    bytes_received=result.bytes_received, peers=result.peers, included_self=result.included_self,

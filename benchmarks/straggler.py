@@ -14,19 +14,27 @@ blocked in ``diloco.step``) after the first ``2 H`` steps, which leaves out the 
 peers come up seconds apart), steps trained, steps skipped to catch up with the swarm, rounds ok
 / failed, mean group size, and the peer's mean weight share in the groups it was in (weights are
 tokens: the straggler processed fewer per round). All peers share this machine's cores.
+
+``--cpu-load K`` starves the machine of CPU: K busy processes (one pure-Python spin loop each,
+started before the scenario's peers and killed by PID after them) compete with the peers, their
+DHTs, averagers and p2p daemons for the cores. ``--straggler-cpu PCT`` starves the straggler
+alone: it runs, with the DHT, averager and p2p daemon processes it forks, in a cgroup limited to
+PCT % of one core (root; the cgroup is removed afterwards). ``--scenarios`` picks which scenarios run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 from opendiloco_stream.train.loop import read_metrics
@@ -39,8 +47,9 @@ TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", 
 
 def run_scenario(workdir: Path, run_id: str, delays: list[float], *, steps: int, inner_steps: int, fragments: int,
                  codec: str = "fp32", matchmaking_time: float = 5.0, request_timeout: float = 3.0,
-                 timeout: float = 600.0) -> list[dict[str, Any]]:
-    """Train ``len(delays)`` peers (peer i sleeps ``delays[i]`` per inner step); their metrics records."""
+                 timeout: float = 600.0, cgroups: Optional[dict[int, Path]] = None) -> list[dict[str, Any]]:
+    """Train ``len(delays)`` peers (peer i sleeps ``delays[i]`` per inner step); their metrics records.
+    ``cgroups``: peer index -> a cgroup directory the peer (and all it forks) runs in."""
     workdir.mkdir(parents=True, exist_ok=True)
     boot, addrs = start_bootstrap(workdir, run_id)
     procs = [boot]
@@ -51,7 +60,10 @@ def run_scenario(workdir: Path, run_id: str, delays: list[float], *, steps: int,
                    "--mode", "eager", "--codec", codec, "--fragments", str(fragments), "--inner-steps",
                    str(inner_steps), "--steps", str(steps), "--step-delay-s", f"{delay:.4f}", "--matchmaking-time",
                    str(matchmaking_time), "--request-timeout", str(request_timeout), "--shard", f"{i}/{n}",
-                   "--no-join", *TINY, "--metrics-file", str(workdir / f"peer-{i}.jsonl")]
+                   "--no-join", *TINY, "--metrics-file", str(workdir / f"peer-{i}.jsonl"),
+                   "--log-level", os.environ.get("ODS_BENCH_LOG_LEVEL", "WARNING")]
+            if cgroups and i in cgroups:  # enter the cgroup before python starts: its children inherit it
+                cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroups[i]), *cmd]
             procs.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer-{i}.log", "w"), stderr=subprocess.STDOUT,
                                           start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -63,6 +75,40 @@ def run_scenario(workdir: Path, run_id: str, delays: list[float], *, steps: int,
         return [{"records": read_metrics(workdir / f"peer-{i}.jsonl"), "delay_s": d} for i, d in enumerate(delays)]
     finally:
         stop_processes(procs, grace=10)
+
+
+_SPIN = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass\n"
+
+
+@contextlib.contextmanager
+def cpu_cgroup(percent: float, name: str) -> Iterator[Path]:
+    """A cgroup (v1 ``cpu`` controller, root) whose processes together get ``percent`` % of one core;
+    removed on exit once its processes are gone (they are killed if still there)."""
+    root = Path("/sys/fs/cgroup/cpu")
+    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
+        raise RuntimeError("--straggler-cpu needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    group = root / name
+    group.mkdir()
+    try:
+        period = int((group / "cpu.cfs_period_us").read_text())
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * percent / 100))))
+        yield group
+    finally:
+        for _ in range(50):
+            pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        group.rmdir()
+
+
+def start_cpu_load(count: int, limit_s: float) -> list[subprocess.Popen]:
+    """``count`` busy processes; each ends by itself after ``limit_s`` if it is not killed first."""
+    return [subprocess.Popen([sys.executable, "-c", _SPIN, str(limit_s)], start_new_session=True)
+            for _ in range(count)]
 
 
 def peer_figures(records: list[dict[str, Any]], warmup_steps: int) -> dict[str, Any]:
@@ -100,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fragments", type=int, default=2)
     ap.add_argument("--delay", type=float, default=0.2, help="seconds slept per inner step by the fast peers")
     ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--cpu-load", type=int, default=0, help="busy processes competing with the peers for the cores")
+    ap.add_argument("--straggler-cpu", type=float, default=None, metavar="PCT",
+                    help="run the straggler (with all it forks) in a cgroup limited to PCT %% of one core (root)")
+    ap.add_argument("--scenarios", nargs="+", choices=["none", "straggler"], default=["none", "straggler"],
+                    help="none: every peer at the same speed; straggler: the last peer 2x slower")
     ap.add_argument("--out", default=None, help="JSON results (e.g. benchmarks/results/straggler.json)")
     args = ap.parse_args(argv)
 
@@ -108,19 +159,32 @@ def main(argv: list[str] | None = None) -> int:
     slow = 2 * args.delay + bare  # (bare + slow) = 2 (bare + delay)
     scenarios = {"no straggler": [args.delay] * args.peers,
                  "one peer 2x slower": [args.delay] * (args.peers - 1) + [slow]}
+    scenarios = {k: v for k, v in scenarios.items() if ("none" if k == "no straggler" else "straggler") in args.scenarios}
     results = []
     for name, delays in scenarios.items():
         t0 = time.perf_counter()
-        peers = run_scenario(root / name.replace(" ", "-"), f"straggler-{os.getpid()}-{len(results)}", delays,
-                             steps=args.steps, inner_steps=args.inner_steps, fragments=args.fragments,
-                             codec=args.codec)
+        load = start_cpu_load(args.cpu_load, limit_s=900.0)
+        try:
+            with contextlib.ExitStack() as stack:
+                cgroups = None
+                if args.straggler_cpu is not None and name != "no straggler":
+                    group = stack.enter_context(cpu_cgroup(args.straggler_cpu, f"ods-straggler-{os.getpid()}"))
+                    cgroups = {len(delays) - 1: group}
+                peers = run_scenario(root / name.replace(" ", "-"), f"straggler-{os.getpid()}-{len(results)}", delays,
+                                     steps=args.steps, inner_steps=args.inner_steps, fragments=args.fragments,
+                                     codec=args.codec, cgroups=cgroups)
+        finally:
+            for proc in load:
+                proc.kill()
+                proc.wait(10)
         figures = [dict(peer_figures(p["records"], 2 * args.inner_steps), delay_s=p["delay_s"]) for p in peers]
         fast = figures[:-1] if name != "no straggler" else figures
         results.append(dict(scenario=name, wall_s=time.perf_counter() - t0, peers=figures,
                             fast_steady_utilization=statistics.fmean(f["steady_utilization"] for f in fast),
                             fast_compute_utilization=statistics.fmean(f["compute_utilization"] for f in fast)))
-    fast_step = statistics.fmean(f["step_s"] for f in results[1]["peers"][:-1])
-    slowdown = results[1]["peers"][-1]["step_s"] / fast_step
+    with_straggler = next((r for r in results if r["scenario"] != "no straggler"), None)
+    slowdown = float("nan") if with_straggler is None else (
+        with_straggler["peers"][-1]["step_s"] / statistics.fmean(f["step_s"] for f in with_straggler["peers"][:-1]))
     rows = []
     for res in results:
         for i, f in enumerate(res["peers"]):

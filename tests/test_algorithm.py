@@ -540,6 +540,70 @@ def test_a_peer_behind_the_swarm_catches_up_and_sends_the_tokens_it_processed():
     assert diloco.step_count == 20 and link.launched[-1] == ((1, 1), 500.0)  # back on its own schedule
 
 
+class _StuckRoundsTransport(_SlowLinkTransport):
+    """Rounds never land by themselves (they wait for a group the swarm left); ``late`` as above.
+    ``abandon()`` fails a round at once and is recorded; the real one is tested on hivemind peers."""
+
+    def __init__(self):
+        super().__init__()
+        self.late, self.abandoned, self.launched = set(), [], []
+
+    def all_reduce(self, key, tensor, weight=1.0):
+        from opendiloco_stream.transport.base import SyncFailed
+
+        self.launched.append(key)
+        handle = super().all_reduce(key, tensor, weight)
+        outer, wait = self, handle.wait
+
+        def abandon():
+            outer.abandoned.append(handle.key)
+            handle.gave_up = True
+            return True
+
+        def wait_or_fail(timeout=None):
+            if getattr(handle, "gave_up", False):
+                raise SyncFailed("abandoned", key=handle.key, reason="matchmaking")
+            return wait(timeout)
+
+        handle.abandon, handle.wait = abandon, wait_or_fail
+        return handle
+
+    def round_late(self, key):
+        return key in self.late
+
+
+def test_a_peer_rounds_behind_jumps_to_the_swarms_round_and_abandons_the_rounds_it_passes():
+    """H = 10, P = 2 (fragment 0 syncs at 5, 15..., fragment 1 at 10, 20...). At step 11 the swarm has
+    launched rounds 1-3 of fragment 0 (not round 1 of fragment 1): one look jumps to round 3's sync
+    step (35). On the way, each pending round of fragment 0 the swarm moved past is abandoned instead
+    of waited for; fragment 1's rounds, still current, are waited for."""
+    link = _StuckRoundsTransport()
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=10, num_fragments=2,
+                                                                             mode="eager"), blocks=list(model))
+    data = torch.randn(5, 8)
+
+    def inner_step():
+        model(data).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(tokens=100)
+
+    for _ in range(10):
+        inner_step()
+    assert link.launched == [(0, 0), (1, 0)] and not link.abandoned
+    link.late |= {(0, 1), (0, 2), (0, 3)}
+    inner_step()
+    assert diloco.step_count == 35
+    assert [(e["from_step"], e["to_step"]) for e in diloco.events if e["event"] == "catch_up"] == [(11, 35)]
+    assert link.launched == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3)]
+    assert link.abandoned == [(0, 0), (0, 1), (0, 2)]  # round 3 is the swarm's current one: kept
+    assert ((1, 0), False) in link.waits and ((1, 1), False) in link.waits  # waited for, not abandoned
+    syncs = {(e["fragment"], e["round"]): e for e in diloco.events if e["event"] == "sync"}
+    assert all(not syncs[(0, k)]["ok"] and syncs[(0, k)]["reason"] == "matchmaking" for k in range(3))
+
+
 def test_a_joiner_announces_its_next_round_of_every_fragment():
     """After loading a running swarm's state (joiner=True), the transport hears which rounds this peer
     takes part in next, so the others count it there; a checkpoint restore announces nothing."""

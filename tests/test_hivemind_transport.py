@@ -541,3 +541,29 @@ def test_round_phases_split_a_round_between_the_host_and_the_runner_marks():
     assert round_phases(10.0, 10.25, {"group": 10.5, "results": 11.5, "end": 11.5}, 11.75) == {
         "prepare": 0.25, "matchmaking": 0.25, "results": 1.0, "drain": 0.0, "finish": 0.25}
     assert round_phases(10.0, 10.25, {}, 11.0) == {"prepare": 0.25}
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly():
+    """``SyncHandle.abandon`` on a round still in matchmaking (its groupmate never comes: the swarm
+    moved on) fails it with reason "matchmaking" instead of waiting out the window. The averager
+    stops that step before the lane touches the shared buffers again: the next round of the same
+    fragment, with both peers, gives both the exact weighted mean."""
+    swarm = LoopbackSwarm(2, run_id="hvabandon", transport_kwargs=dict(codec="fp32", target_group_size=2,
+                                                                       matchmaking_time=5.0, request_timeout=1.0))
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: N}, timeout=120)
+        alone = swarm.peers[0].call("all_reduce", key=(0, 0), seed=1, numel=N, abandon_after_s=0.5, timeout=60)
+        assert alone["abandoned"] is True and not alone["ok"]
+        assert alone["reason"] == "matchmaking" and "abandoned before its group formed" in alone["message"]
+        both = swarm.call_all("all_reduce", key=(0, 1), numel=N, timeout=60,
+                              per_peer=[dict(seed=10, weight=1.0), dict(seed=11, weight=3.0)])
+        assert all(r["ok"] and r["group_size"] == 2 for r in both), both
+        expected = (make_tensor(10, N) * 1.0 + make_tensor(11, N) * 3.0) / 4.0
+        for r in both:
+            assert torch.allclose(r["average"], expected, rtol=1e-6, atol=1e-7)
+        assert torch.equal(both[0]["average"], both[1]["average"])
+    finally:
+        swarm.close()

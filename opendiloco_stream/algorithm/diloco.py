@@ -31,6 +31,8 @@ from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncResult, Transport
 
+MAX_ROUNDS_BEHIND = 16  # how many rounds of one fragment a catch-up looks past the next one
+
 
 class StreamingDiLoCo(HasSyncLog):
     """Streaming DiLoCo over any Transport: blocking, tau-overlap, eager or naive-delayed.
@@ -64,6 +66,7 @@ class StreamingDiLoCo(HasSyncLog):
         self.error_feedback = (ErrorFeedback(config.error_feedback_decay)
                                if config.use_error_feedback and not self._unsent_in_params else None)
         self._closed = False
+        self._catching_up = False  # inside step()'s jump to the swarm's round
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
         self._lock = threading.RLock()
@@ -101,19 +104,34 @@ class StreamingDiLoCo(HasSyncLog):
             target = self._late_sync_step()
             if target is not None:
                 start = self.step_count
-                while self.step_count < target:
-                    self._advance(0)
+                self._catching_up = True
+                try:
+                    while self.step_count < target:
+                        self._advance(0)
+                finally:
+                    self._catching_up = False
                 self.log.stats.caught_up_steps += target - start
                 self.log.emit({"event": "catch_up", "from_step": start, "to_step": target})
 
     def _late_sync_step(self) -> Optional[int]:
-        """The latest next-sync step among fragments whose next round the swarm launched already."""
+        """The latest sync step among fragments whose next round the swarm launched already: that
+        round's, or a later one's if the swarm launched later rounds of the fragment too (a peer
+        several rounds behind jumps to the swarm's round in one go, not one round per look)."""
         round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
         if round_late is None:
             return None
         t, H = self.step_count, self.config.inner_steps
-        late = [s for f in self.frags for s in [fr.next_sync(t, f.offset, H)]
-                if round_late((f.index, fr.round_index(s, f.offset, H)))]
+        late = []
+        for f in self.frags:
+            s = fr.next_sync(t, f.offset, H)
+            k = fr.round_index(s, f.offset, H)
+            if not round_late((f.index, k)):
+                continue
+            for _ in range(MAX_ROUNDS_BEHIND):
+                if not round_late((f.index, k + 1)):
+                    break
+                s, k = s + H, k + 1
+            late.append(s)
         return max(late, default=None)
 
     def _advance(self, tokens: int) -> None:
@@ -135,6 +153,10 @@ class StreamingDiLoCo(HasSyncLog):
                 self._sync(f, fr.round_index(t, f.offset, H))
 
     # ------------------------------------------------------------------ rounds
+    def _swarm_moved_past(self, fragment: int, k: int) -> bool:
+        round_late = getattr(self.transport, "round_late", None)
+        return round_late is not None and bool(round_late((fragment, k + 1)))
+
     def _launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
         send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
         weight = 1.0 if self.config.weighting == "equal" or f.tokens == 0 else float(f.tokens)
@@ -144,6 +166,12 @@ class StreamingDiLoCo(HasSyncLog):
         return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)
 
     def _wait(self, f: FragmentState, pending: _Pending) -> tuple[Optional[SyncResult], Optional[str], float]:
+        if self._catching_up and not pending.handle.done() and self._swarm_moved_past(f.index, pending.round):
+            # the others launched this fragment's next round a while ago: this round is over for
+            # them, and waiting for its group would only make this peer late again
+            abandon = getattr(pending.handle, "abandon", None)  # duck-typed handles may lack it
+            if abandon is not None:
+                abandon()
         result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout)
         if result is not None and result.average.device != f.device:  # transports hand back CPU tensors
             result = dataclasses.replace(result, average=f.to_outer_device(result.average),

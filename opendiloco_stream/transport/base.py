@@ -79,6 +79,14 @@ class SyncHandle(abc.ABC):
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         """Block until the result is there, at most ``timeout`` seconds; raise SyncFailed."""
 
+    def abandon(self) -> bool:
+        """Give the round up if it is still waiting for its group (queued, or in matchmaking): it
+        then fails at once with reason "matchmaking" instead of waiting out its window. A peer that
+        catches up calls this for a round the swarm has moved past. Returns whether the round
+        fails without waiting; a round already exchanging data is not stopped (False), nor is one
+        of a transport without matchmaking."""
+        return False
+
 
 class Transport(abc.ABC):
     """One peer's view of the group."""

@@ -15,7 +15,7 @@ import time
 from typing import Hashable, Optional
 
 import torch
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco_stream.compression import all_finite, native
@@ -40,12 +40,16 @@ class HivemindSyncHandle(SyncHandle):
         self._lock = threading.Lock()
         self._result: Optional[SyncResult] = None
         self._failure: Optional[tuple[str, str]] = None
+        self._lane: Optional["_Lane"] = None  # set when submitted
 
     def done(self) -> bool:
         return self._event.is_set()
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+    def abandon(self) -> bool:
+        return self.done() or (self._lane is not None and self._lane.abandon(self))
 
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         bound = self.remaining() if timeout is None else min(max(0.0, timeout), self.remaining())
@@ -101,11 +105,29 @@ class _Lane:
         self._current: Optional[HivemindSyncHandle] = None
         self._step: Optional[StepControl] = None  # the last step; never touch the buffers before it is done
         self._pipe_lock = threading.Lock()  # hivemind's control pipe is not safe for concurrent senders
+        # abandon() against the worker creating the step: a handle either gets no step or is cancelled
+        self._step_lock = threading.Lock()
+        self._step_handle: Optional[HivemindSyncHandle] = None
         self._thread = threading.Thread(target=self._loop, name=f"hv-fragment-{fragment}", daemon=True)
         self._thread.start()
 
     def submit(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
+        handle._lane = self
         self._queue.put((handle, tensor, weight))
+
+    def abandon(self, handle: HivemindSyncHandle) -> bool:
+        """Fail ``handle`` now if its round has no group yet: queued or being prepared (the worker
+        then creates no step for it), or its step still in matchmaking (cancelled; the next round
+        waits until the averager has stopped it before touching the buffers)."""
+        with self._step_lock:
+            step = self._step if self._step_handle is handle else None
+            if step is not None and (step.done() or step.began_allreduce):
+                return step.done()
+            handle.fail("matchmaking", f"round {handle.key} abandoned before its group formed: this peer caught "
+                                       f"up with the swarm, which moved past it")
+            if step is not None:
+                step.cancel()
+            return True
 
     def _loop(self) -> None:
         while True:
@@ -135,6 +157,9 @@ class _Lane:
                     return
             except BaseException:
                 pass  # it failed; it is over, which is all we need
+        if self._step is not None and self._step.cancelled() and not self._stopped(self._step, handle.remaining()):
+            handle.fail("timeout", f"the abandoned round of fragment {fragment} did not stop in time")
+            return
         t_start = time.time()
         flat = tensor.detach().reshape(-1)
         buffer = self.averager.input_buffer  # free: the previous step is done
@@ -166,9 +191,13 @@ class _Lane:
                 settings.append(self.averager.set_target_group_size(plan.target))
                 self._target = plan.target
             t_step = time.time()
-            self._step = step = self.averager.step(
-                gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
-                timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
+            with self._step_lock:
+                if handle.done():  # abandoned (or closed) while it was prepared
+                    return
+                self._step = step = self.averager.step(
+                    gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
+                    timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
+                self._step_handle = handle
         try:
             summary = step.result(timeout=handle.remaining())
         except TimeoutError:
@@ -194,6 +223,17 @@ class _Lane:
             group_size=summary["group_size"], weight_share=summary["weight_share"],
             bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
             included_self=summary["included_self"], rejected=summary["rejected"], expected_size=self._target))
+
+    @staticmethod
+    def _stopped(step: StepControl, timeout: float) -> bool:
+        """Whether a cancelled step's coroutine in the averager has ended (it no longer reads the
+        buffers), waiting up to ``timeout``: a cancel that raced the group's start lets it run on."""
+        deadline = time.monotonic() + timeout
+        while step.stage != AveragingStage.FINISHED:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def close(self) -> None:
         while True:  # fail what is queued, then stop the worker

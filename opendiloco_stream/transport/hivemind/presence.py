@@ -27,7 +27,10 @@ average). With it the target of every round is the number of live peers of the r
 - *Late.* Ahead announcements say when their peer launched the round before, so a slower peer
   learns that the others launched round k ``late_after`` seconds ago while it has not reached
   that round's sync step: ``is_late`` tells the algorithm, which syncs at once (catch-up) and
-  contributes the tokens it processed, weighted as such.
+  contributes the tokens it processed, weighted as such. Once the watched round was launched, a
+  beat also looks at the rounds after it (up to ``LOOK_AHEAD``), so a peer several rounds behind
+  jumps to the swarm's latest round at once; the rounds it passes, still looking for a group the
+  others left, are abandoned (``SyncHandle.abandon``) rather than waited for.
 
 All DHT calls run in the caller's thread (a fragment's worker, before its round) or in this
 object's heartbeat thread; never in the training loop.
@@ -47,6 +50,7 @@ from hivemind.utils.timed_storage import get_dht_time
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 10.0
+LOOK_AHEAD = 4  # rounds per fragment one beat looks at when the watched one was launched
 UPKEEP_EVERY_S = 30.0  # how often the heartbeat prunes the DHT process's finished lookups
 
 
@@ -234,14 +238,18 @@ class Presence:
         for key in [k for k in self._pending if k not in current]:
             del self._pending[key]  # rounds this peer moved past
         for fragment, round_index in watch.items():
-            if self._stop.is_set():
-                return
-            # others announce k+1 ahead when they launch k
-            others = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
-                      if is_ahead and t > 0 and peer != self.peer_id]  # t = 0: a joiner's, nothing launched
-            if others:
+            # the watched round, and while others launched it, the next ones (LOOK_AHEAD per beat):
+            # a peer several rounds behind learns how far, and catches up in one jump
+            for r in range(round_index, round_index + LOOK_AHEAD):
+                if self._stop.is_set():
+                    return
+                # others announce k+1 ahead when they launch k
+                others = [t for peer, (is_ahead, t) in self._entries(fragment, r + 1).items()
+                          if is_ahead and t > 0 and peer != self.peer_id]  # t = 0: a joiner's, nothing launched
+                if not others:
+                    break
                 with self._lock:
-                    self._launched[(fragment, round_index)] = min(others)
+                    self._launched[(fragment, r)] = min(others)
                     for key in [k for k in self._launched if k[0] == fragment and k[1] < round_index]:
                         del self._launched[key]
 
