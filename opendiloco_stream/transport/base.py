@@ -82,9 +82,9 @@ class SyncHandle(abc.ABC):
     def abandon(self) -> bool:
         """Give the round up if it is still waiting for its group (queued, or in matchmaking): it
         then fails at once with reason "matchmaking" instead of waiting out its window. A peer that
-        catches up calls this for a round the swarm has moved past. Returns whether the round
-        fails without waiting; a round already exchanging data is not stopped (False), nor is one
-        of a transport without matchmaking."""
+        catches up calls this for a round the swarm has moved past. Returns True if the round is
+        over or now fails at once; False for a round already exchanging data (never stopped) and
+        for a transport without matchmaking."""
         return False
 
 
