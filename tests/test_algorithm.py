@@ -506,11 +506,8 @@ class _SwarmAheadTransport(_SlowLinkTransport):
         self.expected.append(list(keys))
 
 
-def test_a_peer_behind_the_swarm_catches_up_and_sends_the_tokens_it_processed():
-    """H = 10, P = 2 (fragment 0 syncs at 5, 15..., fragment 1 at 10, 20...): told at step 3 that round
-    0 of fragment 0 is late, the peer jumps to step 5 and syncs it with 3 steps' tokens; told at step 6
-    that both next rounds are late, it jumps to step 15, syncing each fragment once on the way."""
-    link = _SwarmAheadTransport()
+def _eager_h10_p2(link):
+    """Eager, H = 10, P = 2 over ``link``; and one inner step of 100 tokens."""
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=10, num_fragments=2,
@@ -522,6 +519,16 @@ def test_a_peer_behind_the_swarm_catches_up_and_sends_the_tokens_it_processed():
         opt.step()
         opt.zero_grad()
         diloco.step(tokens=100)
+
+    return diloco, inner_step
+
+
+def test_a_peer_behind_the_swarm_catches_up_and_sends_the_tokens_it_processed():
+    """H = 10, P = 2 (fragment 0 syncs at 5, 15..., fragment 1 at 10, 20...): told at step 3 that round
+    0 of fragment 0 is late, the peer jumps to step 5 and syncs it with 3 steps' tokens; told at step 6
+    that both next rounds are late, it jumps to step 15, syncing each fragment once on the way."""
+    link = _SwarmAheadTransport()
+    diloco, inner_step = _eager_h10_p2(link)
 
     inner_step(), inner_step()
     assert diloco.step_count == 2 and not link.launched  # nothing late: the own schedule
@@ -578,17 +585,7 @@ def test_a_peer_rounds_behind_jumps_to_the_swarms_round_and_abandons_the_rounds_
     step (35). On the way, each pending round of fragment 0 the swarm moved past is abandoned instead
     of waited for; fragment 1's rounds, still current, are waited for."""
     link = _StuckRoundsTransport()
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=10, num_fragments=2,
-                                                                             mode="eager"), blocks=list(model))
-    data = torch.randn(5, 8)
-
-    def inner_step():
-        model(data).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        diloco.step(tokens=100)
+    diloco, inner_step = _eager_h10_p2(link)
 
     for _ in range(10):
         inner_step()
