@@ -50,7 +50,7 @@ def _round_bytes(codec, tensors, weights, layout, norm_bound):
     """Every member's contributions and every part's result bytes (made once, not timed)."""
     n = len(tensors)
     contrib = [[[codec.encode(tensors[s][lo:hi]) for lo, hi in layout.chunks[q]] for q in range(n)] for s in range(n)]
-    results, final = [], None
+    results = []
     for q in range(n):
         part = PartReducer(codec, layout.chunks[q], [OK] * n, norm_bound)
         for s in range(n):
@@ -58,7 +58,7 @@ def _round_bytes(codec, tensors, weights, layout, norm_bound):
                 part.take(s, j, contrib[s][q][j])
         final = part.verdict()
         results.append([part.reduce_chunk(j, final, weights)[0] for j in range(len(layout.chunks[q]))])
-    return contrib, results, final
+    return contrib, results
 
 
 def peer_work(codec, tensors, weights, me: int, layout, contrib, results, norm_bound=DEFAULT_NORM_BOUND):
@@ -101,7 +101,7 @@ def measure(codec_name: str, numel: int, peers: int = 3, repeats: int = 3, seed:
     tensors = [torch.randn(numel, generator=gen) * 1e-3 for _ in range(peers)]
     weights = [1.0 + i for i in range(peers)]
     layout = GroupLayout.for_codec(codec, numel, [True] * peers, chunk_bytes)
-    contrib, results, _final = _round_bytes(codec, tensors, weights, layout, DEFAULT_NORM_BOUND)
+    contrib, results = _round_bytes(codec, tensors, weights, layout, DEFAULT_NORM_BOUND)
     expected = reduce_in_process(codec, tensors, weights, (0, 0), chunk_bytes=chunk_bytes)[0].average
     peer_work(codec, tensors, weights, 0, layout, contrib, results)  # warm-up: first-touch of the heap
     per_peer = []

@@ -117,18 +117,15 @@ class StreamingDiLoCo(HasSyncLog):
         """The latest sync step among fragments whose next round the swarm launched already: that
         round's, or a later one's if the swarm launched later rounds of the fragment too (a peer
         several rounds behind jumps to the swarm's round in one go, not one round per look)."""
-        round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
-        if round_late is None:
-            return None
         t, H = self.step_count, self.config.inner_steps
         late = []
         for f in self.frags:
             s = fr.next_sync(t, f.offset, H)
             k = fr.round_index(s, f.offset, H)
-            if not round_late((f.index, k)):
+            if not self._round_late(f.index, k):
                 continue
             for _ in range(MAX_ROUNDS_BEHIND):
-                if not round_late((f.index, k + 1)):
+                if not self._round_late(f.index, k + 1):
                     break
                 s, k = s + H, k + 1
             late.append(s)
@@ -153,9 +150,9 @@ class StreamingDiLoCo(HasSyncLog):
                 self._sync(f, fr.round_index(t, f.offset, H))
 
     # ------------------------------------------------------------------ rounds
-    def _swarm_moved_past(self, fragment: int, k: int) -> bool:
-        round_late = getattr(self.transport, "round_late", None)
-        return round_late is not None and bool(round_late((fragment, k + 1)))
+    def _round_late(self, fragment: int, k: int) -> bool:
+        round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
+        return round_late is not None and bool(round_late((fragment, k)))
 
     def _launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
         send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
@@ -166,7 +163,7 @@ class StreamingDiLoCo(HasSyncLog):
         return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)
 
     def _wait(self, f: FragmentState, pending: _Pending) -> tuple[Optional[SyncResult], Optional[str], float]:
-        if self._catching_up and not pending.handle.done() and self._swarm_moved_past(f.index, pending.round):
+        if self._catching_up and not pending.handle.done() and self._round_late(f.index, pending.round + 1):
             # the others launched this fragment's next round a while ago: this round is over for
             # them, and waiting for its group would only make this peer late again
             abandon = getattr(pending.handle, "abandon", None)  # duck-typed handles may lack it
