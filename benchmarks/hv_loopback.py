@@ -56,6 +56,20 @@ class _Peer:
     def prepare(self, numels: dict) -> None:
         self.transport.prepare(numels)
 
+    def prematch(self, key: tuple, weight: float = 1.0, wait_formed_s: float = 0.0) -> Optional[str]:
+        """``Transport.prematch``; with ``wait_formed_s``, wait (bounded) until the group formed
+        and waits for the round: returns the early step's stage then (None if there is none)."""
+        self.transport.prematch(tuple(key), weight)
+        lane, stage = self.transport._lanes[key[0]], None
+        deadline = time.monotonic() + wait_formed_s
+        while time.monotonic() < deadline:
+            early = lane._early
+            stage = None if early is None else early.step.stage.name
+            if stage == "AWAITING_TRIGGER":
+                break
+            time.sleep(0.02)
+        return stage
+
     def all_reduce(self, key: tuple, tensor: Optional[torch.Tensor] = None, *, seed: int = 0, numel: int = 0,
                    offset: float = 0.0, weight: float = 1.0, wait_timeout: Optional[float] = None,
                    return_tensors: bool = True, abandon_after_s: Optional[float] = None) -> dict:

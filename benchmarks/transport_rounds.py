@@ -60,9 +60,12 @@ def stage_tensor(peer, seed: int, numel: int) -> None:
     peer.staged = make_tensor(seed, numel)
 
 
-def reduce_staged(peer, key: tuple, weight: float, start_at: float) -> dict:
+def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bool = False) -> dict:
     """Inside a peer: the round, on the staged tensor, started at ``start_at`` (``time.time()``,
-    the same for every peer: a common start, as gloo's barrier)."""
+    the same for every peer: a common start, as gloo's barrier). ``prematch``: the group forms
+    ahead, from the command's arrival (``Transport.prematch``, as the trainer's ``prematch_steps``)."""
+    if prematch:
+        peer.transport.prematch(tuple(key), weight)
     time.sleep(max(0.0, start_at - time.time()))
     started = time.time()
     out = peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False)
@@ -71,7 +74,9 @@ def reduce_staged(peer, key: tuple, weight: float, start_at: float) -> dict:
 
 def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
                   gloo: Optional[dict[int, float]] = None, topo=None,
-                  floors: Optional[dict[tuple, float]] = None) -> list[dict]:
+                  floors: Optional[dict[tuple, float]] = None, prematch: bool = False) -> list[dict]:
+    """One row per size, or with ``prematch`` two, from alternating rounds: the group formed at
+    the round's start (as without it), and formed ahead."""
     rows = []
     kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0)
     overrides = None
@@ -82,47 +87,62 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                        peer_overrides=overrides) as swarm:
         swarm.call_all("prepare", {f: n for f, n in enumerate(numels)}, timeout=300)
         for fragment, numel in enumerate(numels):
-            times, sent, received, phases, late = [], [], [], [], []
+            modes = [False, True] if prematch else [False]
+            seen = {m: dict(times=[], sent=[], received=[], phases=[], late=[]) for m in modes}
             for rnd in range(rounds + 1):
-                # tensors first, on every peer, then the round: as gloo's barrier, so that no peer's
-                # round time includes waiting for another one still drawing its random tensor
-                swarm.call_all("call", function="transport_rounds:stage_tensor", numel=numel, timeout=300,
-                               per_peer=[dict(seed=1000 * rnd + i) for i in range(PEERS)])
-                start_at = time.time() + START_AHEAD_S  # every peer's command arrives before this moment
-                results = swarm.call_all("call", function="transport_rounds:reduce_staged", key=(fragment, rnd),
-                                         start_at=start_at, per_peer=[dict(weight=1.0 + i) for i in range(PEERS)],
-                                         timeout=600)
-                failed = [r for r in results if not r["ok"]]
-                if failed:
-                    raise RuntimeError(f"{codec} numel={numel} round {rnd}: " + "; ".join(
-                        f"peer {i}: {r['reason']}: {r['message']}" for i, r in enumerate(results) if not r["ok"]))
-                if len({r["sha256"] for r in results}) != 1:
-                    raise RuntimeError(f"{codec} numel={numel} round {rnd}: averages differ between peers")
-                if rnd == 0:
-                    continue  # warm-up: first-touch allocations, connections
-                times.append(max(r["finished_at"] for r in results) - start_at)
-                late.append(max(r["started_late_s"] for r in results))
-                sent.append(statistics.mean(r["bytes_sent"] for r in results))
-                received.append(statistics.mean(r["bytes_received"] for r in results))
-                phases += [r["phases"] for r in results]
-            rows.append(dict(codec=codec, numel=numel, peers=PEERS, rounds=rounds,
-                             round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
-                             bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
-                             wire_bits_per_element=8 * statistics.mean(sent) / numel,
-                             phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
-                             started_late_s_max=max(late)))
-            if gloo and numel in gloo:
-                rows[-1]["gloo_round_s"] = gloo[numel]
-            if floors and (codec, numel) in floors:
-                rows[-1]["codec_floor_s"] = floors[(codec, numel)]
-            if topo is not None:
-                busiest = max(max(r["bytes_sent"], r["bytes_received"]) for r in results)  # last round
-                rows[-1].update(link_mbit=topo.rate_mbit, link_floor_s=8 * busiest / (topo.rate_mbit * 1e6),
-                                peer_maddrs=[m for p in swarm.peers for m in p.maddrs])  # where the peers listened
-            print(_row(rows[-1]), flush=True)
-            print("    phases (median over peers and rounds): " + ", ".join(
-                f"{k} {1000 * v:.0f} ms" for k, v in rows[-1]["phases_s_median"].items()), flush=True)
+                for m, early in enumerate(modes):
+                    key = (fragment, rnd * len(modes) + m)
+                    # tensors first, on every peer, then the round: as gloo's barrier, so that no peer's
+                    # round time includes waiting for another one still drawing its random tensor
+                    swarm.call_all("call", function="transport_rounds:stage_tensor", numel=numel, timeout=300,
+                                   per_peer=[dict(seed=1000 * rnd + i) for i in range(PEERS)])
+                    start_at = time.time() + START_AHEAD_S  # every peer's command arrives before this moment
+                    results = swarm.call_all("call", function="transport_rounds:reduce_staged", key=key,
+                                             start_at=start_at, prematch=early,
+                                             per_peer=[dict(weight=1.0 + i) for i in range(PEERS)], timeout=600)
+                    failed = [r for r in results if not r["ok"]]
+                    if failed:
+                        raise RuntimeError(f"{codec} numel={numel} round {key[1]}: " + "; ".join(
+                            f"peer {i}: {r['reason']}: {r['message']}" for i, r in enumerate(results) if not r["ok"]))
+                    if len({r["sha256"] for r in results}) != 1:
+                        raise RuntimeError(f"{codec} numel={numel} round {key[1]}: averages differ between peers")
+                    if rnd == 0:
+                        continue  # warm-up: first-touch allocations, connections
+                    got = seen[early]
+                    got["times"].append(max(r["finished_at"] for r in results) - start_at)
+                    got["late"].append(max(r["started_late_s"] for r in results))
+                    got["sent"].append(statistics.mean(r["bytes_sent"] for r in results))
+                    got["received"].append(statistics.mean(r["bytes_received"] for r in results))
+                    got["phases"] += [r["phases"] for r in results]
+            for early in modes:
+                rows.append(_summary(codec, numel, rounds, early, **seen[early]))
+                _finish_row(rows[-1], gloo, floors, topo, swarm, results)
     return rows
+
+
+def _summary(codec: str, numel: int, rounds: int, prematch: bool, times: list, sent: list, received: list,
+             phases: list, late: list) -> dict:
+    return dict(codec=codec, numel=numel, peers=PEERS, rounds=rounds, prematch=prematch,
+                round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
+                bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
+                wire_bits_per_element=8 * statistics.mean(sent) / numel,
+                phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
+                started_late_s_max=max(late))
+
+
+def _finish_row(row: dict, gloo: Optional[dict], floors: Optional[dict], topo, swarm, results: list) -> None:
+    codec, numel = row["codec"], row["numel"]
+    if gloo and numel in gloo:
+        row["gloo_round_s"] = gloo[numel]
+    if floors and (codec, numel) in floors:
+        row["codec_floor_s"] = floors[(codec, numel)]
+    if topo is not None:
+        busiest = max(max(r["bytes_sent"], r["bytes_received"]) for r in results)  # last round
+        row.update(link_mbit=topo.rate_mbit, link_floor_s=8 * busiest / (topo.rate_mbit * 1e6),
+                   peer_maddrs=[m for p in swarm.peers for m in p.maddrs])  # where the peers listened
+    print(_row(row), flush=True)
+    print("    phases (median over peers and rounds): " + ", ".join(
+        f"{k} {1000 * v:.0f} ms" for k, v in row["phases_s_median"].items()), flush=True)
 
 
 def measure_kill(numel: int, codec: str, matchmaking_time: float) -> dict:
@@ -243,7 +263,8 @@ def _row(r: dict) -> str:
         gloo += f" {r['codec_floor_s']:7.3f} |"
     if "link_floor_s" in r:
         gloo += f" {r['link_floor_s']:7.3f} | {r['link_floor_s'] / r['round_s_median']:5.0%} |"
-    return (f"| {r['codec']:>9} | {r['numel']:>10,} | {r['round_s_median']:8.3f} | {r['round_s_min']:6.3f}-{r['round_s_max']:6.3f} "
+    codec = r["codec"] + (" ahead" if r.get("prematch") else "")
+    return (f"| {codec:>15} | {r['numel']:>10,} | {r['round_s_median']:8.3f} | {r['round_s_min']:6.3f}-{r['round_s_max']:6.3f} "
             f"| {r['bytes_sent_per_peer'] / 2**20:9.2f} | {r['bytes_received_per_peer'] / 2**20:9.2f} "
             f"| {r['wire_bits_per_element']:6.2f} |" + gloo)
 
@@ -254,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numels", nargs="+", type=int, default=[1_000_000, 10_000_000])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--matchmaking-time", type=float, default=3.0)
+    p.add_argument("--prematch", action="store_true",
+                   help="also rows with the group formed ahead (Transport.prematch), from rounds alternating with "
+                        "the plain ones in the same swarm")
     p.add_argument("--no-kill", action="store_true", help="skip the killed-peer scenario (always skipped with --link-mbit)")
     p.add_argument("--gloo", action="store_true",
                    help="also time a torch.distributed gloo fp32 all_reduce of each size (gloo_round_s per row)")
@@ -295,11 +319,12 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
     extra = (" gloo s  | ours/gloo | floor s |", "---------|-----------|---------|") if gloo else ("", "")
     if topo is not None:
         extra = (extra[0] + " link floor s | floor/ours |", extra[1] + "--------------|------------|")
-    print("| codec     | elements   | median s | min-max s     | sent MiB  | recv MiB  | bits/el |" + extra[0])
-    print("|-----------|------------|----------|---------------|-----------|-----------|---------|" + extra[1], flush=True)
+    print("| codec (group)   | elements   | median s | min-max s     | sent MiB  | recv MiB  | bits/el |" + extra[0])
+    print("|-----------------|------------|----------|---------------|-----------|-----------|---------|" + extra[1], flush=True)
     rows = []
     for codec in args.codecs:
-        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo, floors)
+        rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo, floors,
+                              prematch=args.prematch)
     report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()},
                   codec_floor_s={f"{c} {n}": t for (c, n), t in floors.items()}, start_ahead_s=START_AHEAD_S)
     if topo is not None:

@@ -111,6 +111,9 @@ class DiLoCoConfig(_Strict):
     outer_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's device), "
         "'cpu' (in pinned memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
+    prematch_steps: int = Field(0, ge=0, description="form each round's group this many inner steps before its "
+                                "sync (hivemind), so matchmaking leaves the round's critical path; 0: at the sync. "
+                                "The group's weight is predicted then (exact for steady batches)")
     sync_timeout: float = Field(300.0, gt=0.0, description="upper bound on any wait for a round (s)")
     record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "
                                  "records (to verify peers hold bit-identical results)")
@@ -135,6 +138,9 @@ class DiLoCoConfig(_Strict):
                 )
         elif self.mode == "blocking" and tau != 0:
             raise ValueError("mode 'blocking' has overlap_steps = 0; use mode 'overlap' for tau >= 1")
+        if self.prematch_steps >= H and self.mode != "data-parallel":
+            raise ValueError(f"prematch_steps ({self.prematch_steps}) must be < inner_steps ({H}): a fragment's "
+                             "group forms after its previous round")
         return self
 
 

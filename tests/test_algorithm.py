@@ -619,3 +619,44 @@ def test_a_joiner_announces_its_next_round_of_every_fragment():
     assert link.expected == []
     joiner.load_state_dict(state, joiner=True)
     assert link.expected == [[(0, 1), (1, 1)]]  # step 12: fragment 0 syncs next at 15, fragment 1 at 20
+
+
+class _PrematchRecorder(_SlowLinkTransport):
+    """Records every ``prematch`` and every round's launch, with the inner step each came at."""
+
+    def __init__(self):
+        super().__init__()
+        self.now, self.early, self.launched = 0, [], []
+
+    def prematch(self, key, weight=1.0, lead_s=0.0):
+        assert lead_s >= 0.0
+        self.early.append((self.now, key, weight))
+
+    def all_reduce(self, key, tensor, weight=1.0):
+        self.launched.append((self.now, key, weight))
+        handle = super().all_reduce(key, tensor, weight)
+        handle.landed = True  # no waiting: this test is about when rounds are announced
+        return handle
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_prematch_steps_announce_each_round_ahead_with_the_weight_it_will_have(ahead):
+    """H = 10, P = 2: fragment 0 syncs at 5, 15, 25, fragment 1 at 10, 20. With ``prematch_steps``
+    = k the transport hears of each round k steps before its sync, with the weight the round then
+    has (tokens since the fragment's last sync); k = 0 asks for nothing."""
+    link = _PrematchRecorder()
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(
+        inner_steps=10, num_fragments=2, mode="eager", prematch_steps=ahead), blocks=list(model))
+    for t in range(1, 26):
+        link.now = t
+        diloco.step(tokens=100)
+    assert [key for _, key, _ in link.launched] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    assert [w for _, _, w in link.launched] == [500.0, 1000.0, 1000.0, 1000.0, 1000.0]
+    if ahead == 0:
+        assert link.early == []
+        return
+    early = [(t, key, w) for t, key, w in link.early if t + ahead <= 25]  # those whose sync came in the run
+    assert early == [(t - ahead, key, w) for t, key, w in link.launched]
+    assert all(t + ahead > 25 for t, _, _ in link.early[len(early):])

@@ -567,3 +567,49 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
         assert torch.equal(both[0]["average"], both[1]["average"])
     finally:
         swarm.close()
+
+
+@pytest.mark.network
+def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
+    """``Transport.prematch``: the group forms before the round (hivemind's ``require_trigger``) and
+    the round only triggers it. The average is the exact weighted mean, with the weights given when
+    the group formed; a peer that matches at the round joins a group formed ahead by the others;
+    a group formed ahead for a round that is not launched is dropped and the next round matches."""
+    swarm = LoopbackSwarm(3, run_id="hvahead", transport_kwargs=dict(codec="fp32", target_group_size=3,
+                                                                     matchmaking_time=5.0, request_timeout=1.0))
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: N}, timeout=120)
+
+        def expected(seeds, weights):
+            return sum(make_tensor(s, N) * w for s, w in zip(seeds, weights)) / sum(weights)
+
+        # formed ahead, then launched with other weights: the group's (predicted) weights count
+        stages = swarm.call_all("prematch", (0, 0), timeout=60,
+                                per_peer=[dict(weight=w, wait_formed_s=20.0) for w in (1.0, 1.0, 2.0)])
+        assert stages == ["AWAITING_TRIGGER"] * 3, stages
+        out = swarm.call_all("all_reduce", (0, 0), numel=N, timeout=60,
+                             per_peer=[dict(seed=20 + i, weight=5.0) for i in range(3)])
+        assert all(r["ok"] and r["group_size"] == 3 for r in out), out
+        assert [r["weight_share"] for r in out] == pytest.approx([0.25, 0.25, 0.5])
+        for r in out:
+            assert torch.allclose(r["average"], expected([20, 21, 22], [1.0, 1.0, 2.0]), rtol=1e-6, atol=1e-7)
+            assert torch.equal(r["average"], out[0]["average"])
+        # two peers form it ahead, the third matches at the round: one group of three
+        swarm.call_all("prematch", (0, 1), timeout=60, peers=swarm.peers[:2],
+                                per_peer=[dict(weight=1.0), dict(weight=3.0)])
+        out = swarm.call_all("all_reduce", (0, 1), numel=N, timeout=60,
+                             per_peer=[dict(seed=30 + i, weight=w) for i, w in enumerate((1.0, 3.0, 4.0))])
+        assert all(r["ok"] and r["group_size"] == 3 for r in out), out
+        for r in out:
+            assert torch.allclose(r["average"], expected([30, 31, 32], [1.0, 3.0, 4.0]), rtol=1e-6, atol=1e-7)
+        # formed ahead for round 2, but round 3 is launched: dropped, and round 3 matches at once
+        stages = swarm.call_all("prematch", (0, 2), timeout=60, per_peer=[dict(wait_formed_s=20.0)] * 3)
+        assert stages == ["AWAITING_TRIGGER"] * 3, stages
+        out = swarm.call_all("all_reduce", (0, 3), numel=N, timeout=60,
+                             per_peer=[dict(seed=40 + i, weight=1.0) for i in range(3)])
+        assert all(r["ok"] and r["group_size"] == 3 for r in out), out
+        for r in out:
+            assert torch.allclose(r["average"], expected([40, 41, 42], [1.0] * 3), rtol=1e-6, atol=1e-7)
+    finally:
+        swarm.close()

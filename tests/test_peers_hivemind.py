@@ -45,12 +45,14 @@ def wait_for(pred, timeout: float, what: str, procs=()):
 
 def test_three_peers_eager_fp4_learn_with_bit_identical_averages(tmp_path, free_port_range):
     """Also: fixed data ports (net.data_port, here from the environment): the launcher gives each peer
-    its own range of 2 (one per fragment); a collision would stop a peer with exit 2 and fail the run."""
+    its own range of 2 (one per fragment); a collision would stop a peer with exit 2 and fail the run.
+    And groups formed a step ahead of each round (``--prematch-steps 1``): the rounds still complete
+    with all 3 peers and bit-identical averages (the other tests here match at the round)."""
     metrics = tmp_path / "run.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "opendiloco_stream", "local", "--transport", "hivemind", "--workers", "3",
          "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--steps", "60",
-         *SMALL, "--metrics-file", str(metrics)],
+         "--prematch-steps", "1", *SMALL, "--metrics-file", str(metrics)],
         capture_output=True, text=True, timeout=420, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true",
                                                           "ODS_NET__DATA_PORT": str(free_port_range(6))})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -67,6 +68,8 @@ class StreamingDiLoCo(HasSyncLog):
                                if config.use_error_feedback and not self._unsent_in_params else None)
         self._closed = False
         self._catching_up = False  # inside step()'s jump to the swarm's round
+        self._step_s: Optional[float] = None  # a running mean of the time between step() calls (prematch's lead)
+        self._last_step_at: Optional[float] = None
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
         self._lock = threading.RLock()
@@ -99,6 +102,11 @@ class StreamingDiLoCo(HasSyncLog):
         A slower peer so takes part in the swarm's rounds, weighted by the work it did."""
         if self._closed:
             raise RuntimeError("StreamingDiLoCo.step() after close()")
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            gap = now - self._last_step_at
+            self._step_s = gap if self._step_s is None else 0.9 * self._step_s + 0.1 * gap
+        self._last_step_at = now
         with self._lock:
             self._advance(int(tokens) if tokens else 0)
             target = self._late_sync_step()
@@ -148,6 +156,23 @@ class StreamingDiLoCo(HasSyncLog):
         for f in self.frags:
             if fr.syncs_at(t, f.offset, H):
                 self._sync(f, fr.round_index(t, f.offset, H))
+        ahead = self.config.prematch_steps
+        if ahead and not self._catching_up:
+            for f in self.frags:
+                s = fr.next_sync(t, f.offset, H)
+                if s - t == ahead:
+                    self._prematch(f, fr.round_index(s, f.offset, H), f.tokens + ahead * tokens)
+
+    def _prematch(self, f: FragmentState, k: int, tokens: int) -> None:
+        """Let the transport form round ``k``'s group now, with the weight ``_launch`` will give
+        it if the coming steps bring as many tokens as this one."""
+        prematch = getattr(self.transport, "prematch", None)  # duck-typed transports may lack it
+        if prematch is not None:
+            lead_s = self.config.prematch_steps * (self._step_s or 0.0)
+            prematch((f.index, k), self._weight(tokens), lead_s=lead_s)
+
+    def _weight(self, tokens: int) -> float:
+        return 1.0 if self.config.weighting == "equal" or tokens == 0 else float(tokens)
 
     # ------------------------------------------------------------------ rounds
     def _round_late(self, fragment: int, k: int) -> bool:
@@ -156,8 +181,7 @@ class StreamingDiLoCo(HasSyncLog):
 
     def _launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
         send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
-        weight = 1.0 if self.config.weighting == "equal" or f.tokens == 0 else float(f.tokens)
-        handle = self.transport.all_reduce((f.index, k), send, weight=weight)
+        handle = self.transport.all_reduce((f.index, k), send, weight=self._weight(f.tokens))
         f.tokens = 0
         t = self.step_count
         return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)

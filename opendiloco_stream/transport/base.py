@@ -102,6 +102,13 @@ class Transport(abc.ABC):
         The caller must not modify ``tensor`` afterwards; the transport may keep a reference.
         """
 
+    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
+        """Round ``key`` comes soon, in about ``lead_s`` seconds: a transport with matchmaking may
+        form its group now, so that ``all_reduce(key, ...)`` starts exchanging at once. ``weight``
+        is the weight predicted for the round; such a transport uses it instead of the round's own.
+        The caller must launch ``key`` next on that fragment: a group formed ahead and never used
+        fails that round for its other members. Transports without matchmaking ignore it."""
+
     def prepare(self, numels: dict[int, int]) -> None:
         """Declare up front the flat size of every fragment this peer will reduce.
 

@@ -4,6 +4,13 @@ and the handle of a pending round (``HivemindTransport`` in ``transport.py`` own
 A round on the lane: wait for the fragment's previous step, check the outer gradient and copy it
 into the averager's shared buffer (one pass), plan the group size (``presence.py``), send the
 round's settings and step down the averager's pipe, wait, and copy the result out.
+
+A round may have its group formed ahead (``prematch``, a few inner steps before its sync): the
+lane then starts the step with hivemind's ``require_trigger`` as soon as the fragment's previous
+round is over, and the round itself only copies its tensor in and triggers the all-reduce, so
+matchmaking (a DHT declaration and lookups, a join request: 60-110 ms on loopback, several round
+trips over a WAN) leaves the round's critical path. The group's metadata then holds the weight
+predicted at that time.
 """
 
 from __future__ import annotations
@@ -92,6 +99,20 @@ def _check_settings(settings: list, timeout: float) -> None:
         future.result(timeout=timeout)  # raises what the averager raised
 
 
+class _Early:
+    """A step started ahead of its round (``_Lane.prematch``): matchmaking, then waiting for the trigger."""
+
+    def __init__(self, key: tuple, step: StepControl, settings: list, weight: float):
+        self.key, self.step, self.settings, self.weight = key, step, settings, weight
+
+
+class _Prematch:
+    """A queued request to form round ``key``'s group ahead (``_Lane.prematch``)."""
+
+    def __init__(self, key: tuple, weight: float, lead_s: float):
+        self.key, self.weight, self.lead_s = key, weight, lead_s
+
+
 class _Lane:
     """One fragment: its averager process and the worker thread that runs its rounds in order."""
 
@@ -108,12 +129,22 @@ class _Lane:
         # abandon() against the worker creating the step: a handle either gets no step or is cancelled
         self._step_lock = threading.Lock()
         self._step_handle: Optional[HivemindSyncHandle] = None
+        self._early: Optional[_Early] = None  # a group formed ahead of its round (worker thread only)
         self._thread = threading.Thread(target=self._loop, name=f"hv-fragment-{fragment}", daemon=True)
         self._thread.start()
 
     def submit(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
         handle._lane = self
         self._queue.put((handle, tensor, weight))
+
+    def prematch(self, key: tuple, weight: float, lead_s: float = 0.0) -> None:
+        """Form round ``key``'s group before the round is submitted (in order with the rounds:
+        after the previous one is over), expected in ``lead_s`` seconds: the group waits for its
+        members as long after that moment as a round's matchmaking does. ``weight`` goes into the
+        group's metadata now; the round's own weight, if it differs, is not used. If no group
+        forms in time, or the next round submitted is another one, the early step is dropped and
+        the round matches as usual."""
+        self._queue.put(_Prematch(tuple(key), float(weight), float(lead_s)))
 
     def abandon(self, handle: HivemindSyncHandle) -> bool:
         """Fail ``handle`` now if its round has no group yet: queued or being prepared (the worker
@@ -133,9 +164,18 @@ class _Lane:
         while True:
             item = self._queue.get()
             if item is None:
+                self._drop_early()
                 return
+            if isinstance(item, _Prematch):
+                try:
+                    self._prematch(item.key, item.weight, item.lead_s)
+                except BaseException:  # the round itself still runs (and matches as usual)
+                    logger.exception("forming the group of round %s ahead failed", item.key)
+                continue
             handle = item[0]
             if handle.done():
+                if self._early is not None and self._early.key == tuple(handle.key):
+                    self._drop_early()  # abandoned: its group must not wait for us longer than needed
                 continue
             self._current = handle
             try:
@@ -146,8 +186,58 @@ class _Lane:
             finally:
                 self._current = None
 
+    def _drop_early(self) -> None:
+        """Cancel the step formed ahead, if any (its group, if it formed, loses this peer)."""
+        early, self._early = self._early, None
+        if early is not None and not early.step.done():
+            logger.info("fragment %d: dropping the group formed ahead for round %s", self.fragment, early.key)
+            early.step.cancel()
+
+    def _previous_over(self) -> bool:
+        """Whether the fragment's last step is over (a cancelled one: its coroutine ended too)."""
+        step = self._step
+        return step is None or (step.done() and (not step.cancelled() or step.stage == AveragingStage.FINISHED))
+
+    def _prematch(self, key: tuple, weight: float, lead_s: float) -> None:
+        fragment, round_index = key
+        self._drop_early()
+        if not self._previous_over() or not self.averager.is_alive():
+            return  # the round matches when it is submitted
+        plan = self.presence.plan_round(fragment, int(round_index)) if self.live_target else None
+        if plan is not None and plan.skip:
+            return  # the round is skipped (``_run`` says why)
+        gather = member_metadata(self.averager.codec, self.numel, key, weight)
+        with self._pipe_lock:
+            settings = [self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False)]
+            if plan is not None and plan.target != self._target:
+                settings.append(self.averager.set_target_group_size(plan.target))
+                self._target = plan.target
+            step = self.averager.step(
+                gather=gather, weight=weight, scheduled_time=get_dht_time() + lead_s + self.timeouts.matchmaking,
+                timeout=lead_s + self.timeouts.group_deadline, allow_retries=False, wait=False, require_trigger=True)
+        self._early = _Early(key, step, settings, weight)
+
+    def _take_early(self, key: tuple) -> Optional[_Early]:
+        """The step formed ahead for round ``key`` if it is still good (matching or waiting for
+        the trigger); any other is dropped."""
+        early = self._early
+        if early is None:
+            return None
+        if early.key != tuple(key) or early.step.done():
+            if early.step.done() and early.key == tuple(key):
+                logger.info("fragment %d: no group formed ahead for round %s (%r): matching now", self.fragment,
+                            key, early.step.exception())
+            self._drop_early()
+            return None
+        self._early = None
+        return early
+
     def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
         fragment, round_index = handle.key
+        early = self._take_early(handle.key)
+        if early is not None:
+            self._run_early(handle, tensor, weight, early)
+            return
         if self._step is not None and not self._step.done():
             try:
                 self._step.result(timeout=handle.remaining())
@@ -161,19 +251,8 @@ class _Lane:
             handle.fail("timeout", f"the abandoned round of fragment {fragment} did not stop in time")
             return
         t_start = time.time()
-        flat = tensor.detach().reshape(-1)
-        buffer = self.averager.input_buffer  # free: the previous step is done
-        if flat.dtype == torch.float32 and native.usable(flat):
-            finite = native.copy_finite(flat, buffer)  # the check and the copy in one pass
-        else:
-            finite = all_finite(flat)
-            if finite:
-                buffer.copy_(flat)
-        if not finite:
-            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
-            return
-        if not self.averager.is_alive():
-            handle.fail("closed", f"the averager of fragment {fragment} is gone")
+        flat = self._stage(handle, tensor)  # the buffer is free: the previous step is done
+        if flat is None:
             return
         # the announcement others' catch-up reads; a plan (a DHT lookup) only for a live group size
         plan = None if self.presence is None else self.presence.before_round(fragment, int(round_index),
@@ -198,6 +277,50 @@ class _Lane:
                     gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
                     timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
                 self._step_handle = handle
+        self._finish(handle, step, settings, flat, t_start, t_step)
+
+    def _stage(self, handle: HivemindSyncHandle, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """Check the tensor and copy it into the averager's input buffer; None (``handle``
+        failed) if it is not finite or the averager is gone."""
+        flat = tensor.detach().reshape(-1)
+        buffer = self.averager.input_buffer
+        if flat.dtype == torch.float32 and native.usable(flat):
+            finite = native.copy_finite(flat, buffer)  # the check and the copy in one pass
+        else:
+            finite = all_finite(flat)
+            if finite:
+                buffer.copy_(flat)
+        if not finite:
+            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
+            return None
+        if not self.averager.is_alive():
+            handle.fail("closed", f"the averager of fragment {self.fragment} is gone")
+            return None
+        return flat
+
+    def _run_early(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float, early: _Early) -> None:
+        """The round of a group formed ahead: the runner reads the input buffer only once triggered."""
+        fragment, round_index = handle.key
+        t_start = time.time()
+        flat = self._stage(handle, tensor)
+        if flat is None:
+            early.step.cancel()
+            return
+        logger.debug("round %s: triggering its group formed ahead (%s; weight %s, the round's own %s)",
+                     handle.key, early.step.stage.name, early.weight, weight)
+        if self.presence is not None:  # the announcement others' catch-up reads, at the launch
+            self.presence.before_round(fragment, int(round_index), plan=False)
+        with self._step_lock:
+            if handle.done():  # abandoned (or closed) while it was prepared
+                early.step.cancel()
+                return
+            self._step, self._step_handle = early.step, handle
+            t_step = time.time()
+            early.step.allow_allreduce()
+        self._finish(handle, early.step, early.settings, flat, t_start, t_step)
+
+    def _finish(self, handle: HivemindSyncHandle, step: StepControl, settings: list, flat: torch.Tensor,
+                t_start: float, t_step: float) -> None:
         try:
             summary = step.result(timeout=handle.remaining())
         except TimeoutError:
@@ -241,7 +364,7 @@ class _Lane:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not None and not isinstance(item, _Prematch):
                 item[0].fail("closed", "transport closed")
         current = self._current
         if current is not None:

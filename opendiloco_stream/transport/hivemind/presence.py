@@ -166,8 +166,16 @@ class Presence:
         if new:
             self._store(fragment, round_index, [False, launched_at], wait=False)
         self._store(fragment, round_index + 1, [True, launched_at], wait=False)
-        if not plan:
-            return None
+        return self._plan(fragment, round_index, new) if plan else None
+
+    def plan_round(self, fragment: int, round_index: int) -> RoundPlan:
+        """Plan ``round_index`` (one DHT lookup) without announcing it: for a group formed ahead
+        of the round (``_Lane.prematch``), whose announcement waits for the round's launch."""
+        with self._lock:
+            new = fragment not in self._ahead
+        return self._plan(fragment, round_index, new)
+
+    def _plan(self, fragment: int, round_index: int, new: bool) -> RoundPlan:
         ahead = {peer for peer, (is_ahead, _) in self._entries(fragment, round_index).items() if is_ahead}
         if new:
             if ahead - {self.peer_id}:

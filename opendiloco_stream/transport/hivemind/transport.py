@@ -181,6 +181,15 @@ class HivemindTransport(Transport):
         lane.submit(handle, tensor, float(weight))
         return handle
 
+    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
+        fragment, _round = key
+        lane = self._lanes.get(fragment)
+        if lane is None or self._closed:
+            return  # a hint: nothing to form ahead (all_reduce says what is wrong)
+        if not (isinstance(weight, (int, float)) and weight >= 0 and weight == weight and weight != float("inf")):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        lane.prematch(key, float(weight), max(0.0, float(lead_s)))
+
     def round_late(self, key: tuple[int, int]) -> bool:
         presence = self._presence
         return presence is not None and not self._closed and presence.is_late(*key)
