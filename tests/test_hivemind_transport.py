@@ -308,6 +308,12 @@ def close_and_list_averagers(peer) -> list[tuple[int, bool]]:
 
 
 # ---------------------------------------------------------------------------------------- helpers
+def early_stage(peer, fragment: int):
+    """Inside a peer: the stage of the fragment's step formed ahead (None if there is none)."""
+    early = peer.transport._lanes[fragment]._early
+    return None if early is None else early.step.stage.name
+
+
 def block_absmax(v: torch.Tensor, block: int = 64) -> torch.Tensor:
     pad = (-v.numel()) % block
     blocks = torch.nn.functional.pad(v.abs(), (0, pad)).view(-1, block).amax(dim=1)
@@ -574,7 +580,8 @@ def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
     """``Transport.prematch``: the group forms before the round (hivemind's ``require_trigger``) and
     the round only triggers it. The average is the exact weighted mean, with the weights given when
     the group formed; a peer that matches at the round joins a group formed ahead by the others;
-    a group formed ahead for a round that is not launched is dropped and the next round matches."""
+    a group formed ahead for a round that is not launched is dropped and the next round matches,
+    and so is a step formed ahead that found no group in its window."""
     swarm = LoopbackSwarm(3, run_id="hvahead", transport_kwargs=dict(codec="fp32", target_group_size=3,
                                                                      matchmaking_time=5.0, request_timeout=1.0))
     try:
@@ -597,7 +604,7 @@ def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
             assert torch.equal(r["average"], out[0]["average"])
         # two peers form it ahead, the third matches at the round: one group of three
         swarm.call_all("prematch", (0, 1), timeout=60, peers=swarm.peers[:2],
-                                per_peer=[dict(weight=1.0), dict(weight=3.0)])
+                   per_peer=[dict(weight=1.0), dict(weight=3.0)])
         out = swarm.call_all("all_reduce", (0, 1), numel=N, timeout=60,
                              per_peer=[dict(seed=30 + i, weight=w) for i, w in enumerate((1.0, 3.0, 4.0))])
         assert all(r["ok"] and r["group_size"] == 3 for r in out), out
@@ -611,5 +618,17 @@ def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
         assert all(r["ok"] and r["group_size"] == 3 for r in out), out
         for r in out:
             assert torch.allclose(r["average"], expected([40, 41, 42], [1.0] * 3), rtol=1e-6, atol=1e-7)
+        # peer 0 alone forms ahead for round 4 and finds nobody within its window: at the launch
+        # that step is dropped and the round matches with the others as usual
+        alone = swarm.peers[0].call("prematch", (0, 4), wait_formed_s=0.0, timeout=60)
+        deadline = time.monotonic() + 30
+        while swarm.peers[0].call("call", function=f"{MODULE}:early_stage", fragment=0) not in ("FINISHED", None):
+            assert time.monotonic() < deadline, "the lone step formed ahead never gave up (it waits for its trigger)"
+            time.sleep(0.5)
+        out = swarm.call_all("all_reduce", (0, 4), numel=N, timeout=60,
+                             per_peer=[dict(seed=50 + i, weight=1.0) for i in range(3)])
+        assert alone is None and all(r["ok"] and r["group_size"] == 3 for r in out), out
+        for r in out:
+            assert torch.allclose(r["average"], expected([50, 51, 52], [1.0] * 3), rtol=1e-6, atol=1e-7)
     finally:
         swarm.close()

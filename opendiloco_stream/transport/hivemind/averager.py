@@ -4,7 +4,8 @@ What we keep from hivemind 1.1.12: the background process, matchmaking (group ke
 ``target_group_size``), the step control (``step(wait=False)``), P2P handlers under the averager's
 prefix. What we replace: the all-reduce itself (``_aggregate_with_group`` runs ``HvAllReduceRunner``
 and ``rpc_aggregate_part`` routes streams to it), the shutdown (hivemind's calls ``finalize`` on
-futures) and the signal handling (hivemind ignores SIGINT in the *host* when it forks).
+futures), the signal handling (hivemind ignores SIGINT in the *host* when it forks), and a
+matchmaking that found no group fails the step at once instead of first waiting for its trigger.
 
 Buffers (shared memory, fixed size): ``input_buffer`` (the host writes the tensor to send before a
 step), ``output_buffer`` and ``sent_buffer`` (the runner writes the average and ``deQ(Q(input))``
@@ -33,7 +34,9 @@ from typing import Any, AsyncIterator, Optional
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -105,6 +108,28 @@ class FragmentAverager(DecentralizedAverager):
         if self.admission is not None:
             gather = self.admission.seal(gather, self.peer_id.to_bytes())
         return super().step(gather=gather, **kwargs)
+
+    # ------------------------------------------------------------------ matchmaking
+    @property
+    def _matchmaking(self) -> Matchmaking:
+        return self._ods_matchmaking
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking: Matchmaking) -> None:
+        """hivemind's matchmaking (made in the averager process), except that a search that found
+        no group fails the step at once: hivemind would first wait for the step's trigger, so a
+        step formed ahead (``require_trigger``, lane.py) that found nobody would look like one
+        whose group formed until its round triggered it, and that round would then fail."""
+        look_for_group = matchmaking.look_for_group
+
+        async def look_for_group_or_fail(step: StepControl) -> GroupInfo:
+            group = await look_for_group(step)
+            if group is None:
+                raise MatchmakingException("Averaging step failed: could not find a group")
+            return group
+
+        matchmaking.look_for_group = look_for_group_or_fail
+        self._ods_matchmaking = matchmaking
 
     # ------------------------------------------------------------------ process lifecycle
     def run(self) -> None:

@@ -189,8 +189,11 @@ class _Lane:
     def _drop_early(self) -> None:
         """Cancel the step formed ahead, if any (its group, if it formed, loses this peer)."""
         early, self._early = self._early, None
-        if early is not None and not early.step.done():
+        if early is None:
+            return
+        if not early.step.done():
             logger.info("fragment %d: dropping the group formed ahead for round %s", self.fragment, early.key)
+        if not early.step.triggered:  # (a step that found no group too: hivemind warns of untriggered steps)
             early.step.cancel()
 
     def _previous_over(self) -> bool:
