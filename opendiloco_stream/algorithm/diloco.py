@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import FragmentState, ParamAccess, _Pending, _Previous
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
+from opendiloco_stream.algorithm.prematch import Prematcher
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
@@ -68,8 +68,7 @@ class StreamingDiLoCo(HasSyncLog):
                                if config.use_error_feedback and not self._unsent_in_params else None)
         self._closed = False
         self._catching_up = False  # inside step()'s jump to the swarm's round
-        self._step_s: Optional[float] = None  # a running mean of the time between step() calls (prematch's lead)
-        self._last_step_at: Optional[float] = None
+        self._prematcher = Prematcher(transport, config.prematch_steps, self._weight)  # groups formed ahead
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
         self._lock = threading.RLock()
@@ -102,11 +101,7 @@ class StreamingDiLoCo(HasSyncLog):
         A slower peer so takes part in the swarm's rounds, weighted by the work it did."""
         if self._closed:
             raise RuntimeError("StreamingDiLoCo.step() after close()")
-        now = time.monotonic()
-        if self._last_step_at is not None:
-            gap = now - self._last_step_at
-            self._step_s = gap if self._step_s is None else 0.9 * self._step_s + 0.1 * gap
-        self._last_step_at = now
+        self._prematcher.tick()
         with self._lock:
             self._advance(int(tokens) if tokens else 0)
             target = self._late_sync_step()
@@ -156,20 +151,8 @@ class StreamingDiLoCo(HasSyncLog):
         for f in self.frags:
             if fr.syncs_at(t, f.offset, H):
                 self._sync(f, fr.round_index(t, f.offset, H))
-        ahead = self.config.prematch_steps
-        if ahead and not self._catching_up:
-            for f in self.frags:
-                s = fr.next_sync(t, f.offset, H)
-                if s - t == ahead:
-                    self._prematch(f, fr.round_index(s, f.offset, H), f.tokens + ahead * tokens)
-
-    def _prematch(self, f: FragmentState, k: int, tokens: int) -> None:
-        """Let the transport form round ``k``'s group now, with the weight ``_launch`` will give
-        it if the coming steps bring as many tokens as this one."""
-        prematch = getattr(self.transport, "prematch", None)  # duck-typed transports may lack it
-        if prematch is not None:
-            lead_s = self.config.prematch_steps * (self._step_s or 0.0)
-            prematch((f.index, k), self._weight(tokens), lead_s=lead_s)
+        if not self._catching_up:
+            self._prematcher.after_step(t, self.frags, H, tokens)
 
     def _weight(self, tokens: int) -> float:
         return 1.0 if self.config.weighting == "equal" or tokens == 0 else float(tokens)
