@@ -24,7 +24,10 @@ peers), and writes it as ``gloo_round_s`` next to each row's ``round_s_median``:
 "as fast as the link". ``--numels 10000000 50000000`` gives the 10M and 50M rows. With
 ``--gloo``, each row also gets ``codec_floor_s`` (``codec_floor.py``): the codec work of the same
 round alone (encode, checks, mean, decode, the host's copy), spread over this machine's cores,
-which no implementation of the round on these cores beats.
+which no implementation of the round on these cores beats. With ``--prematch``, every size gets a
+second row from rounds that alternate with the plain ones in the same swarm: each peer forms the
+group ahead (``Transport.prematch`` when the command arrives, ``START_AHEAD_S`` before the start),
+so matchmaking is off the round's critical path, as with the trainer's ``--prematch-steps``.
 
 Loopback numbers measure CPU (encode, decode, reduce) and the p2p daemons, not a network. With
 ``--link-mbit R`` (root; ``benchmarks/netns.py``) every peer, and every gloo rank, runs in its own
