@@ -60,15 +60,18 @@ class _Peer:
         """``Transport.prematch``; with ``wait_formed_s``, wait (bounded) until the group formed
         and waits for the round: returns the early step's stage then (None if there is none)."""
         self.transport.prematch(tuple(key), weight)
-        lane, stage = self.transport._lanes[key[0]], None
-        deadline = time.monotonic() + wait_formed_s
+        stage, deadline = None, time.monotonic() + wait_formed_s
         while time.monotonic() < deadline:
-            early = lane._early
-            stage = None if early is None else early.step.stage.name
+            stage = self.early_stage(key[0])
             if stage == "AWAITING_TRIGGER":
                 break
             time.sleep(0.02)
         return stage
+
+    def early_stage(self, fragment: int) -> Optional[str]:
+        """The stage of the fragment's step formed ahead (None if there is none)."""
+        early = self.transport._lanes[fragment]._early
+        return None if early is None else early.step.stage.name
 
     def all_reduce(self, key: tuple, tensor: Optional[torch.Tensor] = None, *, seed: int = 0, numel: int = 0,
                    offset: float = 0.0, weight: float = 1.0, wait_timeout: Optional[float] = None,

@@ -157,11 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="ods-straggler-"))
     bare = bare_step_s(root / "probe")
     slow = 2 * args.delay + bare  # (bare + slow) = 2 (bare + delay)
-    scenarios = {"no straggler": [args.delay] * args.peers,
-                 "one peer 2x slower": [args.delay] * (args.peers - 1) + [slow]}
-    scenarios = {k: v for k, v in scenarios.items() if ("none" if k == "no straggler" else "straggler") in args.scenarios}
+    scenarios = {"none": ("no straggler", [args.delay] * args.peers),
+                 "straggler": ("one peer 2x slower", [args.delay] * (args.peers - 1) + [slow])}
     results = []
-    for name, delays in scenarios.items():
+    for name, delays in (scenarios[k] for k in scenarios if k in args.scenarios):
         t0 = time.perf_counter()
         load = start_cpu_load(args.cpu_load, limit_s=900.0)
         try:

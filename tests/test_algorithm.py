@@ -506,12 +506,13 @@ class _SwarmAheadTransport(_SlowLinkTransport):
         self.expected.append(list(keys))
 
 
-def _eager_h10_p2(link):
-    """Eager, H = 10, P = 2 over ``link``; and one inner step of 100 tokens."""
+def _eager_h10_p2(link, **config):
+    """Eager, H = 10, P = 2 (and ``config``) over ``link``; and one inner step of 100 tokens."""
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=10, num_fragments=2,
-                                                                             mode="eager"), blocks=list(model))
+                                                                             mode="eager", **config),
+                             blocks=list(model))
     data = torch.randn(5, 8)
 
     def inner_step():
@@ -645,13 +646,10 @@ def test_prematch_steps_announce_each_round_ahead_with_the_weight_it_will_have(a
     = k the transport hears of each round k steps before its sync, with the weight the round then
     has (tokens since the fragment's last sync); k = 0 asks for nothing."""
     link = _PrematchRecorder()
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(
-        inner_steps=10, num_fragments=2, mode="eager", prematch_steps=ahead), blocks=list(model))
+    _, inner_step = _eager_h10_p2(link, prematch_steps=ahead)
     for t in range(1, 26):
         link.now = t
-        diloco.step(tokens=100)
+        inner_step()
     assert [key for _, key, _ in link.launched] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
     assert [w for _, _, w in link.launched] == [500.0, 1000.0, 1000.0, 1000.0, 1000.0]
     if ahead == 0:

@@ -308,12 +308,6 @@ def close_and_list_averagers(peer) -> list[tuple[int, bool]]:
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def early_stage(peer, fragment: int):
-    """Inside a peer: the stage of the fragment's step formed ahead (None if there is none)."""
-    early = peer.transport._lanes[fragment]._early
-    return None if early is None else early.step.stage.name
-
-
 def block_absmax(v: torch.Tensor, block: int = 64) -> torch.Tensor:
     pad = (-v.numel()) % block
     blocks = torch.nn.functional.pad(v.abs(), (0, pad)).view(-1, block).amax(dim=1)
@@ -622,7 +616,7 @@ def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
         # that step is dropped and the round matches with the others as usual
         alone = swarm.peers[0].call("prematch", (0, 4), wait_formed_s=0.0, timeout=60)
         deadline = time.monotonic() + 30
-        while swarm.peers[0].call("call", function=f"{MODULE}:early_stage", fragment=0) not in ("FINISHED", None):
+        while swarm.peers[0].call("early_stage", 0) not in ("FINISHED", None):
             assert time.monotonic() < deadline, "the lone step formed ahead never gave up (it waits for its trigger)"
             time.sleep(0.5)
         out = swarm.call_all("all_reduce", (0, 4), numel=N, timeout=60,

@@ -28,7 +28,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from opendiloco_stream.compression import all_finite, native
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
-from opendiloco_stream.transport.hivemind.presence import Presence
+from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
 from opendiloco_stream.transport.hivemind.protocol import round_group_bits
 from opendiloco_stream.transport.hivemind.round_report import round_phases
 from opendiloco_stream.transport.hivemind.runner import RoundError
@@ -199,7 +199,7 @@ class _Lane:
     def _previous_over(self) -> bool:
         """Whether the fragment's last step is over (a cancelled one: its coroutine ended too)."""
         step = self._step
-        return step is None or (step.done() and (not step.cancelled() or step.stage == AveragingStage.FINISHED))
+        return step is None or (step.done() and (not step.cancelled() or self._stopped(step, 0.0)))
 
     def _prematch(self, key: tuple, weight: float, lead_s: float) -> None:
         fragment, round_index = key
@@ -209,16 +209,36 @@ class _Lane:
         plan = self.presence.plan_round(fragment, int(round_index)) if self.live_target else None
         if plan is not None and plan.skip:
             return  # the round is skipped (``_run`` says why)
+        step, settings, _ = self._start_step(key, weight, plan, lead_s)
+        self._early = _Early(key, step, settings, weight)
+
+    def _start_step(self, key: tuple, weight: float, plan: Optional[RoundPlan], lead_s: float = 0.0,
+                    handle: Optional[HivemindSyncHandle] = None) -> tuple[Optional[StepControl], list, float]:
+        """Send round ``key``'s settings (group bits, the planned group size) and its step down the
+        averager's pipe; its matchmaking window ends ``matchmaking`` after ``lead_s`` from now.
+        With ``handle``, the step of that submitted round (None if it was abandoned meanwhile);
+        without, a step formed ahead, waiting for its trigger. Returns the step, the settings'
+        futures and when the step was sent."""
         gather = member_metadata(self.averager.codec, self.numel, key, weight)
         with self._pipe_lock:
-            settings = [self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False)]
+            # No round trip for the settings: the averager runs its pipe's commands in order, and
+            # these setters finish before the step's matchmaking starts (``_check_settings``).
+            settings = [self.averager.set_group_bits(round_group_bits(int(key[1])), wait=False)]
             if plan is not None and plan.target != self._target:
                 settings.append(self.averager.set_target_group_size(plan.target))
                 self._target = plan.target
-            step = self.averager.step(
-                gather=gather, weight=weight, scheduled_time=get_dht_time() + lead_s + self.timeouts.matchmaking,
-                timeout=lead_s + self.timeouts.group_deadline, allow_retries=False, wait=False, require_trigger=True)
-        self._early = _Early(key, step, settings, weight)
+            t_step = time.time()
+            args = dict(gather=gather, weight=float(weight), allow_retries=False, wait=False,
+                        scheduled_time=get_dht_time() + lead_s + self.timeouts.matchmaking,
+                        timeout=lead_s + self.timeouts.group_deadline, require_trigger=handle is None)
+            if handle is None:
+                return self.averager.step(**args), settings, t_step
+            with self._step_lock:
+                if handle.done():  # abandoned (or closed) while it was prepared
+                    return None, settings, t_step
+                self._step = step = self.averager.step(**args)
+                self._step_handle = handle
+            return step, settings, t_step
 
     def _take_early(self, key: tuple) -> Optional[_Early]:
         """The step formed ahead for round ``key`` if it is still good (matching or waiting for
@@ -264,23 +284,9 @@ class _Lane:
             handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
                                    f"part from round {round_index + 1} on (the others did not count it)")
             return
-        gather = member_metadata(self.averager.codec, self.numel, (fragment, round_index), weight)
-        with self._pipe_lock:
-            # No round trip for the settings: the averager runs its pipe's commands in order, and
-            # these setters finish before the step's matchmaking starts (``_check_settings`` below).
-            settings = [self.averager.set_group_bits(round_group_bits(int(round_index)), wait=False)]
-            if self.live_target and plan.target != self._target:
-                settings.append(self.averager.set_target_group_size(plan.target))
-                self._target = plan.target
-            t_step = time.time()
-            with self._step_lock:
-                if handle.done():  # abandoned (or closed) while it was prepared
-                    return
-                self._step = step = self.averager.step(
-                    gather=gather, weight=float(weight), scheduled_time=get_dht_time() + self.timeouts.matchmaking,
-                    timeout=self.timeouts.group_deadline, allow_retries=False, wait=False)
-                self._step_handle = handle
-        self._finish(handle, step, settings, flat, t_start, t_step)
+        step, settings, t_step = self._start_step(handle.key, weight, plan, handle=handle)
+        if step is not None:
+            self._finish(handle, step, settings, flat, t_start, t_step)
 
     def _stage(self, handle: HivemindSyncHandle, tensor: torch.Tensor) -> Optional[torch.Tensor]:
         """Check the tensor and copy it into the averager's input buffer; None (``handle``

@@ -56,6 +56,11 @@ logger = logging.getLogger(__name__)
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
 
 
+def _check_weight(weight: float) -> None:
+    if not (isinstance(weight, (int, float)) and weight >= 0 and weight == weight and weight != float("inf")):
+        raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+
+
 class HivemindTransport(Transport):
     """One peer of a run over hivemind (see the module docstring for the design).
 
@@ -169,8 +174,7 @@ class HivemindTransport(Transport):
         lane = self._lanes.get(fragment)
         if lane is None and not self._closed:
             raise ValueError(f"fragment {fragment} was not declared in prepare() (declared: {sorted(self._lanes)})")
-        if not (isinstance(weight, (int, float)) and weight >= 0 and weight == weight and weight != float("inf")):
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        _check_weight(weight)
         if self._closed:
             handle = HivemindSyncHandle(key, time.monotonic())
             handle.fail("closed", "transport closed")
@@ -186,8 +190,7 @@ class HivemindTransport(Transport):
         lane = self._lanes.get(fragment)
         if lane is None or self._closed:
             return  # a hint: nothing to form ahead (all_reduce says what is wrong)
-        if not (isinstance(weight, (int, float)) and weight >= 0 and weight == weight and weight != float("inf")):
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        _check_weight(weight)
         lane.prematch(key, float(weight), max(0.0, float(lead_s)))
 
     def round_late(self, key: tuple[int, int]) -> bool:
