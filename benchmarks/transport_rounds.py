@@ -55,12 +55,23 @@ from typing import Optional
 from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/hv_loopback.py, next to this script
 
 PEERS = 3
+# What the transport is told 127.0.0.1 carries (one TCP stream moves ~28 Gbit/s here): it derives
+# the chunk size (8 MiB) and the timeouts from it. ``--loopback-mbit 100`` gives the 1 MiB chunks
+# of the rows measured before the chunk size was derived from the link.
+LOOPBACK_MBIT = 10_000.0
 START_AHEAD_S = 0.3  # a round's common start, this far after its command is sent
 
 
 def stage_tensor(peer, seed: int, numel: int) -> None:
     """Inside a peer (``LoopbackPeer.call``): draw the tensor of the next round."""
     peer.staged = make_tensor(seed, numel)
+
+
+def chunk_size(transport_kwargs: dict) -> int:
+    from opendiloco_stream.transport.layout import chunk_bytes_for_link
+
+    given = transport_kwargs.get("chunk_bytes")
+    return given if given is not None else chunk_bytes_for_link(transport_kwargs["link_mbit"])
 
 
 def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bool = False) -> dict:
@@ -77,13 +88,15 @@ def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bo
 
 def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
                   gloo: Optional[dict[int, float]] = None, topo=None,
-                  floors: Optional[dict[tuple, float]] = None, prematch: bool = False) -> list[dict]:
+                  floors: Optional[dict[tuple, float]] = None, prematch: bool = False,
+                  link_mbit: float = LOOPBACK_MBIT, chunk_bytes: Optional[int] = None) -> list[dict]:
     """One row per size, or with ``prematch`` two, from alternating rounds: the group formed at
     the round's start (as without it), and formed ahead."""
     rows = []
-    kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0)
+    kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0,
+                  link_mbit=link_mbit, chunk_bytes=chunk_bytes)
     overrides = None
-    if topo is not None:  # each peer in its namespace, timeouts derived from the shaped rate
+    if topo is not None:  # each peer in its namespace, chunks and timeouts derived from the shaped rate
         kwargs["link_mbit"] = topo.rate_mbit
         overrides = {i: dict(netns=topo.ns(f"p{i}"), host=topo.ip(f"p{i}")) for i in range(PEERS)}
     with LoopbackSwarm(PEERS, run_id=f"bench_{codec.replace('-', '_')}", transport_kwargs=kwargs,
@@ -119,6 +132,7 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                     got["phases"] += [r["phases"] for r in results]
             for early in modes:
                 rows.append(_summary(codec, numel, rounds, early, **seen[early]))
+                rows[-1].update(link_mbit_declared=kwargs["link_mbit"], chunk_bytes=chunk_size(kwargs))
                 _finish_row(rows[-1], gloo, floors, topo, swarm, results)
     return rows
 
@@ -287,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-mbit", type=float,
                    help="run every peer and gloo rank in its own network namespace behind a link shaped to this "
                         "many Mbit/s each way (tc tbf; needs root, see benchmarks/netns.py)")
+    p.add_argument("--loopback-mbit", type=float, default=LOOPBACK_MBIT,
+                   help="the link rate the transport is told on 127.0.0.1 (chunk size and timeouts derive from it; "
+                        "100: the 1 MiB chunks of earlier runs)")
+    p.add_argument("--chunk-bytes", type=int, help="chunk size (default: derived from the link rate)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.link_mbit is None:
@@ -317,7 +335,9 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
 
         for codec in args.codecs:
             for numel in args.numels:
-                floors[(codec, numel)] = codec_floor.measure(codec, numel, PEERS, repeats=3)["floor_s"]
+                chunk = chunk_size(dict(chunk_bytes=args.chunk_bytes,
+                                        link_mbit=topo.rate_mbit if topo is not None else args.loopback_mbit))
+                floors[(codec, numel)] = codec_floor.measure(codec, numel, PEERS, repeats=3, chunk_bytes=chunk)["floor_s"]
                 print(f"codec floor {codec}, {numel:,} elements: {floors[(codec, numel)]:.3f} s", flush=True)
     extra = (" gloo s  | ours/gloo | floor s |", "---------|-----------|---------|") if gloo else ("", "")
     if topo is not None:
@@ -327,7 +347,7 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
     rows = []
     for codec in args.codecs:
         rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo, floors,
-                              prematch=args.prematch)
+                              prematch=args.prematch, link_mbit=args.loopback_mbit, chunk_bytes=args.chunk_bytes)
     report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()},
                   codec_floor_s={f"{c} {n}": t for (c, n), t in floors.items()}, start_ahead_s=START_AHEAD_S)
     if topo is not None:

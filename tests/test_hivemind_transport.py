@@ -27,9 +27,10 @@ from opendiloco_stream.transport.hivemind.protocol import (
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, _message
 from opendiloco_stream.transport.hivemind.state import StateError, flatten_state, unflatten_state
 from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, GRACE_S, derive_timeouts
+from opendiloco_stream.transport.layout import GroupLayout, chunk_numel_for, codec_alignment
 from opendiloco_stream.transport.reduce import (
-    ABSTAINED, MISSING, OK, PROTOCOL_VERSION, REJECTED, GroupLayout, GroupMismatch, check_chunk, chunk_numel_for,
-    codec_alignment, combine_verdicts, judge_members, norm_verdict, weighted_mean,
+    ABSTAINED, MISSING, OK, PROTOCOL_VERSION, REJECTED, GroupMismatch, check_chunk, combine_verdicts, judge_members,
+    norm_verdict, weighted_mean,
 )
 
 MODULE = __name__  # peers import the fakes below as f"{MODULE}:..."
@@ -134,6 +135,30 @@ def test_timeouts_follow_the_hierarchy_and_scale_with_the_payload():
         assert t.request < t.matchmaking < t.allreduce and t.next_chunk < t.allreduce
     assert big.allreduce > 3 * 2 * 400_000_000 * 8 / 100e6  # safety x transfer time
     assert small.allreduce < big.allreduce
+
+
+def test_chunks_follow_the_link_rate_and_keep_the_silence_bound_of_slow_links():
+    from opendiloco_stream.config import RunConfig
+    from opendiloco_stream.transport.factory import chunk_bytes
+    from opendiloco_stream.transport.layout import MAX_CHUNK_BYTES, chunk_bytes_for_link
+
+    sizes = [chunk_bytes_for_link(r) for r in (1, 5, 100, 200, 1000, 1700, 10_000, 100_000)]
+    assert sizes[:4] == [1 << 20] * 4  # slow links keep 1 MiB chunks
+    assert sizes[4] == 5_000_000 and sizes[-2:] == [MAX_CHUNK_BYTES] * 2
+    assert sizes == sorted(sizes)
+    for rate in (200, 1000, 10_000):  # a derived chunk never widens the silence bound past 40 ms of link time
+        t = derive_timeouts(encoded_bytes=10_000_000, numel=10_000_000, chunk_bytes=chunk_bytes_for_link(rate),
+                            link_mbit=rate, request_timeout=3, matchmaking_time=5)
+        assert t.next_chunk <= derive_timeouts(encoded_bytes=10_000_000, numel=10_000_000, chunk_bytes=1 << 20,
+                                               link_mbit=200, request_timeout=3, matchmaking_time=5).next_chunk + 1e-9
+    with pytest.raises(ValueError, match="link_mbit"):
+        chunk_bytes_for_link(0)
+    cfg = RunConfig()
+    assert cfg.net.chunk_bytes is None and chunk_bytes(cfg) == chunk_bytes_for_link(cfg.net.link_mbit)
+    fast = RunConfig(net={"link_mbit": 1000})
+    assert chunk_bytes(fast) == 5_000_000
+    given = RunConfig(net={"link_mbit": 1000, "chunk_bytes": 65536})
+    assert chunk_bytes(given) == 65536
 
 
 def test_timeouts_fit_the_window_or_say_why_not():

@@ -8,7 +8,7 @@ import torch
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.transport.base import SyncFailed
 from opendiloco_stream.transport.local import LocalSwarm
-from opendiloco_stream.transport.reduce import GroupLayout, codec_alignment
+from opendiloco_stream.transport.layout import GroupLayout, codec_alignment
 
 
 def reduce_all(swarm, tensors, weights, key=(0, 0)):

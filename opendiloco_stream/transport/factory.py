@@ -35,12 +35,20 @@ def codec_from_config(cfg: RunConfig) -> "Codec":
     return get_codec(cfg.diloco.codec, **codec_args(cfg))
 
 
+def chunk_bytes(cfg: RunConfig) -> int:
+    """``net.chunk_bytes``, or the size derived from ``net.link_mbit`` (the same for both transports,
+    so a local run cuts parts as the hivemind run of the same config)."""
+    from opendiloco_stream.transport.layout import chunk_bytes_for_link
+
+    return cfg.net.chunk_bytes if cfg.net.chunk_bytes is not None else chunk_bytes_for_link(cfg.net.link_mbit)
+
+
 def local_swarm(cfg: RunConfig, workers: int) -> "LocalSwarm":
     """``workers`` simulated peers in this process, reducing exactly as the hivemind transport does."""
     from opendiloco_stream.transport.local import LocalSwarm
 
     return LocalSwarm(num_workers=workers, codec=cfg.diloco.codec, **codec_args(cfg), seed=cfg.train.seed,
-                      timeout=cfg.diloco.sync_timeout, chunk_bytes=cfg.net.chunk_bytes, norm_bound=cfg.net.norm_bound)
+                      timeout=cfg.diloco.sync_timeout, chunk_bytes=chunk_bytes(cfg), norm_bound=cfg.net.norm_bound)
 
 
 def hivemind_transport(cfg: RunConfig, dht: Any, admission: Any = None) -> "HivemindTransport":
@@ -53,5 +61,5 @@ def hivemind_transport(cfg: RunConfig, dht: Any, admission: Any = None) -> "Hive
         dht, n.run_id, codec=cfg.diloco.codec, **codec_args(cfg), target_group_size=n.target_group_size,
         matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
         allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout, link_mbit=n.link_mbit,
-        client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=n.chunk_bytes, norm_bound=n.norm_bound,
+        client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=chunk_bytes(cfg), norm_bound=n.norm_bound,
         admission=admission, direct=n.direct, direct_port=n.data_port)

@@ -22,7 +22,8 @@ import torch
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
-from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
+from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES
+from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
 
 
 class _Round:

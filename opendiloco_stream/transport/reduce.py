@@ -8,7 +8,7 @@ the wire's bit for bit (``tests/test_reduction_parity.py``).
 One round of one fragment, in a group whose members are ordered (rank order locally, the
 leader's order over hivemind; client-mode peers send but reduce nothing):
 
-1. *Layout* (:class:`GroupLayout`). The flat fragment is cut into one contiguous part per reducer,
+1. *Layout* (:class:`GroupLayout`, ``layout.py``). The flat fragment is cut into one contiguous part per reducer,
    with boundaries on whole codec blocks (so encoding part by part equals encoding the whole
    tensor, for deterministic codecs), and each part into chunks of about ``chunk_bytes`` encoded
    bytes. Every member computes the same layout from (numel, group order, codec).
@@ -38,6 +38,7 @@ import torch
 
 from opendiloco_stream.compression import Codec, NonFiniteError, all_finite, native
 from opendiloco_stream.transport.bundle import pack_bundle, unpack_bundle
+from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES, GroupLayout
 
 PROTOCOL_VERSION = 1
 
@@ -45,64 +46,11 @@ PROTOCOL_VERSION = 1
 OK, ABSTAINED, MISSING, REJECTED = 0, 1, 2, 3
 STATUS_NAMES = {OK: "ok", ABSTAINED: "abstained", MISSING: "missing", REJECTED: "rejected"}
 
-DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_NORM_BOUND = 10.0
 
 
 class GroupMismatch(ValueError):
     """Members of one group disagree on protocol, codec, fragment size or round: nothing to average."""
-
-
-# ---------------------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class GroupLayout:
-    """Which reducer owns which elements, cut into chunks; identical on every member of the group.
-
-    ``parts[i]`` is the ``(lo, hi)`` range reduced by member ``i`` (empty for client-mode peers);
-    ``chunks[i]`` the ``(lo, hi)`` ranges of that part, in order.
-    """
-
-    numel: int
-    parts: tuple[tuple[int, int], ...]
-    chunks: tuple[tuple[tuple[int, int], ...], ...]
-
-    @classmethod
-    def build(cls, numel: int, is_reducer: Sequence[bool], align: int, chunk_numel: int) -> "GroupLayout":
-        reducers = [i for i, r in enumerate(is_reducer) if r]
-        if not reducers:
-            raise ValueError("a group needs at least one reducer (a peer not in client mode)")
-        align = max(1, int(align))
-        chunk_numel = max(align, chunk_numel // align * align)
-        n_blocks = -(-numel // align)
-        parts: list[tuple[int, int]] = [(0, 0)] * len(is_reducer)
-        for k, i in enumerate(reducers):  # equal shares, whole blocks each
-            lo = min(numel, n_blocks * k // len(reducers) * align)
-            hi = min(numel, n_blocks * (k + 1) // len(reducers) * align)
-            parts[i] = (lo, hi)
-        chunks = tuple(
-            tuple((c, min(c + chunk_numel, hi)) for c in range(lo, hi, chunk_numel)) for lo, hi in parts
-        )
-        return cls(numel, tuple(parts), chunks)
-
-    @classmethod
-    def for_codec(cls, codec: Codec, numel: int, is_reducer: Sequence[bool],
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> "GroupLayout":
-        """The layout every transport uses: parts and chunks on whole blocks of ``codec``."""
-        align = codec_alignment(codec)
-        return cls.build(numel, is_reducer, align, chunk_numel_for(codec, chunk_bytes, align))
-
-
-def chunk_numel_for(codec: Codec, chunk_bytes: int, align: int) -> int:
-    """Elements per chunk so that a chunk encodes to about ``chunk_bytes`` bytes."""
-    probe = 1 << 20
-    bytes_per_value = codec.encoded_size(probe) / probe
-    return max(align, int(chunk_bytes / bytes_per_value) // align * align)
-
-
-def codec_alignment(codec: Codec) -> int:
-    """Part and chunk boundaries fall on whole codec blocks, so encoding chunk by chunk gives the
-    same values as encoding the whole tensor (for deterministic rounding)."""
-    return codec.block_size if codec.is_blockwise else 1
 
 
 def codec_spec(codec: Codec) -> list:

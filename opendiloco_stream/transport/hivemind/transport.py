@@ -49,7 +49,8 @@ from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane 
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
 from opendiloco_stream.transport.hivemind.state import StateSharing
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
-from opendiloco_stream.transport.reduce import DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND
+from opendiloco_stream.transport.layout import chunk_bytes_for_link
+from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class HivemindTransport(Transport):
             link_mbit: the timeout hierarchy, see ``timeouts.py``.
         client_mode: for peers that cannot accept connections: they send and receive but reduce
             no part and serve no state.
-        chunk_bytes: encoded bytes per streamed chunk.
+        chunk_bytes: encoded bytes per streamed chunk; ``None``: what the link carries in 40 ms,
+            1-8 MiB (``reduce.chunk_bytes_for_link``).
         norm_bound: reject contributions whose norm exceeds this multiple of the group median
             (with 3+ contributions); ``None`` disables the check.
         state_timeout: the longest silence tolerated inside a state download.
@@ -97,7 +99,7 @@ class HivemindTransport(Transport):
                  target_group_size: Optional[int] = None, presence_ttl: float = DEFAULT_TTL_S,
                  matchmaking_time: float = 5.0, request_timeout: float = 3.0, allreduce_timeout: Optional[float] = None,
                  next_chunk_timeout: Optional[float] = None, link_mbit: float = 100.0, client_mode: bool = False,
-                 window_s: Optional[float] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 window_s: Optional[float] = None, chunk_bytes: Optional[int] = None,
                  norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
                  state_timeout: float = 30.0, startup_timeout: float = 60.0, admission: Any = None,
                  direct: bool = True, direct_port: Optional[int] = None):
@@ -110,7 +112,8 @@ class HivemindTransport(Transport):
         self.codec = get_codec(codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic,
                                density=density)
         self.dht, self.run_id, self.client_mode = dht, run_id, client_mode
-        self.target_group_size, self.chunk_bytes, self.norm_bound = target_group_size, int(chunk_bytes), norm_bound
+        self.chunk_bytes = int(chunk_bytes) if chunk_bytes is not None else chunk_bytes_for_link(link_mbit)
+        self.target_group_size, self.norm_bound = target_group_size, norm_bound
         self.link_mbit, self.window_s, self.startup_timeout = link_mbit, window_s, startup_timeout
         self.timeout_args = dict(matchmaking_time=matchmaking_time, request_timeout=request_timeout,
                                  allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout)
