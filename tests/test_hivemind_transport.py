@@ -161,6 +161,29 @@ def test_chunks_follow_the_link_rate_and_keep_the_silence_bound_of_slow_links():
     assert chunk_bytes(given) == 65536
 
 
+def test_a_group_with_mixed_chunk_sizes_agrees_on_one_layout():
+    from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES, group_chunk_bytes
+    from opendiloco_stream.transport.reduce import member_metadata
+
+    codec = get_codec("fp4-e3m0")
+    users = [member_metadata(codec, 100_000, (0, 1), 1.0, c) for c in (4096, 1 << 16)]
+    users += [dict(users[0], chunk=True), dict(users[0], chunk=1 << 40), {k: v for k, v in users[0].items() if k != "chunk"}]
+    sizes = group_chunk_bytes(users)
+    assert sizes == [4096, 1 << 16] + [DEFAULT_CHUNK_BYTES] * 3  # unusable or missing: the old default
+    layout = GroupLayout.for_codec(codec, 100_000, [True] * 5, sizes)
+    align = codec_alignment(codec)
+    for q, chunks in enumerate(layout.chunks):  # each part cut in its own reducer's chunks
+        lo, hi = layout.parts[q]
+        assert chunks[0][0] == lo and chunks[-1][1] == hi and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        assert all((c_hi - c_lo) <= chunk_numel_for(codec, sizes[q], align) for c_lo, c_hi in chunks)
+    assert len(layout.chunks[0]) > len(layout.chunks[1])
+    t = derive_timeouts(encoded_bytes=50_000, numel=100_000, chunk_bytes=4096, link_mbit=100,
+                        request_timeout=3, matchmaking_time=5)
+    assert t.for_chunks([4096, 4096], 0) is t  # nobody cuts larger chunks than ours
+    stretched = t.for_chunks([4096, 16 * 4096], 0)
+    assert t.next_chunk < stretched.next_chunk <= 0.5 * t.allreduce and stretched.allreduce == t.allreduce
+
+
 def test_timeouts_fit_the_window_or_say_why_not():
     t = derive_timeouts(encoded_bytes=400_000_000, numel=100_000_000, chunk_bytes=1 << 20, link_mbit=100,
                         request_timeout=1, matchmaking_time=2, window_s=60)
@@ -178,7 +201,8 @@ def test_timeouts_fit_the_window_or_say_why_not():
 def test_transport_rejects_bad_arguments_in_one_line():
     for kwargs, match in ((dict(run_id="a.b"), "run_id"), (dict(run_id="r", codec="fp5"), "unknown codec"),
                           (dict(run_id="r", target_group_size=1), "target_group_size"),
-                          (dict(run_id="r", request_timeout=9.0), "request_timeout")):
+                          (dict(run_id="r", request_timeout=9.0), "request_timeout"),
+                          (dict(run_id="r", chunk_bytes=100), "chunk_bytes")):
         with pytest.raises(ValueError, match=match):
             HivemindTransport(None, **kwargs)
 

@@ -100,3 +100,29 @@ def test_the_codec_floor_notices_a_wrong_average(monkeypatch):
     monkeypatch.setattr(codec_floor, "decode_result", zero_the_parts_of_others)
     with pytest.raises(AssertionError, match="differs from the in-process round"):
         codec_floor.measure("fp32", N, peers=3, repeats=1, chunk_bytes=CHUNK_BYTES, keep_freed_memory=False)
+
+
+@pytest.mark.network
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("codec", ["fp32", "fp4-e3m0"])
+def test_peers_cutting_different_chunk_sizes_average_together(codec):
+    """Chunk sizes derive from each peer's own link rate, so a group mixes them: each reducer cuts
+    its part with the size it announced at matchmaking, and every member follows that layout. The
+    round succeeds, and each member's average is the in-process round's bit for bit."""
+    sizes = [1 << 12, 1 << 14, 1 << 16]
+    overrides = {i: dict(chunk_bytes=c) for i, c in enumerate(sizes)}
+    with LoopbackSwarm(3, run_id=f"mixed_chunks_{codec.replace('-', '_')}", peer_overrides=overrides,
+                       transport_kwargs=dict(codec=codec, **TIMEOUTS)) as swarm:
+        swarm.call_all("prepare", {0: N}, timeout=120)
+        weights = [1.0, 2.0, 0.5]
+        args = [dict(seed=700 + i, numel=N, weight=weights[i]) for i in range(3)]
+        wire = swarm.call_all("all_reduce", (0, 0), per_peer=args, timeout=120)
+        assert all(r["ok"] for r in wire), wire
+        index_of = {p.peer_id: i for i, p in enumerate(swarm.peers)}
+        order = [index_of[pid] for pid in wire[0]["peers"]]
+    assert sorted(order) == [0, 1, 2]
+    tensors = [make_tensor(700 + i, N) for i in order]
+    local = local_round(codec, tensors, [weights[i] for i in order], (0, 0))
+    for member, i in enumerate(order):
+        assert wire[i]["group_size"] == 3
+        assert torch.equal(local[member].average, wire[i]["average"]), (codec, i)

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 from opendiloco_stream.compression import Codec
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # the smallest derived chunk (slow links), and the local transport's default
 MAX_CHUNK_BYTES = 8 << 20
 CHUNK_SECONDS = 0.04  # a derived chunk is what the link carries in this long
+MIN_CHUNK_BYTES = 1024  # as ``net.chunk_bytes``'s bound
+MAX_ANNOUNCED_CHUNK_BYTES = 64 << 20  # a larger size announced by a groupmate is not taken
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,17 @@ class GroupLayout:
     chunks: tuple[tuple[tuple[int, int], ...], ...]
 
     @classmethod
-    def build(cls, numel: int, is_reducer: Sequence[bool], align: int, chunk_numel: int) -> "GroupLayout":
+    def build(cls, numel: int, is_reducer: Sequence[bool], align: int,
+              chunk_numel: Union[int, Sequence[int]]) -> "GroupLayout":
+        """``chunk_numel``: one size for every part, or one per member (its part's chunks)."""
         reducers = [i for i, r in enumerate(is_reducer) if r]
         if not reducers:
             raise ValueError("a group needs at least one reducer (a peer not in client mode)")
         align = max(1, int(align))
-        chunk_numel = max(align, chunk_numel // align * align)
+        sizes = [chunk_numel] * len(is_reducer) if isinstance(chunk_numel, int) else list(chunk_numel)
+        if len(sizes) != len(is_reducer):
+            raise ValueError(f"{len(sizes)} chunk sizes for a group of {len(is_reducer)}")
+        sizes = [max(align, int(c) // align * align) for c in sizes]
         n_blocks = -(-numel // align)
         parts: list[tuple[int, int]] = [(0, 0)] * len(is_reducer)
         for k, i in enumerate(reducers):  # equal shares, whole blocks each
@@ -39,16 +46,33 @@ class GroupLayout:
             hi = min(numel, n_blocks * (k + 1) // len(reducers) * align)
             parts[i] = (lo, hi)
         chunks = tuple(
-            tuple((c, min(c + chunk_numel, hi)) for c in range(lo, hi, chunk_numel)) for lo, hi in parts
+            tuple((c, min(c + size, hi)) for c in range(lo, hi, size)) for (lo, hi), size in zip(parts, sizes)
         )
         return cls(numel, tuple(parts), chunks)
 
     @classmethod
     def for_codec(cls, codec: Codec, numel: int, is_reducer: Sequence[bool],
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> "GroupLayout":
-        """The layout every transport uses: parts and chunks on whole blocks of ``codec``."""
+                  chunk_bytes: Union[int, Sequence[int]] = DEFAULT_CHUNK_BYTES) -> "GroupLayout":
+        """The layout every transport uses: parts and chunks on whole blocks of ``codec``.
+        ``chunk_bytes``: one size, or each member's (:func:`group_chunk_bytes`), which cuts its part."""
         align = codec_alignment(codec)
-        return cls.build(numel, is_reducer, align, chunk_numel_for(codec, chunk_bytes, align))
+        if isinstance(chunk_bytes, int):
+            return cls.build(numel, is_reducer, align, chunk_numel_for(codec, chunk_bytes, align))
+        return cls.build(numel, is_reducer, align, [chunk_numel_for(codec, c, align) for c in chunk_bytes])
+
+
+def group_chunk_bytes(users: Sequence) -> list[int]:
+    """Each member's chunk size, from the metadata gathered at matchmaking (``chunk``): a reducer
+    cuts its own part with its own size, so peers on links of different rates (and so different
+    derived sizes) still agree on the layout. A member that does not say, or says something
+    outside ``MIN_CHUNK_BYTES``-``MAX_ANNOUNCED_CHUNK_BYTES``, gets ``DEFAULT_CHUNK_BYTES`` (what
+    peers used before the size was announced)."""
+    sizes = []
+    for user in users:
+        c = user.get("chunk") if isinstance(user, dict) else None
+        ok = isinstance(c, int) and not isinstance(c, bool) and MIN_CHUNK_BYTES <= c <= MAX_ANNOUNCED_CHUNK_BYTES
+        sizes.append(c if ok else DEFAULT_CHUNK_BYTES)
+    return sizes
 
 
 def chunk_bytes_for_link(link_mbit: float) -> int:

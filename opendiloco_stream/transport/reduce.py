@@ -38,7 +38,7 @@ import torch
 
 from opendiloco_stream.compression import Codec, NonFiniteError, all_finite, native
 from opendiloco_stream.transport.bundle import pack_bundle, unpack_bundle
-from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES, GroupLayout
+from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES, GroupLayout, group_chunk_bytes
 
 PROTOCOL_VERSION = 1
 
@@ -60,10 +60,12 @@ def codec_spec(codec: Codec) -> list:
 
 
 # ---------------------------------------------------------------------------------------- members
-def member_metadata(codec: Codec, numel: int, key: Hashable, weight: float) -> dict:
-    """What a member tells the group about its contribution (gathered by matchmaking over hivemind)."""
+def member_metadata(codec: Codec, numel: int, key: Hashable, weight: float,
+                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+    """What a member tells the group about its contribution (gathered by matchmaking over hivemind);
+    ``chunk``: the size its part is cut into (``layout.group_chunk_bytes``)."""
     return dict(v=PROTOCOL_VERSION, w=float(weight), spec=codec_spec(codec), numel=int(numel),
-                key=[int(k) for k in key] if isinstance(key, (tuple, list)) else key)
+                key=[int(k) for k in key] if isinstance(key, (tuple, list)) else key, chunk=int(chunk_bytes))
 
 
 def judge_members(users: Sequence, me: int, is_aux: Sequence[bool]) -> tuple[list[float], list[int]]:
@@ -302,13 +304,13 @@ def reduce_in_process(codec: Codec, tensors: Sequence[torch.Tensor], weights: Se
     """
     n = len(tensors)
     flats = [t.detach().reshape(-1).float() for t in tensors]
-    metadata = [member_metadata(codec, f.numel(), key, w) for f, w in zip(flats, weights)]
+    metadata = [member_metadata(codec, f.numel(), key, w, chunk_bytes) for f, w in zip(flats, weights)]
     try:
         weights, status = judge_members(metadata, 0, [False] * n)
     except GroupMismatch as e:
         raise RoundRefused(f"round {key}: {e}") from None
     numel = flats[0].numel()
-    layout = GroupLayout.for_codec(codec, numel, [True] * n, chunk_bytes)
+    layout = GroupLayout.for_codec(codec, numel, [True] * n, group_chunk_bytes(metadata))
     sent = [torch.empty(numel) for _ in range(n)]
     wire_contrib = [[0] * n for _ in range(n)]  # [sender][reducer] bytes
     wire_result = [0] * n  # [reducer] bytes of its part's result, sent to each other member

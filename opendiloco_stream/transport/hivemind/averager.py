@@ -236,7 +236,7 @@ class FragmentAverager(DecentralizedAverager):
                 raise RoundError("rejected", f"group refused: {why}")
             runner = self.runner_cls(
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_info=group_info,
-                tensor=self.input_buffer, codec=self.codec, timeouts=self.timeouts, chunk_bytes=self.chunk_bytes,
+                tensor=self.input_buffer, codec=self.codec, timeouts=self.timeouts,
                 norm_bound=self.norm_bound, direct_failed=self.direct_failed if self.direct else None,
                 result=self.output_buffer, sent=self.sent_buffer)
         except RoundError as e:

@@ -219,7 +219,7 @@ class _Lane:
         With ``handle``, the step of that submitted round (None if it was abandoned meanwhile);
         without, a step formed ahead, waiting for its trigger. Returns the step, the settings'
         futures and when the step was sent."""
-        gather = member_metadata(self.averager.codec, self.numel, key, weight)
+        gather = member_metadata(self.averager.codec, self.numel, key, weight, self.averager.chunk_bytes)
         with self._pipe_lock:
             # No round trip for the settings: the averager runs its pipe's commands in order, and
             # these setters finish before the step's matchmaking starts (``_check_settings``).

@@ -34,9 +34,10 @@ from opendiloco_stream.transport.hivemind.forked import once_more_on_bad_pool
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
 from opendiloco_stream.transport.hivemind.round_report import describe_progress, round_summary
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
+from opendiloco_stream.transport.layout import GroupLayout, group_chunk_bytes
 from opendiloco_stream.transport.reduce import (
-    MISSING, OK, GroupLayout, GroupMismatch, PartReducer, combine_verdicts, judge_members,
-    decode_result, sum_of_squares, summarize_verdict,
+    MISSING, OK, GroupMismatch, PartReducer, combine_verdicts, decode_result, judge_members, sum_of_squares,
+    summarize_verdict,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class HvAllReduceRunner:
     """
 
     def __init__(self, *, p2p: P2P, servicer_type: type, prefix: str, group_info: GroupInfo, tensor: torch.Tensor,
-                 codec: Codec, timeouts: RoundTimeouts, chunk_bytes: int, norm_bound: Optional[float],
+                 codec: Codec, timeouts: RoundTimeouts, norm_bound: Optional[float],
                  direct_failed: Optional[FailedAddresses] = None, result: Optional[torch.Tensor] = None,
                  sent: Optional[torch.Tensor] = None):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
@@ -71,7 +72,9 @@ class HvAllReduceRunner:
             raise RoundError("rejected", f"round {self.key}: {e}") from None
         self.is_reducer = [m == AveragingMode.NODE for m in self.modes]
         self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
-        self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, chunk_bytes)
+        sizes = group_chunk_bytes(users)  # each reducer's part in the chunks it announced
+        self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, sizes)
+        self.t = timeouts.for_chunks(sizes, self.me)
         # direct TCP streams (direct.py): None where disabled; addresses whose connection failed
         self.direct_failed = direct_failed
         self.direct = [parse_address(u.get("direct")) if isinstance(u, dict) else None for u in users]
@@ -91,14 +94,14 @@ class HvAllReduceRunner:
         self.part = PartReducer(codec, self.my_chunks, status, norm_bound)
         self.sender_done = {s: asyncio.Event() for s in self.senders}
         self.connected: set[int] = set()
-        self.verdicts = {r: asyncio.get_event_loop().create_future() for r in range(n) if self.is_reducer[r] and r != self.me}
-        self.my_verdict = asyncio.get_event_loop().create_future()
-        self.final = asyncio.get_event_loop().create_future()  # (combined status, total weight)
-        self.result_chunks = [asyncio.get_event_loop().create_future() for _ in self.my_chunks]
+        loop = asyncio.get_event_loop()
+        self.verdicts = {r: loop.create_future() for r in range(n) if self.is_reducer[r] and r != self.me}
+        self.my_verdict, self.final = loop.create_future(), loop.create_future()  # final: (combined status, total weight)
+        self.result_chunks = [loop.create_future() for _ in self.my_chunks]
         self.part_status: dict[int, tuple[bytes, float]] = {}
         self.serving: dict[int, asyncio.Event] = {}
         self.finished = False
-        self._deadline = asyncio.get_event_loop().time() + timeouts.allreduce
+        self._deadline = loop.time() + timeouts.allreduce
         # wall-clock marks of the round's phases (time.time(): the host compares them with its own)
         self.marks: dict[str, float] = {"group": time.time()}
 
@@ -250,15 +253,13 @@ class HvAllReduceRunner:
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.sender_done.values())), self._remaining())
             self.marks["contributions"] = time.time()
-            verdict = self.part.verdict()
-            self.my_verdict.set_result(verdict)
+            self.my_verdict.set_result(verdict := self.part.verdict())
             others = [await asyncio.wait_for(asyncio.shield(self.verdicts[r]), self._remaining())
                       for r in sorted(self.verdicts)]
             final = combine_verdicts([verdict, *others])
             outcome = summarize_verdict(final, self.weights, self.me)
-            if not outcome.accepted or outcome.total_weight <= 0:
+            if not outcome.accepted or (total_weight := outcome.total_weight) <= 0:
                 raise RoundError("rejected", f"round {self.key}: no valid contribution left")
-            total_weight = outcome.total_weight
             self.marks["verdicts"] = time.time()
             self.final.set_result((final, total_weight))
             for j in range(len(self.my_chunks)):
@@ -320,6 +321,19 @@ class HvAllReduceRunner:
         return await asyncio.wait_for(stub.rpc_aggregate_part(as_protobufs(self._contributions_for(q))),
                                       min(self.t.next_chunk, self._remaining()))
 
+    async def _next_result(self, q: int, it: AsyncIterator, kind: int, j: int, timeout: float):
+        """Reducer ``q``'s next frame, which must be ``kind`` (RESULT chunk ``j``, or DONE)."""
+        msg = await asyncio.wait_for(it.__anext__(), timeout)
+        self.bytes_received += msg.ByteSize()
+        if msg.code != averaging_pb2.AVERAGED_PART:
+            raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
+        frame = unpack_frame(msg.tensor_part.buffer)
+        if frame.kind != kind or (kind == RESULT and frame.chunk != j) or len(frame.status) != len(self.peer_ids):
+            raise ProtocolError(f"expected {'result chunk %d' % j if kind == RESULT else 'the end of results'}, "
+                                f"got kind {frame.kind} chunk {frame.chunk}")
+        self._record_part(q, frame.status, frame.total_weight)
+        return frame
+
     async def _exchange_with(self, q: int) -> None:
         stream = None
         try:
@@ -327,25 +341,11 @@ class HvAllReduceRunner:
             it = stream.__aiter__()
             for j, (lo, hi) in enumerate(self.layout.chunks[q]):
                 timeout = self._remaining() if j == 0 else min(self.t.next_chunk, self._remaining())
-                msg = await asyncio.wait_for(it.__anext__(), timeout)
-                self.bytes_received += msg.ByteSize()
-                if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
-                frame = unpack_frame(msg.tensor_part.buffer)
-                if frame.kind != RESULT or frame.chunk != j or len(frame.status) != len(self.peer_ids):
-                    raise ProtocolError(f"expected result chunk {j}, got kind {frame.kind} chunk {frame.chunk}")
-                self._record_part(q, frame.status, frame.total_weight)
+                frame = await self._next_result(q, it, RESULT, j, timeout)
                 await self._in_executor(self._take_result, frame.payload, lo, hi, frame.status)
             # DONE (with the verdict when the part is empty) ends it; then we close: the reducer waits
             timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
-            msg = await asyncio.wait_for(it.__anext__(), timeout)
-            self.bytes_received += msg.ByteSize()
-            if msg.code != averaging_pb2.AVERAGED_PART:
-                raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
-            frame = unpack_frame(msg.tensor_part.buffer)
-            if frame.kind != DONE or len(frame.status) != len(self.peer_ids):
-                raise ProtocolError(f"expected the end of results, got kind {frame.kind} chunk {frame.chunk}")
-            self._record_part(q, frame.status, frame.total_weight)
+            await self._next_result(q, it, DONE, len(self.layout.chunks[q]), timeout)
         except RoundError:
             raise
         except StopAsyncIteration:
