@@ -21,7 +21,8 @@ peers, after ``matchmaking_time`` since the target of 3 is no longer reachable) 
 With ``--gloo``, the same run also times ``torch.distributed.all_reduce`` (gloo backend) of the
 same fp32 tensor between the same number of processes on 127.0.0.1 (one thread each, like the
 peers), and writes it as ``gloo_round_s`` next to each row's ``round_s_median``: the reference for
-"as fast as the link". ``--numels 10000000 50000000`` gives the 10M and 50M rows. With
+"as fast as the link". It times gloo again after the rows (``gloo_round_s_after``): gloo's own
+time moves between runs here. ``--numels 10000000 50000000`` gives the 10M and 50M rows. With
 ``--gloo``, each row also gets ``codec_floor_s`` (``codec_floor.py``): the codec work of the same
 round alone (encode, checks, mean, decode, the host's copy), spread over this machine's cores,
 which no implementation of the round on these cores beats. With ``--prematch``, every size gets a
@@ -348,6 +349,14 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
     for codec in args.codecs:
         rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo, floors,
                               prematch=args.prematch, link_mbit=args.loopback_mbit, chunk_bytes=args.chunk_bytes)
+    if gloo:  # again, after our rounds: gloo's own time moves between runs on this machine
+        after = {n: measure_gloo(n, args.rounds) if topo is None else measure_gloo_netns(topo, n, args.rounds)
+                 for n in gloo}
+        for row in rows:
+            row["gloo_round_s_after"] = after[row["numel"]]
+            print(f"{row['codec']}{' ahead' if row['prematch'] else ''} {row['numel']:,}: "
+                  f"{row['round_s_median'] / gloo[row['numel']]:.1f}x gloo before, "
+                  f"{row['round_s_median'] / after[row['numel']]:.1f}x gloo after ({after[row['numel']]:.3f} s)")
     report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()},
                   codec_floor_s={f"{c} {n}": t for (c, n), t in floors.items()}, start_ahead_s=START_AHEAD_S)
     if topo is not None:
