@@ -237,9 +237,10 @@ class NetConfig(_Strict):
     target_group_size: Optional[int] = Field(None, ge=1, description="override: start every round at this many "
                                              "peers (a larger swarm splits into disjoint groups); unset: each round "
                                              "waits for the run's live peers, counted on the DHT")
-    chunk_bytes: Optional[int] = Field(None, ge=1024, description="encoded bytes per streamed chunk of a part "
-                                       "(the local transport cuts parts the same way); default: what link_mbit "
-                                       "carries in 40 ms, 1-8 MiB")
+    chunk_bytes: Optional[int] = Field(None, ge=1024, le=64 << 20, description="encoded bytes per streamed chunk "
+                                       "of a part (the local transport cuts parts the same way); default: what "
+                                       "link_mbit carries in 40 ms, 1-8 MiB (a group cuts the smallest its members "
+                                       "announce)")
     direct: bool = Field(True, description="stream rounds' bulk bytes over direct TCP between groupmates "
                          "(fast, NOT encrypted), the p2p daemon as fallback; --no-direct: p2p daemon only "
                          "(encrypted, slower)")

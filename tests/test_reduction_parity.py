@@ -106,9 +106,9 @@ def test_the_codec_floor_notices_a_wrong_average(monkeypatch):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", ["fp32", "fp4-e3m0"])
 def test_peers_cutting_different_chunk_sizes_average_together(codec):
-    """Chunk sizes derive from each peer's own link rate, so a group mixes them: each reducer cuts
-    its part with the size it announced at matchmaking, and every member follows that layout. The
-    round succeeds, and each member's average is the in-process round's bit for bit."""
+    """Chunk sizes derive from each peer's own link rate, so a group mixes them: every member cuts
+    the smallest size announced at matchmaking. The round succeeds, and each member's average is
+    the in-process round's bit for bit (which cuts one size of its own)."""
     sizes = [1 << 12, 1 << 14, 1 << 16]
     overrides = {i: dict(chunk_bytes=c) for i, c in enumerate(sizes)}
     with LoopbackSwarm(3, run_id=f"mixed_chunks_{codec.replace('-', '_')}", peer_overrides=overrides,

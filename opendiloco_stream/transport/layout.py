@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
 from opendiloco_stream.compression import Codec
 
@@ -28,17 +28,12 @@ class GroupLayout:
     chunks: tuple[tuple[tuple[int, int], ...], ...]
 
     @classmethod
-    def build(cls, numel: int, is_reducer: Sequence[bool], align: int,
-              chunk_numel: Union[int, Sequence[int]]) -> "GroupLayout":
-        """``chunk_numel``: one size for every part, or one per member (its part's chunks)."""
+    def build(cls, numel: int, is_reducer: Sequence[bool], align: int, chunk_numel: int) -> "GroupLayout":
         reducers = [i for i, r in enumerate(is_reducer) if r]
         if not reducers:
             raise ValueError("a group needs at least one reducer (a peer not in client mode)")
         align = max(1, int(align))
-        sizes = [chunk_numel] * len(is_reducer) if isinstance(chunk_numel, int) else list(chunk_numel)
-        if len(sizes) != len(is_reducer):
-            raise ValueError(f"{len(sizes)} chunk sizes for a group of {len(is_reducer)}")
-        sizes = [max(align, int(c) // align * align) for c in sizes]
+        chunk_numel = max(align, chunk_numel // align * align)
         n_blocks = -(-numel // align)
         parts: list[tuple[int, int]] = [(0, 0)] * len(is_reducer)
         for k, i in enumerate(reducers):  # equal shares, whole blocks each
@@ -46,42 +41,42 @@ class GroupLayout:
             hi = min(numel, n_blocks * (k + 1) // len(reducers) * align)
             parts[i] = (lo, hi)
         chunks = tuple(
-            tuple((c, min(c + size, hi)) for c in range(lo, hi, size)) for (lo, hi), size in zip(parts, sizes)
+            tuple((c, min(c + chunk_numel, hi)) for c in range(lo, hi, chunk_numel)) for lo, hi in parts
         )
         return cls(numel, tuple(parts), chunks)
 
     @classmethod
     def for_codec(cls, codec: Codec, numel: int, is_reducer: Sequence[bool],
-                  chunk_bytes: Union[int, Sequence[int]] = DEFAULT_CHUNK_BYTES) -> "GroupLayout":
-        """The layout every transport uses: parts and chunks on whole blocks of ``codec``.
-        ``chunk_bytes``: one size, or each member's (:func:`group_chunk_bytes`), which cuts its part."""
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> "GroupLayout":
+        """The layout every transport uses: parts and chunks on whole blocks of ``codec``."""
         align = codec_alignment(codec)
-        if isinstance(chunk_bytes, int):
-            return cls.build(numel, is_reducer, align, chunk_numel_for(codec, chunk_bytes, align))
-        return cls.build(numel, is_reducer, align, [chunk_numel_for(codec, c, align) for c in chunk_bytes])
+        return cls.build(numel, is_reducer, align, chunk_numel_for(codec, chunk_bytes, align))
 
 
-def group_chunk_bytes(users: Sequence) -> list[int]:
-    """Each member's chunk size, from the metadata gathered at matchmaking (``chunk``): a reducer
-    cuts its own part with its own size, so peers on links of different rates (and so different
-    derived sizes) still agree on the layout. A member that does not say, or says something
-    outside ``MIN_CHUNK_BYTES``-``MAX_ANNOUNCED_CHUNK_BYTES``, gets ``DEFAULT_CHUNK_BYTES`` (what
+def group_chunk_bytes(users: Sequence) -> int:
+    """The group's chunk size: the smallest one its members announced at matchmaking (``chunk``).
+
+    Sizes derive from each peer's own link rate, so a group mixes them. With the smallest, no
+    chunk is larger than any member would cut for its own link, and a chunk from a slow member
+    arrives within the silence bound a fast reducer derived for its own chunks (as when every
+    peer cut 1 MiB). A member that does not say, or says something outside
+    ``MIN_CHUNK_BYTES``-``MAX_ANNOUNCED_CHUNK_BYTES``, counts as ``DEFAULT_CHUNK_BYTES`` (what
     peers used before the size was announced)."""
     sizes = []
     for user in users:
         c = user.get("chunk") if isinstance(user, dict) else None
         ok = isinstance(c, int) and not isinstance(c, bool) and MIN_CHUNK_BYTES <= c <= MAX_ANNOUNCED_CHUNK_BYTES
         sizes.append(c if ok else DEFAULT_CHUNK_BYTES)
-    return sizes
+    return min(sizes, default=DEFAULT_CHUNK_BYTES)
 
 
 def chunk_bytes_for_link(link_mbit: float) -> int:
     """The default chunk size: what a ``link_mbit`` link carries in ``CHUNK_SECONDS``, within
     ``DEFAULT_CHUNK_BYTES`` (1 MiB, up to ~200 Mbit/s) and ``MAX_CHUNK_BYTES`` (8 MiB, from ~1.7 Gbit/s).
 
-    Every chunk costs a message, a check and a result on each side, ~0.1-0.2 ms of Python and
-    thread hand-offs whatever its size; 1 MiB chunks made that a fifth of a loopback round's time
-    (docs/benchmarks.md, "Chunk size"). A chunk that takes at most 40 ms on its link keeps the
+    Every chunk costs a message, a check and a result on each side, whatever its size: a 10M fp32
+    loopback round (3 peers, group formed ahead) took 0.17-0.18 s in 1 MiB chunks and 0.14 s in
+    8 MiB (docs/benchmarks.md, "Chunk size"). A chunk that takes at most 40 ms on its link keeps the
     pipeline (a reducer checks chunk j while j+1 arrives) and ``next_chunk_timeout`` (derived from
     the chunk's transfer time) as they were on slow links."""
     if not link_mbit > 0:

@@ -63,7 +63,7 @@ def codec_spec(codec: Codec) -> list:
 def member_metadata(codec: Codec, numel: int, key: Hashable, weight: float,
                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
     """What a member tells the group about its contribution (gathered by matchmaking over hivemind);
-    ``chunk``: the size its part is cut into (``layout.group_chunk_bytes``)."""
+    ``chunk``: its chunk size (the group cuts the smallest, ``layout.group_chunk_bytes``)."""
     return dict(v=PROTOCOL_VERSION, w=float(weight), spec=codec_spec(codec), numel=int(numel),
                 key=[int(k) for k in key] if isinstance(key, (tuple, list)) else key, chunk=int(chunk_bytes))
 

@@ -72,9 +72,8 @@ class HvAllReduceRunner:
             raise RoundError("rejected", f"round {self.key}: {e}") from None
         self.is_reducer = [m == AveragingMode.NODE for m in self.modes]
         self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
-        sizes = group_chunk_bytes(users)  # each reducer's part in the chunks it announced
-        self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, sizes)
-        self.t = timeouts.for_chunks(sizes, self.me)
+        # chunks of the smallest size a member announced (sizes derive from each one's link rate)
+        self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, group_chunk_bytes(users))
         # direct TCP streams (direct.py): None where disabled; addresses whose connection failed
         self.direct_failed = direct_failed
         self.direct = [parse_address(u.get("direct")) if isinstance(u, dict) else None for u in users]
@@ -96,7 +95,7 @@ class HvAllReduceRunner:
         self.connected: set[int] = set()
         loop = asyncio.get_event_loop()
         self.verdicts = {r: loop.create_future() for r in range(n) if self.is_reducer[r] and r != self.me}
-        self.my_verdict, self.final = loop.create_future(), loop.create_future()  # final: (combined status, total weight)
+        self.my_verdict, self.final = loop.create_future(), loop.create_future()  # final: (status, total weight)
         self.result_chunks = [loop.create_future() for _ in self.my_chunks]
         self.part_status: dict[int, tuple[bytes, float]] = {}
         self.serving: dict[int, asyncio.Event] = {}

@@ -28,10 +28,9 @@ window too short for the hierarchy is a configuration error).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 SAFETY = 3.0
 NEXT_CHUNK_FLOOR_S = 5.0
@@ -56,15 +55,6 @@ class RoundTimeouts:
     matchmaking: float
     next_chunk: float
     allreduce: float
-
-    def for_chunks(self, sizes: Sequence[int], me: int) -> "RoundTimeouts":
-        """These bounds in a group whose members cut their parts in ``sizes`` bytes (``me``: ours).
-        ``next_chunk`` was derived for our own chunks: it stretches in proportion to the group's
-        largest (a peer on a faster link cuts larger ones), within half of ``allreduce``."""
-        if max(sizes) <= sizes[me]:
-            return self
-        stretched = min(self.next_chunk * max(sizes) / sizes[me], 0.5 * self.allreduce)
-        return dataclasses.replace(self, next_chunk=max(self.next_chunk, stretched))
 
     @property
     def group_deadline(self) -> float:

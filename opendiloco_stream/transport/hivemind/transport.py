@@ -79,7 +79,7 @@ class HivemindTransport(Transport):
         client_mode: for peers that cannot accept connections: they send and receive but reduce
             no part and serve no state.
         chunk_bytes: encoded bytes per streamed chunk; ``None``: what the link carries in 40 ms,
-            1-8 MiB (``reduce.chunk_bytes_for_link``).
+            1-8 MiB (``layout.chunk_bytes_for_link``); a group cuts the smallest its members announce.
         norm_bound: reject contributions whose norm exceeds this multiple of the group median
             (with 3+ contributions); ``None`` disables the check.
         state_timeout: the longest silence tolerated inside a state download.
