@@ -61,6 +61,7 @@ PEERS = 3
 # of the rows measured before the chunk size was derived from the link.
 LOOPBACK_MBIT = 10_000.0
 START_AHEAD_S = 0.3  # a round's common start, this far after its command is sent
+GLOO_ROUNDS = 20  # gloo's reference: at least this many rounds
 
 
 def stage_tensor(peer, seed: int, numel: int) -> None:
@@ -254,6 +255,13 @@ def measure_gloo_netns(topo, numel: int, rounds: int, peers: int = PEERS, timeou
     return statistics.median(max(times[i] for times in per_rank) for i in range(rounds))
 
 
+def time_gloo(numel: int, rounds: int, topo=None) -> float:
+    """gloo's reference for a row: at least ``GLOO_ROUNDS`` rounds (a round is short; its median
+    over a few rounds moved by 1.5x between runs here), on loopback or over ``topo``'s links."""
+    rounds = max(rounds, GLOO_ROUNDS)
+    return measure_gloo(numel, rounds) if topo is None else measure_gloo_netns(topo, numel, rounds)
+
+
 def measure_gloo(numel: int, rounds: int, peers: int = PEERS) -> float:
     """Median over rounds of the slowest rank's ``all_reduce`` time (gloo, fp32, 127.0.0.1)."""
     with socket.socket() as s:
@@ -328,7 +336,7 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
     gloo = {}
     if args.gloo:  # first, on a quiet machine (the peers' daemons are not up yet)
         for numel in args.numels:
-            gloo[numel] = measure_gloo(numel, args.rounds) if topo is None else measure_gloo_netns(topo, numel, args.rounds)
+            gloo[numel] = time_gloo(numel, args.rounds, topo)
             print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
     floors = {}
     if args.gloo:  # the codec work alone, spread over this machine's cores (codec_floor.py)
@@ -350,8 +358,7 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
         rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo, floors,
                               prematch=args.prematch, link_mbit=args.loopback_mbit, chunk_bytes=args.chunk_bytes)
     if gloo:  # again, after our rounds: gloo's own time moves between runs on this machine
-        after = {n: measure_gloo(n, args.rounds) if topo is None else measure_gloo_netns(topo, n, args.rounds)
-                 for n in gloo}
+        after = {n: time_gloo(n, args.rounds, topo) for n in gloo}
         for row in rows:
             row["gloo_round_s_after"] = after[row["numel"]]
             print(f"{row['codec']}{' ahead' if row['prematch'] else ''} {row['numel']:,}: "

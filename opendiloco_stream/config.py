@@ -222,7 +222,8 @@ class NetConfig(_Strict):
     run_key: Optional[SecretStr] = Field(None, description="the run key itself, instead of run_key_file (TOML or "
                                          "ODS_NET__RUN_KEY only: a flag would show in the process list)",
                                          json_schema_extra=cli(hidden=True))
-    link_mbit: float = Field(100.0, gt=0, description="expected per-peer link rate, used to derive timeouts")
+    link_mbit: float = Field(100.0, gt=0, description="expected per-peer link rate, used to derive timeouts "
+                             "and the chunk size")
     matchmaking_time: float = Field(5.0, gt=0, description="seconds a round waits for its group to form")
     request_timeout: float = Field(3.0, gt=0, description="bound on one matchmaking request (s); must be below "
                                    "matchmaking_time")
