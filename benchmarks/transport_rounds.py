@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Optional
 
 from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/hv_loopback.py, next to this script
+from opendiloco_stream.transport.layout import resolve_chunk_bytes
 
 PEERS = 3
 # What the transport is told 127.0.0.1 carries (one TCP stream moves ~28 Gbit/s here): it derives
@@ -67,13 +68,6 @@ GLOO_ROUNDS = 20  # gloo's reference: at least this many rounds
 def stage_tensor(peer, seed: int, numel: int) -> None:
     """Inside a peer (``LoopbackPeer.call``): draw the tensor of the next round."""
     peer.staged = make_tensor(seed, numel)
-
-
-def chunk_size(transport_kwargs: dict) -> int:
-    from opendiloco_stream.transport.layout import chunk_bytes_for_link
-
-    given = transport_kwargs.get("chunk_bytes")
-    return given if given is not None else chunk_bytes_for_link(transport_kwargs["link_mbit"])
 
 
 def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bool = False) -> dict:
@@ -134,7 +128,8 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                     got["phases"] += [r["phases"] for r in results]
             for early in modes:
                 rows.append(_summary(codec, numel, rounds, early, **seen[early]))
-                rows[-1].update(link_mbit_declared=kwargs["link_mbit"], chunk_bytes=chunk_size(kwargs))
+                rows[-1].update(link_mbit_declared=kwargs["link_mbit"],
+                                chunk_bytes=resolve_chunk_bytes(kwargs["chunk_bytes"], kwargs["link_mbit"]))
                 _finish_row(rows[-1], gloo, floors, topo, swarm, results)
     return rows
 
@@ -342,10 +337,9 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
     if args.gloo:  # the codec work alone, spread over this machine's cores (codec_floor.py)
         import codec_floor
 
+        chunk = resolve_chunk_bytes(args.chunk_bytes, topo.rate_mbit if topo is not None else args.loopback_mbit)
         for codec in args.codecs:
             for numel in args.numels:
-                chunk = chunk_size(dict(chunk_bytes=args.chunk_bytes,
-                                        link_mbit=topo.rate_mbit if topo is not None else args.loopback_mbit))
                 floors[(codec, numel)] = codec_floor.measure(codec, numel, PEERS, repeats=3, chunk_bytes=chunk)["floor_s"]
                 print(f"codec floor {codec}, {numel:,} elements: {floors[(codec, numel)]:.3f} s", flush=True)
     extra = (" gloo s  | ours/gloo | floor s |", "---------|-----------|---------|") if gloo else ("", "")

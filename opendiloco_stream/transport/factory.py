@@ -38,9 +38,9 @@ def codec_from_config(cfg: RunConfig) -> "Codec":
 def chunk_bytes(cfg: RunConfig) -> int:
     """``net.chunk_bytes``, or the size derived from ``net.link_mbit`` (the same for both transports,
     so a local run cuts parts as the hivemind run of the same config)."""
-    from opendiloco_stream.transport.layout import chunk_bytes_for_link
+    from opendiloco_stream.transport.layout import resolve_chunk_bytes
 
-    return cfg.net.chunk_bytes if cfg.net.chunk_bytes is not None else chunk_bytes_for_link(cfg.net.link_mbit)
+    return resolve_chunk_bytes(cfg.net.chunk_bytes, cfg.net.link_mbit)
 
 
 def local_swarm(cfg: RunConfig, workers: int) -> "LocalSwarm":

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from opendiloco_stream.compression import Codec
 
@@ -83,6 +83,17 @@ def chunk_bytes_for_link(link_mbit: float) -> int:
         raise ValueError(f"link_mbit must be > 0, got {link_mbit}")
     wanted = int(link_mbit * 1e6 / 8 * CHUNK_SECONDS)
     return max(DEFAULT_CHUNK_BYTES, min(MAX_CHUNK_BYTES, wanted))
+
+
+def resolve_chunk_bytes(chunk_bytes: Optional[int], link_mbit: float) -> int:
+    """A peer's chunk size: ``chunk_bytes`` if given (``MIN_CHUNK_BYTES``-``MAX_ANNOUNCED_CHUNK_BYTES``,
+    else ``ValueError``), or the one derived from the link (:func:`chunk_bytes_for_link`)."""
+    if chunk_bytes is None:
+        return chunk_bytes_for_link(link_mbit)
+    if not MIN_CHUNK_BYTES <= int(chunk_bytes) <= MAX_ANNOUNCED_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in {MIN_CHUNK_BYTES}..{MAX_ANNOUNCED_CHUNK_BYTES} (or None), "
+                         f"got {chunk_bytes}")
+    return int(chunk_bytes)
 
 
 def chunk_numel_for(codec: Codec, chunk_bytes: int, align: int) -> int:

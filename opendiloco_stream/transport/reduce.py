@@ -38,7 +38,7 @@ import torch
 
 from opendiloco_stream.compression import Codec, NonFiniteError, all_finite, native
 from opendiloco_stream.transport.bundle import pack_bundle, unpack_bundle
-from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES, GroupLayout, group_chunk_bytes
+from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES, GroupLayout
 
 PROTOCOL_VERSION = 1
 
@@ -310,7 +310,7 @@ def reduce_in_process(codec: Codec, tensors: Sequence[torch.Tensor], weights: Se
     except GroupMismatch as e:
         raise RoundRefused(f"round {key}: {e}") from None
     numel = flats[0].numel()
-    layout = GroupLayout.for_codec(codec, numel, [True] * n, group_chunk_bytes(metadata))
+    layout = GroupLayout.for_codec(codec, numel, [True] * n, chunk_bytes)  # every member cuts the same size
     sent = [torch.empty(numel) for _ in range(n)]
     wire_contrib = [[0] * n for _ in range(n)]  # [sender][reducer] bytes
     wire_result = [0] * n  # [reducer] bytes of its part's result, sent to each other member

@@ -49,7 +49,7 @@ from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane 
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
 from opendiloco_stream.transport.hivemind.state import StateSharing
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
-from opendiloco_stream.transport.layout import MAX_ANNOUNCED_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_bytes_for_link
+from opendiloco_stream.transport.layout import resolve_chunk_bytes
 from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND
 
 logger = logging.getLogger(__name__)
@@ -112,10 +112,7 @@ class HivemindTransport(Transport):
         self.codec = get_codec(codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic,
                                density=density)
         self.dht, self.run_id, self.client_mode = dht, run_id, client_mode
-        self.chunk_bytes = int(chunk_bytes) if chunk_bytes is not None else chunk_bytes_for_link(link_mbit)
-        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_ANNOUNCED_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes must be in {MIN_CHUNK_BYTES}..{MAX_ANNOUNCED_CHUNK_BYTES} (or None), "
-                             f"got {chunk_bytes}")
+        self.chunk_bytes = resolve_chunk_bytes(chunk_bytes, link_mbit)
         self.target_group_size, self.norm_bound = target_group_size, norm_bound
         self.link_mbit, self.window_s, self.startup_timeout = link_mbit, window_s, startup_timeout
         self.timeout_args = dict(matchmaking_time=matchmaking_time, request_timeout=request_timeout,
