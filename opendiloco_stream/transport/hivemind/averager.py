@@ -45,6 +45,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import Codec, native
 from opendiloco_stream.transport.hivemind.direct import DirectListener, FailedAddresses, RunningGroups, serve_connections
+from opendiloco_stream.transport.hivemind.forked import renew_torch_thread_pool
 from opendiloco_stream.transport.hivemind.protocol import as_protobufs
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
 from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, RoundTimeouts
@@ -135,6 +136,7 @@ class FragmentAverager(DecentralizedAverager):
     def run(self) -> None:
         # The host handles Ctrl-C and shuts us down; if the host dies without doing so, so do we.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        renew_torch_thread_pool()  # before any thread of ours or hivemind's runs a torch op
         hivemind_level = os.environ.get("ODS_HIVEMIND_LOG", "CRITICAL").upper()  # DEBUG to debug matchmaking
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(hivemind_level)

@@ -30,7 +30,6 @@ from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddr
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
-from opendiloco_stream.transport.hivemind.forked import once_more_on_bad_pool
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
 from opendiloco_stream.transport.hivemind.round_report import describe_progress, round_summary
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
@@ -112,7 +111,7 @@ class HvAllReduceRunner:
         return str(self.peer_ids[i])
 
     async def _in_executor(self, fn, *args):
-        return await asyncio.get_event_loop().run_in_executor(None, once_more_on_bad_pool, fn, *args)
+        return await asyncio.get_event_loop().run_in_executor(None, fn, *args)
 
     def encode_contribution(self, chunk: torch.Tensor) -> bytes:
         """What goes on the wire for one chunk of this peer's tensor."""
