@@ -22,7 +22,11 @@ With ``--gloo``, the same run also times ``torch.distributed.all_reduce`` (gloo 
 same fp32 tensor between the same number of processes on 127.0.0.1 (one thread each, like the
 peers), and writes it as ``gloo_round_s`` next to each row's ``round_s_median``: the reference for
 "as fast as the link". It times gloo again after the rows (``gloo_round_s_after``): gloo's own
-time moves between runs here. ``--numels 10000000 50000000`` gives the 10M and 50M rows. With
+time moves between runs here. On loopback the gloo ranks stay up (``gloo_ref.GlooRanks``) and also
+run ``GLOO_BETWEEN`` rounds right after each of our timed rounds: ``ours_over_gloo_between`` is
+each of our rounds over the median of those, ``ours_over_gloo_between_median`` their median, a
+ratio taken in the machine's state of that very round. ``--numels 10000000 50000000`` gives the
+10M and 50M rows. With
 ``--gloo``, each row also gets ``codec_floor_s`` (``codec_floor.py``): the codec work of the same
 round alone (encode, checks, mean, decode, the host's copy), spread over this machine's cores,
 which no implementation of the round on these cores beats. With ``--prematch``, every size gets a
@@ -42,17 +46,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+from gloo_ref import GlooRanks, time_gloo  # benchmarks/gloo_ref.py
 from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/hv_loopback.py, next to this script
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
 
@@ -62,7 +62,7 @@ PEERS = 3
 # of the rows measured before the chunk size was derived from the link.
 LOOPBACK_MBIT = 10_000.0
 START_AHEAD_S = 0.3  # a round's common start, this far after its command is sent
-GLOO_ROUNDS = 20  # gloo's reference: at least this many rounds
+GLOO_BETWEEN = 3  # gloo rounds timed after each of our timed rounds (--gloo, on loopback)
 
 
 def stage_tensor(peer, seed: int, numel: int) -> None:
@@ -85,9 +85,11 @@ def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bo
 def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
                   gloo: Optional[dict[int, float]] = None, topo=None,
                   floors: Optional[dict[tuple, float]] = None, prematch: bool = False,
-                  link_mbit: float = LOOPBACK_MBIT, chunk_bytes: Optional[int] = None) -> list[dict]:
+                  link_mbit: float = LOOPBACK_MBIT, chunk_bytes: Optional[int] = None,
+                  between: Optional[GlooRanks] = None) -> list[dict]:
     """One row per size, or with ``prematch`` two, from alternating rounds: the group formed at
-    the round's start (as without it), and formed ahead."""
+    the round's start (as without it), and formed ahead. ``between``: gloo ranks that time
+    ``GLOO_BETWEEN`` rounds of the same size after each of our timed rounds."""
     rows = []
     kwargs = dict(codec=codec, target_group_size=PEERS, matchmaking_time=matchmaking_time, request_timeout=1.0,
                   link_mbit=link_mbit, chunk_bytes=chunk_bytes)
@@ -100,7 +102,7 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
         swarm.call_all("prepare", {f: n for f, n in enumerate(numels)}, timeout=300)
         for fragment, numel in enumerate(numels):
             modes = [False, True] if prematch else [False]
-            seen = {m: dict(times=[], sent=[], received=[], phases=[], late=[]) for m in modes}
+            seen = {m: dict(times=[], sent=[], received=[], phases=[], late=[], gloo=[]) for m in modes}
             for rnd in range(rounds + 1):
                 for m, early in enumerate(modes):
                     key = (fragment, rnd * len(modes) + m)
@@ -126,6 +128,8 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                     got["sent"].append(statistics.mean(r["bytes_sent"] for r in results))
                     got["received"].append(statistics.mean(r["bytes_received"] for r in results))
                     got["phases"] += [r["phases"] for r in results]
+                    if between is not None:  # gloo now, in the machine's state of this very round
+                        got["gloo"].append(between.times(numel, GLOO_BETWEEN))
             for early in modes:
                 rows.append(_summary(codec, numel, rounds, early, **seen[early]))
                 rows[-1].update(link_mbit_declared=kwargs["link_mbit"],
@@ -135,13 +139,18 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
 
 
 def _summary(codec: str, numel: int, rounds: int, prematch: bool, times: list, sent: list, received: list,
-             phases: list, late: list) -> dict:
-    return dict(codec=codec, numel=numel, peers=PEERS, rounds=rounds, prematch=prematch,
+             phases: list, late: list, gloo: list) -> dict:
+    row = dict(codec=codec, numel=numel, peers=PEERS, rounds=rounds, prematch=prematch,
                 round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
                 bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
                 wire_bits_per_element=8 * statistics.mean(sent) / numel,
                 phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
                 started_late_s_max=max(late))
+    if gloo:  # each of our rounds over the median of the gloo rounds right after it
+        row.update(gloo_between_s_median=statistics.median(t for ts in gloo for t in ts),
+                   ours_over_gloo_between=[ours / statistics.median(ts) for ours, ts in zip(times, gloo)])
+        row["ours_over_gloo_between_median"] = statistics.median(row["ours_over_gloo_between"])
+    return row
 
 
 def _finish_row(row: dict, gloo: Optional[dict], floors: Optional[dict], topo, swarm, results: list) -> None:
@@ -184,98 +193,6 @@ def measure_kill(numel: int, codec: str, matchmaking_time: float) -> dict:
         out.update(next_round_ok=all(r["ok"] for r in results), next_round_group=results[0].get("group_size"),
                    next_round_s=time.monotonic() - t0, matchmaking_time=matchmaking_time)
         return out
-
-
-def _gloo_rank(rank: int, world: int, port: int, numel: int, rounds: int, out) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # as the loopback peers
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        tensor = make_tensor(rank, numel)
-        times = []
-        for rnd in range(rounds + 1):
-            work = tensor.clone()
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(work)
-            if rnd:  # round 0 is the warm-up
-                times.append(time.perf_counter() - t0)
-        out.put((rank, times))
-    finally:
-        dist.destroy_process_group()
-
-
-_GLOO_RANK = r"""
-import json, os, sys, time
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-from hv_loopback import make_tensor
-rank, world, addr, numel, rounds = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world)
-tensor, times = make_tensor(rank, numel), []
-for rnd in range(rounds + 1):
-    work = tensor.clone()
-    dist.barrier()
-    t0 = time.perf_counter()
-    dist.all_reduce(work)
-    if rnd:
-        times.append(time.perf_counter() - t0)
-dist.destroy_process_group()
-print(json.dumps(times), flush=True)
-"""
-
-
-def measure_gloo_netns(topo, numel: int, rounds: int, peers: int = PEERS, timeout: float = 600) -> float:
-    """As :func:`measure_gloo`, each rank in its peer namespace behind the shaped link (TCP on ``wan0``)."""
-    addr = f"{topo.ip('p0')}:{random.randint(20000, 60000)}"  # fresh namespaces: nothing else listens
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "wan0"}
-    procs = [subprocess.Popen(topo.exec_argv(f"p{r}", [sys.executable, "-c", _GLOO_RANK, str(Path(__file__).parent),
-                                                        str(r), str(peers), addr, str(numel), str(rounds)]),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(peers)]
-    try:
-        outs = [proc.communicate(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    for proc, (out, err) in zip(procs, outs):
-        if proc.returncode != 0:
-            raise RuntimeError(f"gloo rank failed in its namespace: {err[-800:]}")
-    per_rank = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    return statistics.median(max(times[i] for times in per_rank) for i in range(rounds))
-
-
-def time_gloo(numel: int, rounds: int, topo=None) -> float:
-    """gloo's reference for a row: at least ``GLOO_ROUNDS`` rounds (a round is short; its median
-    over a few rounds moved by 1.5x between runs here), on loopback or over ``topo``'s links."""
-    rounds = max(rounds, GLOO_ROUNDS)
-    return measure_gloo(numel, rounds) if topo is None else measure_gloo_netns(topo, numel, rounds)
-
-
-def measure_gloo(numel: int, rounds: int, peers: int = PEERS) -> float:
-    """Median over rounds of the slowest rank's ``all_reduce`` time (gloo, fp32, 127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, peers, port, numel, rounds, out), daemon=True)
-             for r in range(peers)]
-    for proc in procs:
-        proc.start()
-    try:
-        per_rank = dict(out.get(timeout=600) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-    return statistics.median(max(per_rank[r][i] for r in per_rank) for i in range(rounds))
 
 
 def _row(r: dict) -> str:
@@ -328,10 +245,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> int:
+    if not args.gloo or topo is not None:  # over shaped links gloo runs in the namespaces, before and after
+        return _run(args, topo, probe, None)
+    with GlooRanks(PEERS) as ranks:  # up from the start: timed before, between and after our rounds
+        return _run(args, topo, probe, ranks)
+
+
+def _run(args: argparse.Namespace, topo, probe: Optional[dict], ranks: Optional[GlooRanks]) -> int:
     gloo = {}
     if args.gloo:  # first, on a quiet machine (the peers' daemons are not up yet)
         for numel in args.numels:
-            gloo[numel] = time_gloo(numel, args.rounds, topo)
+            gloo[numel] = time_gloo(numel, args.rounds, topo, ranks)
             print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
     floors = {}
     if args.gloo:  # the codec work alone, spread over this machine's cores (codec_floor.py)
@@ -350,14 +274,18 @@ def run(args: argparse.Namespace, topo=None, probe: Optional[dict] = None) -> in
     rows = []
     for codec in args.codecs:
         rows += measure_codec(codec, args.numels, args.rounds, args.matchmaking_time, gloo, topo, floors,
-                              prematch=args.prematch, link_mbit=args.loopback_mbit, chunk_bytes=args.chunk_bytes)
+                              prematch=args.prematch, link_mbit=args.loopback_mbit, chunk_bytes=args.chunk_bytes,
+                              between=ranks)
     if gloo:  # again, after our rounds: gloo's own time moves between runs on this machine
-        after = {n: time_gloo(n, args.rounds, topo) for n in gloo}
+        after = {n: time_gloo(n, args.rounds, topo, ranks) for n in gloo}
         for row in rows:
             row["gloo_round_s_after"] = after[row["numel"]]
             print(f"{row['codec']}{' ahead' if row['prematch'] else ''} {row['numel']:,}: "
                   f"{row['round_s_median'] / gloo[row['numel']]:.1f}x gloo before, "
-                  f"{row['round_s_median'] / after[row['numel']]:.1f}x gloo after ({after[row['numel']]:.3f} s)")
+                  f"{row['round_s_median'] / after[row['numel']]:.1f}x gloo after ({after[row['numel']]:.3f} s)"
+                  + (f", {row['ours_over_gloo_between_median']:.1f}x gloo between rounds (median of "
+                     f"{len(row['ours_over_gloo_between'])} ratios; gloo {row['gloo_between_s_median']:.3f} s)"
+                     if "ours_over_gloo_between" in row else ""))
     report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()},
                   codec_floor_s={f"{c} {n}": t for (c, n), t in floors.items()}, start_ahead_s=START_AHEAD_S)
     if topo is not None:
