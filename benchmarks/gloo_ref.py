@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -32,8 +33,6 @@ GLOO_ROUNDS = 20  # a reference timed alone: at least this many rounds (a median
 
 def _serve_rank(rank: int, world: int, port: int, conn) -> None:
     """A rank: ``(numel, rounds)`` -> its times of ``rounds`` timed all_reduces; None ends it."""
-    import time
-
     import torch
     import torch.distributed as dist
 

@@ -141,11 +141,11 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
 def _summary(codec: str, numel: int, rounds: int, prematch: bool, times: list, sent: list, received: list,
              phases: list, late: list, gloo: list) -> dict:
     row = dict(codec=codec, numel=numel, peers=PEERS, rounds=rounds, prematch=prematch,
-                round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
-                bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
-                wire_bits_per_element=8 * statistics.mean(sent) / numel,
-                phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
-                started_late_s_max=max(late))
+               round_s_median=statistics.median(times), round_s_min=min(times), round_s_max=max(times),
+               bytes_sent_per_peer=statistics.mean(sent), bytes_received_per_peer=statistics.mean(received),
+               wire_bits_per_element=8 * statistics.mean(sent) / numel,
+               phases_s_median={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
+               started_late_s_max=max(late))
     if gloo:  # each of our rounds over the median of the gloo rounds right after it
         row.update(gloo_between_s_median=statistics.median(t for ts in gloo for t in ts),
                    ours_over_gloo_between=[ours / statistics.median(ts) for ours, ts in zip(times, gloo)])
