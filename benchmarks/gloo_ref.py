@@ -31,6 +31,22 @@ PEERS = 3
 GLOO_ROUNDS = 20  # a reference timed alone: at least this many rounds (a median over a few moved 1.5x)
 
 
+def time_all_reduces(tensor, rounds: int) -> list[float]:
+    """This rank's time of each of ``rounds`` all_reduces of a copy of ``tensor`` (each after a
+    barrier), after one warm-up round; the process group is initialized."""
+    import torch.distributed as dist
+
+    times = []
+    for rnd in range(rounds + 1):
+        work = tensor.clone()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(work)
+        if rnd:  # round 0 is the warm-up
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def _serve_rank(rank: int, world: int, port: int, conn) -> None:
     """A rank: ``(numel, rounds)`` -> its times of ``rounds`` timed all_reduces; None ends it."""
     import torch
@@ -42,16 +58,7 @@ def _serve_rank(rank: int, world: int, port: int, conn) -> None:
     try:
         while (command := conn.recv()) is not None:
             numel, rounds = command
-            tensor = tensors.setdefault(numel, make_tensor(rank, numel))
-            times = []
-            for rnd in range(rounds + 1):
-                work = tensor.clone()
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(work)
-                if rnd:  # round 0 is the warm-up
-                    times.append(time.perf_counter() - t0)
-            conn.send(times)
+            conn.send(time_all_reduces(tensors.setdefault(numel, make_tensor(rank, numel)), rounds))
     finally:
         dist.destroy_process_group()
 
@@ -103,35 +110,24 @@ class GlooRanks:
         self.close()
 
 
-def measure_gloo(numel: int, rounds: int, peers: int = PEERS) -> float:
-    """Median over rounds of the slowest rank's ``all_reduce`` time (gloo, fp32, 127.0.0.1)."""
-    with GlooRanks(peers) as ranks:
-        return statistics.median(ranks.times(numel, rounds))
-
-
 _GLOO_RANK = r"""
-import json, os, sys, time
+import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
+from gloo_ref import time_all_reduces
 from hv_loopback import make_tensor
 rank, world, addr, numel, rounds = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world)
-tensor, times = make_tensor(rank, numel), []
-for rnd in range(rounds + 1):
-    work = tensor.clone()
-    dist.barrier()
-    t0 = time.perf_counter()
-    dist.all_reduce(work)
-    if rnd:
-        times.append(time.perf_counter() - t0)
+times = time_all_reduces(make_tensor(rank, numel), rounds)
 dist.destroy_process_group()
 print(json.dumps(times), flush=True)
 """
 
 
 def measure_gloo_netns(topo, numel: int, rounds: int, peers: int = PEERS, timeout: float = 600) -> float:
-    """As :func:`measure_gloo`, each rank in its peer namespace behind the shaped link (TCP on ``wan0``)."""
+    """Median over rounds of the slowest rank's ``all_reduce`` time, each rank in its peer namespace
+    behind the shaped link (TCP on ``wan0``)."""
     addr = f"{topo.ip('p0')}:{random.randint(20000, 60000)}"  # fresh namespaces: nothing else listens
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "wan0"}
     procs = [subprocess.Popen(topo.exec_argv(f"p{r}", [sys.executable, "-c", _GLOO_RANK, str(Path(__file__).parent),
@@ -153,11 +149,11 @@ def measure_gloo_netns(topo, numel: int, rounds: int, peers: int = PEERS, timeou
 
 
 def time_gloo(numel: int, rounds: int, topo=None, ranks: Optional[GlooRanks] = None) -> float:
-    """gloo's reference for a row, timed alone: at least ``GLOO_ROUNDS`` rounds, on loopback (in
-    ``ranks`` if given) or over ``topo``'s links."""
+    """gloo's reference for a row, timed alone: the median of at least ``GLOO_ROUNDS`` rounds, over
+    ``topo``'s links, else in ``ranks`` on loopback."""
     rounds = max(rounds, GLOO_ROUNDS)
     if topo is not None:
         return measure_gloo_netns(topo, numel, rounds)
-    if ranks is not None:
-        return statistics.median(ranks.times(numel, rounds))
-    return measure_gloo(numel, rounds)
+    if ranks is None:
+        raise ValueError("time_gloo needs the namespaces (topo) or running gloo ranks")
+    return statistics.median(ranks.times(numel, rounds))
