@@ -39,6 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
+# ``net.chunk_bytes``'s bounds; transport/layout.py takes them from here (this module loads no torch)
+CHUNK_BYTES_BOUNDS = (1024, 64 << 20)
+
 # The one list of sync modes; the codec list is the wire registry's (compression/wire.py).
 MODES = ("blocking", "overlap", "eager", "naive-delayed", "data-parallel")
 CODECS = CODEC_NAMES
@@ -238,10 +241,10 @@ class NetConfig(_Strict):
     target_group_size: Optional[int] = Field(None, ge=1, description="override: start every round at this many "
                                              "peers (a larger swarm splits into disjoint groups); unset: each round "
                                              "waits for the run's live peers, counted on the DHT")
-    chunk_bytes: Optional[int] = Field(None, ge=1024, le=64 << 20, description="encoded bytes per streamed chunk "
-                                       "of a part (the local transport cuts parts the same way); default: what "
-                                       "link_mbit carries in 40 ms, 1-8 MiB (a group cuts the smallest its members "
-                                       "announce)")
+    chunk_bytes: Optional[int] = Field(None, ge=CHUNK_BYTES_BOUNDS[0], le=CHUNK_BYTES_BOUNDS[1],
+                                       description="encoded bytes per streamed chunk of a part (the local "
+                                       "transport cuts parts the same way); default: what link_mbit carries in "
+                                       "40 ms, 1-8 MiB (a group cuts the smallest its members announce)")
     direct: bool = Field(True, description="stream rounds' bulk bytes over direct TCP between groupmates "
                          "(fast, NOT encrypted), the p2p daemon as fallback; --no-direct: p2p daemon only "
                          "(encrypted, slower)")

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from opendiloco_stream.compression import Codec
+from opendiloco_stream.config import CHUNK_BYTES_BOUNDS
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # the smallest derived chunk (slow links), and the local transport's default
-MAX_CHUNK_BYTES = 8 << 20
+MAX_CHUNK_BYTES = 8 << 20  # the largest derived chunk (MAX_ANNOUNCED_CHUNK_BYTES: the largest taken)
 CHUNK_SECONDS = 0.04  # a derived chunk is what the link carries in this long
-MIN_CHUNK_BYTES = 1024  # as ``net.chunk_bytes``'s bound
-MAX_ANNOUNCED_CHUNK_BYTES = 64 << 20  # a larger size announced by a groupmate is not taken
+MIN_CHUNK_BYTES, MAX_ANNOUNCED_CHUNK_BYTES = CHUNK_BYTES_BOUNDS  # net.chunk_bytes's; no larger size is taken
 
 
 @dataclass(frozen=True)
