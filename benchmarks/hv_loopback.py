@@ -52,6 +52,7 @@ class _Peer:
 
     def __init__(self, dht, transport):
         self.dht, self.transport = dht, transport
+        self.last_average: Optional[torch.Tensor] = None
 
     def prepare(self, numels: dict) -> None:
         self.transport.prepare(numels)
@@ -75,7 +76,11 @@ class _Peer:
 
     def all_reduce(self, key: tuple, tensor: Optional[torch.Tensor] = None, *, seed: int = 0, numel: int = 0,
                    offset: float = 0.0, weight: float = 1.0, wait_timeout: Optional[float] = None,
-                   return_tensors: bool = True, abandon_after_s: Optional[float] = None) -> dict:
+                   return_tensors: bool = True, abandon_after_s: Optional[float] = None,
+                   digest_later: bool = False) -> dict:
+        """One round. ``sha256``: the average's digest, taken here, or with ``digest_later`` by
+        :meth:`digest` (a timed round: the first peer's hashing would compete with the peers still
+        finishing theirs for the machine's cores)."""
         from opendiloco_stream.transport.base import SyncFailed
 
         if tensor is None:
@@ -97,11 +102,17 @@ class _Peer:
                    group_size=result.group_size,
                    weight_share=result.weight_share, bytes_sent=result.bytes_sent,
                    bytes_received=result.bytes_received, peers=result.peers, included_self=result.included_self,
-                   rejected=result.rejected, expected_size=result.expected_size, phases=result.phases,
-                   sha256=hashlib.sha256(result.average.numpy()).hexdigest())  # hashed in place
+                   rejected=result.rejected, expected_size=result.expected_size, phases=result.phases)
+        self.last_average = result.average
+        if not digest_later:
+            out["sha256"] = self.digest()
         if return_tensors:
             out.update(average=result.average, sent=result.sent)
         return out
+
+    def digest(self) -> str:
+        """sha256 of the last round's average (hashed in place)."""
+        return hashlib.sha256(self.last_average.numpy()).hexdigest()
 
     def set_state_provider(self, factory: str, **kwargs) -> None:
         self.transport.set_state_provider(resolve(factory)(**kwargs))

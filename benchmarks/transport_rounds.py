@@ -78,7 +78,7 @@ def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bo
         peer.transport.prematch(tuple(key), weight)
     time.sleep(max(0.0, start_at - time.time()))
     started = time.time()
-    out = peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False)
+    out = peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False, digest_later=True)
     return dict(out, started_late_s=started - start_at)
 
 
@@ -118,7 +118,8 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                     if failed:
                         raise RuntimeError(f"{codec} numel={numel} round {key[1]}: " + "; ".join(
                             f"peer {i}: {r['reason']}: {r['message']}" for i, r in enumerate(results) if not r["ok"]))
-                    if len({r["sha256"] for r in results}) != 1:
+                    # digests once every peer is done, not while later peers still finish their round
+                    if len(set(swarm.call_all("digest", timeout=120))) != 1:
                         raise RuntimeError(f"{codec} numel={numel} round {key[1]}: averages differ between peers")
                     if rnd == 0:
                         continue  # warm-up: first-touch allocations, connections
