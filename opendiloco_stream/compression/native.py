@@ -239,18 +239,13 @@ def dequantize(codes: torch.Tensor, numel: int, block: int, step: torch.Tensor, 
                                           out.data_ptr())
 
 
-def weighted_mean(values: list[torch.Tensor], weights: list[float], total: float,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def weighted_mean(values: list[torch.Tensor], weights: list[float], total: float) -> torch.Tensor:
     """``reduce.weighted_mean`` in one pass (same rounding: fp32 weights and total, separate
-    products and sums). ``values``: contiguous fp32 CPU tensors of one size; ``out``: where to
-    write it (contiguous fp32 CPU, not one of ``values``), else a new tensor."""
+    products and sums). ``values``: contiguous fp32 CPU tensors of one size."""
     n = values[0].numel()
     if any(v.numel() != n or v.dtype != torch.float32 for v in values) or len(weights) != len(values):
         raise ValueError("native weighted_mean: tensors of different sizes or dtypes")
-    if out is None:
-        out = torch.empty(n, dtype=torch.float32)
-    elif out.numel() != n or out.dtype != torch.float32 or not usable(out):
-        raise ValueError("native weighted_mean: out must be a contiguous fp32 CPU tensor of the values' size")
+    out = torch.empty(n, dtype=torch.float32)
     pointers = (ctypes.c_void_p * len(values))(*(v.data_ptr() for v in values))
     factors = (ctypes.c_float * len(weights))(*weights)
     _library().ods_weighted_mean(pointers, factors, len(values), n, total, out.data_ptr())

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
@@ -154,16 +154,13 @@ def combine_verdicts(verdicts: Sequence[bytes]) -> bytes:
     return bytes(max(v[i] for v in verdicts) for i in range(size))
 
 
-def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float],
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """fp32 weighted mean, summed in the given order, every product and sum rounded on its own (no
-    fused multiply-add): bit-identical on any thread count, and in the native kernel (one pass).
-    ``out``: an fp32 tensor of the values' size to write it into (not one of ``values``)."""
+    fused multiply-add): bit-identical on any thread count, and in the native kernel (one pass)."""
     total = float(sum(weights))
-    if native.usable(*values) and all(v.dtype == torch.float32 and v.dim() == 1 for v in values) and (
-            out is None or (native.usable(out) and out.dim() == 1)):
-        return native.weighted_mean(list(values), [float(w) for w in weights], total, out=out)
-    acc = torch.mul(values[0], weights[0], out=out) if out is not None else values[0] * weights[0]
+    if native.usable(*values) and all(v.dtype == torch.float32 and v.dim() == 1 for v in values):
+        return native.weighted_mean(list(values), [float(w) for w in weights], total)
+    acc = values[0] * weights[0]
     for v, w in zip(values[1:], weights[1:]):
         acc.add_(v * w)
     return acc.div_(total)
@@ -182,7 +179,6 @@ class PartReducer:
         self.values: list[list[Optional[torch.Tensor]]] = [[None] * len(self.chunks) for _ in self.status]
         self.payloads: list[list[Optional[bytes]]] = [[None] * len(self.chunks) for _ in self.status]
         self.sumsq = [0.0] * len(self.status)
-        self.ahead: dict[int, Optional[tuple]] = {}  # chunk -> (senders, (payload, result)) reduced ahead
 
     def check(self, j: int, payload: bytes) -> tuple[Optional[torch.Tensor], str, float, Optional[bytes]]:
         """Validate chunk ``j`` of a contribution: values (or None and why), squared norm, and the
@@ -221,61 +217,26 @@ class PartReducer:
         """This reducer's verdict once every sender was heard or given up on (norms checked)."""
         return bytes(norm_verdict(self.status, self.sumsq, self.norm_bound))
 
-    def reduce_chunk(self, j: int, final: bytes, weights: Sequence[float], parts: bool = False,
-                     out: Optional[torch.Tensor] = None) -> tuple:
+    def reduce_chunk(self, j: int, final: bytes, weights: Sequence[float], parts: bool = False) -> tuple:
         """Chunk ``j`` of the result under the group's verdict ``final``: the bytes every member
-        receives and what they decode to (:func:`decode_result`), written into ``out`` if given.
-        Dense codecs: the weighted fp32 mean, encoded once. Sparse codecs: the accepted
-        contributions' own bytes, forwarded, whose weighted fp32 mean every member computes the
-        same way (or a dense fp4 mean for large groups). With ``parts``, an fp32 result's bytes are
-        ``Codec.encode_parts`` of the mean (no copy: the bytes are ``out``'s memory). A chunk
-        reduced ahead (:meth:`reduce_ahead`, with the same ``out``) over exactly the accepted
-        senders is taken as it is: the same values, weights and order, so the same bits."""
-        accepted = tuple(s for s in range(len(final)) if final[s] == OK)
-        ahead = self.ahead.pop(j, None)
-        if ahead is not None and ahead[0] == accepted:
-            payload, result = ahead[1]
+        receives and what they decode to (:func:`decode_result`). Dense codecs: the weighted fp32
+        mean, encoded once. Sparse codecs: the accepted contributions' own bytes, forwarded, whose
+        weighted fp32 mean every member computes the same way (or a dense fp4 mean for large groups).
+        With ``parts``, an fp32 result's bytes are ``Codec.encode_parts`` of the mean (no copy)."""
+        accepted = [s for s in range(len(final)) if final[s] == OK]
+        mean = weighted_mean([self.values[s][j] for s in accepted], [weights[s] for s in accepted])
+        fmt = self.codec.result_codec(len(accepted))
+        if fmt is None:
+            payload, result = pack_bundle([self.payloads[s][j] for s in accepted]), mean
+        elif parts and fmt.name == "fp32":  # lossless: the mean is the result, its memory the bytes
+            payload, result = fmt.encode_parts(mean), mean
         else:
-            payload, result = self._result(j, accepted, weights, parts, out)
+            payload = fmt.encode(mean)
+            lo, hi = self.chunks[j]
+            result = fmt.decode(payload, numel=hi - lo)
         for s in accepted:
             self.values[s][j] = self.payloads[s][j] = None
         return payload, result
-
-    def reduce_ahead(self, j: int, weights: Sequence[float], parts: bool = False,
-                     out: Optional[torch.Tensor] = None) -> Optional[Callable[[], None]]:
-        """Chunk ``j``'s result before the verdicts, once every sender still OK has sent it: a call
-        (safe in an executor thread; the caller lets it finish before ``reduce_chunk(j)``) that
-        computes it for :meth:`reduce_chunk`, which takes it if the group's verdict accepts exactly
-        those senders (the usual case) and computes it again otherwise. None while the chunk is
-        incomplete, or if it was taken already."""
-        accepted = tuple(s for s, status in enumerate(self.status) if status == OK)
-        if not accepted or j in self.ahead or any(self.values[s][j] is None for s in accepted):
-            return None
-        self.ahead[j] = None  # taken: a call is on its way
-        inputs = self._inputs(j, accepted)  # read now, in the owner's thread
-
-        def run() -> None:
-            self.ahead[j] = (accepted, self._result(j, accepted, weights, parts, out, inputs))
-        return run
-
-    def _inputs(self, j: int, accepted: Sequence[int]) -> tuple[list, list]:
-        return [self.values[s][j] for s in accepted], [self.payloads[s][j] for s in accepted]
-
-    def _result(self, j: int, accepted: Sequence[int], weights: Sequence[float], parts: bool,
-                out: Optional[torch.Tensor], inputs: Optional[tuple[list, list]] = None) -> tuple:
-        values, payloads = inputs or self._inputs(j, accepted)
-        fmt = self.codec.result_codec(len(accepted))
-        lossless = fmt is None or fmt.name == "fp32"  # the mean is the result
-        mean = weighted_mean(values, [weights[s] for s in accepted], out=out if lossless else None)
-        if fmt is None:
-            return pack_bundle(payloads), mean
-        if parts and fmt.name == "fp32":  # its memory is the bytes
-            return fmt.encode_parts(mean), mean
-        payload = fmt.encode(mean)
-        if fmt.name == "fp32":
-            return payload, mean
-        lo, hi = self.chunks[j]
-        return payload, fmt.decode(payload, numel=hi - lo) if out is None else fmt.decode_into(payload, out)
 
 
 def decode_result(codec: Codec, payload: bytes, final: bytes, weights: Sequence[float], numel: int,

@@ -234,23 +234,6 @@ class DirectStream:
             raise
         return cls(sock, outgoing(), max_bytes)
 
-    @classmethod
-    async def try_open(cls, address: tuple[str, int], failed: FailedAddresses, hello: bytes,
-                       outgoing: Callable[[], AsyncIterator], timeout: float, max_bytes: int,
-                       context: str) -> Optional["DirectStream"]:
-        """:meth:`open`, unless ``address`` is in its back-off; None (use the p2p daemon) if it is,
-        or if the connection fails, which starts or doubles its back-off (logged with ``context``)."""
-        if failed.blocked(address):
-            return None
-        try:
-            stream = await cls.open(address, hello, outgoing, timeout, max_bytes)
-        except (OSError, asyncio.TimeoutError) as e:
-            logger.info("%s at %s (%r): using the p2p daemon (direct again in %.0f s)", context, address, e,
-                        failed.failed(address))
-            return None
-        failed.succeeded(address)
-        return stream
-
     async def _write(self, outgoing: AsyncIterator) -> None:
         try:
             async for msg in outgoing:

@@ -96,7 +96,6 @@ class HvAllReduceRunner:
         self.verdicts = {r: loop.create_future() for r in range(n) if self.is_reducer[r] and r != self.me}
         self.my_verdict, self.final = loop.create_future(), loop.create_future()  # final: (status, total weight)
         self.result_chunks = [loop.create_future() for _ in self.my_chunks]
-        self.ahead: dict[int, asyncio.Future] = {}  # chunk -> its reduction ahead of the verdicts
         self.part_status: dict[int, tuple[bytes, float]] = {}
         self.serving: dict[int, asyncio.Event] = {}
         self.finished = False
@@ -144,8 +143,6 @@ class HvAllReduceRunner:
         why = self.part.accept(s, j, checked)  # ignored if s was dropped meanwhile
         if why:
             logger.info("round %s: rejecting the contribution of %s: %s", self.key, self._name(s), why)
-        elif (ahead := self.part.reduce_ahead(j, self.weights, True, self.result[slice(*self.my_chunks[j])])):
-            self.ahead[j] = asyncio.ensure_future(self._in_executor(ahead))  # chunk j is in: its mean now
 
     def _record_part(self, q: int, status: bytes, total_weight: float) -> None:
         seen = self.part_status.setdefault(q, (status, total_weight))
@@ -264,8 +261,6 @@ class HvAllReduceRunner:
             self.marks["verdicts"] = time.time()
             self.final.set_result((final, total_weight))
             for j in range(len(self.my_chunks)):
-                if j in self.ahead:  # (if it failed, the chunk is reduced again below)
-                    await asyncio.wait_for(asyncio.gather(self.ahead[j], return_exceptions=True), self._remaining())
                 payload = await self._in_executor(self._reduce_chunk, j, final)
                 self.result_chunks[j].set_result(payload)
             self.marks["reduced"] = time.time()
@@ -282,8 +277,9 @@ class HvAllReduceRunner:
             raise failure
 
     def _reduce_chunk(self, j: int, final: bytes) -> Union[bytes, tuple]:
-        lo, hi = self.my_chunks[j]  # quantized ONCE, the same bytes for all; the result written in place
-        return self.part.reduce_chunk(j, final, self.weights, parts=True, out=self.result[lo:hi])[0]
+        lo, hi = self.my_chunks[j]
+        payload, self.result[lo:hi] = self.part.reduce_chunk(j, final, self.weights, parts=True)  # quantized ONCE, same bytes for all
+        return payload
 
     # ------------------------------------------------------------------ sender side
     async def _contributions_for(self, q: int) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -309,13 +305,16 @@ class HvAllReduceRunner:
         """A stream to reducer ``q``: direct TCP to the address it advertised, else (or while that
         address is in its back-off, ``direct.FailedAddresses``) the p2p daemon."""
         address = self.direct[q] if self.direct_failed is not None else None
-        if address is not None:
-            stream = await DirectStream.try_open(
-                address, self.direct_failed, make_hello(self.group_id, self.prefix, self.me, q),
-                lambda: self._contributions_for(q), min(self.t.request, self._remaining()), self.max_message_bytes,
-                f"round {self.key}: no direct connection to {self._name(q)}")
-            if stream is not None:
+        if address is not None and not self.direct_failed.blocked(address):
+            try:
+                stream = await DirectStream.open(address, make_hello(self.group_id, self.prefix, self.me, q),
+                                                 lambda: self._contributions_for(q), min(self.t.request, self._remaining()),
+                                                 self.max_message_bytes)
+                self.direct_failed.succeeded(address)
                 return stream
+            except (OSError, asyncio.TimeoutError) as e:
+                logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon (direct again "
+                            "in %.0f s)", self.key, self._name(q), address, e, self.direct_failed.failed(address))
         stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
         return await asyncio.wait_for(stub.rpc_aggregate_part(as_protobufs(self._contributions_for(q))),
                                       min(self.t.next_chunk, self._remaining()))
