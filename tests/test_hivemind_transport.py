@@ -10,6 +10,7 @@ peers import it from this module by name.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -274,6 +275,26 @@ class FaultyAverager(FragmentAverager):
 
 class FaultyTransport(HivemindTransport):
     averager_cls = FaultyAverager
+
+
+class CollectingAverager(FragmentAverager):
+    """Collects garbage right after a cancelled step, while hivemind's cancelled matchmaking is
+    still withdrawing this peer's DHT declaration (awaiting the DHT process). A fake for a
+    failure the suite's load produced only now and then: a collection at that moment destroys
+    tasks that nothing else holds, and their matchmaking is left half torn down."""
+
+    async def _step(self, *, step, future_for_init):
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            if step.cancelled():
+                for _ in range(10):  # the cancel reaches the declaration's cleanup, which awaits the DHT
+                    await asyncio.sleep(0)
+                gc.collect()
+
+
+class CollectingTransport(HivemindTransport):
+    averager_cls = CollectingAverager
 
 
 def expected_state(numel: int) -> dict:
@@ -589,9 +610,12 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
     """``SyncHandle.abandon`` on a round still in matchmaking (its groupmate never comes: the swarm
     moved on) fails it with reason "matchmaking" instead of waiting out the window. The averager
     stops that step before the lane touches the shared buffers again: the next round of the same
-    fragment, with both peers, gives both the exact weighted mean."""
+    fragment, with both peers, gives both the exact weighted mean. Peer 0 collects garbage right
+    after the cancel (``CollectingAverager``): without ``_hold_pending_tasks`` in the averager,
+    that left its matchmaking broken and this round failed on both peers."""
     swarm = LoopbackSwarm(2, run_id="hvabandon", transport_kwargs=dict(codec="fp32", target_group_size=2,
-                                                                       matchmaking_time=5.0, request_timeout=1.0))
+                                                                       matchmaking_time=5.0, request_timeout=1.0),
+                          peer_overrides={0: dict(transport_cls=f"{MODULE}:CollectingTransport")})
     try:
         swarm.start()
         swarm.call_all("prepare", {0: N}, timeout=120)

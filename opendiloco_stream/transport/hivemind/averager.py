@@ -71,6 +71,27 @@ def _keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 512 << 20)  # and stay there once freed
 
 
+def _hold_pending_tasks() -> None:
+    """In the averager process's event loop: keep every task it creates until the task is done.
+    asyncio holds tasks only weakly. hivemind cancels a step's matchmaking without awaiting it
+    (``DecentralizedAverager._step``); the cancelled search then withdraws this peer's DHT
+    declaration, awaiting the DHT process through an ``MPFuture`` that is held only weakly too.
+    A garbage collection in that moment destroyed the pending tasks ("Task was destroyed but it
+    is pending!") and left the matchmaking half torn down: the fragment's next step failed at once
+    and its groupmates found no group (tests/test_hivemind_transport.py, the abandoned round)."""
+    loop = asyncio.get_running_loop()
+    held: set = set()
+    make = loop.get_task_factory()
+
+    def make_held(loop, coro, **kwargs):
+        task = make(loop, coro, **kwargs) if make is not None else asyncio.Task(coro, loop=loop, **kwargs)
+        held.add(task)
+        task.add_done_callback(held.discard)
+        return task
+
+    loop.set_task_factory(make_held)
+
+
 class FragmentAverager(DecentralizedAverager):
     """The averager of one fragment (prefix ``{run_id}_f{fragment}``); see the module docstring."""
 
@@ -121,6 +142,7 @@ class FragmentAverager(DecentralizedAverager):
         no group fails the step at once: hivemind would first wait for the step's trigger, so a
         step formed ahead (``require_trigger``, lane.py) that found nobody would look like one
         whose group formed until its round triggered it, and that round would then fail."""
+        _hold_pending_tasks()  # hivemind sets this in its event loop before it takes any step
         look_for_group = matchmaking.look_for_group
 
         async def look_for_group_or_fail(step: StepControl) -> GroupInfo:
