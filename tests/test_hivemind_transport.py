@@ -17,6 +17,8 @@ import time
 
 import pytest
 import torch
+from hivemind.averaging.control import StepControl
+from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import get_codec
 from hv_loopback import LoopbackSwarm, make_tensor, peer_signal  # benchmarks/ (on sys.path: conftest.py)
@@ -278,10 +280,23 @@ class FaultyTransport(HivemindTransport):
 
 
 class CollectingAverager(FragmentAverager):
-    """Collects garbage right after a cancelled step, while hivemind's cancelled matchmaking is
-    still withdrawing this peer's DHT declaration (awaiting the DHT process). A fake for a
-    failure the suite's load produced only now and then: a collection at that moment destroys
-    tasks that nothing else holds, and their matchmaking is left half torn down."""
+    """Fakes around a cancelled step, for failures the suite's load produced only now and then.
+    It records, in the file named by ``$ODS_TEST_CANCEL_SEEN``, whether the step read as cancelled
+    when the averager was woken to cancel it (hivemind goes on matching if not). Right after a
+    cancelled step it collects garbage, while hivemind's cancelled matchmaking is still withdrawing
+    this peer's DHT declaration (awaiting the DHT process): a collection at that moment destroys
+    tasks that nothing else holds, and leaves their matchmaking half torn down."""
+
+    def run(self) -> None:
+        wait_for_cancel, seen = StepControl.wait_for_cancel, os.environ["ODS_TEST_CANCEL_SEEN"]
+
+        async def wait_and_record(step):
+            await wait_for_cancel(step)
+            with open(seen, "a") as f:
+                f.write(f"{step.cancelled()}\n")
+
+        StepControl.wait_for_cancel = wait_and_record  # in this averager process only
+        super().run()
 
     async def _step(self, *, step, future_for_init):
         try:
@@ -294,7 +309,20 @@ class CollectingAverager(FragmentAverager):
 
 
 class CollectingTransport(HivemindTransport):
+    """``CollectingAverager``, and a step marked cancelled 0.3 s late in this peer's process: a host
+    thread descheduled between waking the averager and marking the step, as under load."""
     averager_cls = CollectingAverager
+
+    def __init__(self, *args, **kwargs):
+        mark = MPFuture.cancel
+
+        def mark_late(future):
+            if isinstance(future, StepControl):
+                time.sleep(0.3)
+            return mark(future)
+
+        MPFuture.cancel = mark_late
+        super().__init__(*args, **kwargs)
 
 
 def expected_state(numel: int) -> dict:
@@ -606,13 +634,17 @@ def test_round_phases_split_a_round_between_the_host_and_the_runner_marks():
 
 @pytest.mark.network
 @pytest.mark.timeout(180)
-def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly():
+def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(tmp_path, monkeypatch):
     """``SyncHandle.abandon`` on a round still in matchmaking (its groupmate never comes: the swarm
     moved on) fails it with reason "matchmaking" instead of waiting out the window. The averager
     stops that step before the lane touches the shared buffers again: the next round of the same
-    fragment, with both peers, gives both the exact weighted mean. Peer 0 collects garbage right
-    after the cancel (``CollectingAverager``): without ``_hold_pending_tasks`` in the averager,
-    that left its matchmaking broken and this round failed on both peers."""
+    fragment, with both peers, gives both the exact weighted mean. Peer 0 runs the fakes of
+    ``CollectingTransport``. Its averager must see the step cancelled when woken (``cancel_step``:
+    with hivemind's order it went on matching until the window ended, and the next round waited for
+    it). Its garbage collection right after the cancel left its matchmaking broken, and this round
+    failed on both peers, until the averager held its pending tasks (``_hold_pending_tasks``)."""
+    seen = tmp_path / "cancel-seen"
+    monkeypatch.setenv("ODS_TEST_CANCEL_SEEN", str(seen))  # peers inherit it
     swarm = LoopbackSwarm(2, run_id="hvabandon", transport_kwargs=dict(codec="fp32", target_group_size=2,
                                                                        matchmaking_time=5.0, request_timeout=1.0),
                           peer_overrides={0: dict(transport_cls=f"{MODULE}:CollectingTransport")})
@@ -625,6 +657,8 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
         both = swarm.call_all("all_reduce", key=(0, 1), numel=N, timeout=60,
                               per_peer=[dict(seed=10, weight=1.0), dict(seed=11, weight=3.0)])
         assert all(r["ok"] and r["group_size"] == 2 for r in both), both
+        # (written before the cancelled step finished, which the lane waited for)
+        assert seen.read_text().split() == ["True"]  # woken once, to a step already marked cancelled
         expected = (make_tensor(10, N) * 1.0 + make_tensor(11, N) * 3.0) / 4.0
         for r in both:
             assert torch.allclose(r["average"], expected, rtol=1e-6, atol=1e-7)

@@ -27,7 +27,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco_stream.compression import all_finite, native
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
-from opendiloco_stream.transport.hivemind.averager import FragmentAverager
+from opendiloco_stream.transport.hivemind.averager import FragmentAverager, cancel_step
 from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
 from opendiloco_stream.transport.hivemind.protocol import round_group_bits
 from opendiloco_stream.transport.hivemind.round_report import round_phases
@@ -157,7 +157,7 @@ class _Lane:
             handle.fail("matchmaking", f"round {handle.key} abandoned before its group formed: this peer caught "
                                        f"up with the swarm, which moved past it")
             if step is not None:
-                step.cancel()
+                cancel_step(step)
             return True
 
     def _loop(self) -> None:
@@ -194,7 +194,7 @@ class _Lane:
         if not early.step.done():
             logger.info("fragment %d: dropping the group formed ahead for round %s", self.fragment, early.key)
         if not early.step.triggered:  # (a step that found no group too: hivemind warns of untriggered steps)
-            early.step.cancel()
+            cancel_step(early.step)
 
     def _previous_over(self) -> bool:
         """Whether the fragment's last step is over (a cancelled one: its coroutine ended too)."""
@@ -313,7 +313,7 @@ class _Lane:
         t_start = time.time()
         flat = self._stage(handle, tensor)
         if flat is None:
-            early.step.cancel()
+            cancel_step(early.step)
             return
         logger.debug("round %s: triggering its group formed ahead (%s; weight %s, the round's own %s)",
                      handle.key, early.step.stage.name, early.weight, weight)
@@ -321,7 +321,7 @@ class _Lane:
             self.presence.before_round(fragment, int(round_index), plan=False)
         with self._step_lock:
             if handle.done():  # abandoned (or closed) while it was prepared
-                early.step.cancel()
+                cancel_step(early.step)
                 return
             self._step, self._step_handle = early.step, handle
             t_step = time.time()
