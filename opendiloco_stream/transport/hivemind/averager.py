@@ -6,6 +6,9 @@ prefix. What we replace: the all-reduce itself (``_aggregate_with_group`` runs `
 and ``rpc_aggregate_part`` routes streams to it), the shutdown (hivemind's calls ``finalize`` on
 futures), the signal handling (hivemind ignores SIGINT in the *host* when it forks), and a
 matchmaking that found no group fails the step at once instead of first waiting for its trigger.
+Two fixes around a cancelled step: the averager's event loop holds its pending tasks
+(``_hold_pending_tasks``), and the host cancels a step with ``cancel_step``, which marks it
+cancelled before it wakes the averager.
 
 Buffers (shared memory, fixed size): ``input_buffer`` (the host writes the tensor to send before a
 step), ``output_buffer`` and ``sent_buffer`` (the runner writes the average and ``deQ(Q(input))``
@@ -77,8 +80,8 @@ def _hold_pending_tasks() -> None:
     (``DecentralizedAverager._step``); the cancelled search then withdraws this peer's DHT
     declaration, awaiting the DHT process through an ``MPFuture`` that is held only weakly too.
     A garbage collection in that moment destroyed the pending tasks ("Task was destroyed but it
-    is pending!") and left the matchmaking half torn down: the fragment's next step failed at once
-    and its groupmates found no group (tests/test_hivemind_transport.py, the abandoned round)."""
+    is pending!") and left the matchmaking half torn down: every later step of the fragment failed
+    at once and its groupmates found no group (tests/test_hivemind_transport.py, the abandoned round)."""
     loop = asyncio.get_running_loop()
     held: set = set()
     make = loop.get_task_factory()
