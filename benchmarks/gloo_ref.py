@@ -27,7 +27,6 @@ from typing import Optional
 
 from hv_loopback import make_tensor  # benchmarks/hv_loopback.py, next to this script
 
-PEERS = 3
 GLOO_ROUNDS = 20  # a reference timed alone: at least this many rounds (a median over a few moved 1.5x)
 
 
@@ -67,7 +66,7 @@ class GlooRanks:
     """``peers`` gloo ranks on 127.0.0.1 (spawned processes), timing rounds on command; a context
     manager that always stops them."""
 
-    def __init__(self, peers: int = PEERS, timeout: float = 600.0):
+    def __init__(self, peers: int, timeout: float = 600.0):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -125,7 +124,7 @@ print(json.dumps(times), flush=True)
 """
 
 
-def measure_gloo_netns(topo, numel: int, rounds: int, peers: int = PEERS, timeout: float = 600) -> float:
+def measure_gloo_netns(topo, numel: int, rounds: int, peers: int, timeout: float = 600) -> float:
     """Median over rounds of the slowest rank's ``all_reduce`` time, each rank in its peer namespace
     behind the shaped link (TCP on ``wan0``)."""
     addr = f"{topo.ip('p0')}:{random.randint(20000, 60000)}"  # fresh namespaces: nothing else listens
@@ -148,12 +147,12 @@ def measure_gloo_netns(topo, numel: int, rounds: int, peers: int = PEERS, timeou
     return statistics.median(max(times[i] for times in per_rank) for i in range(rounds))
 
 
-def time_gloo(numel: int, rounds: int, topo=None, ranks: Optional[GlooRanks] = None) -> float:
+def time_gloo(numel: int, rounds: int, peers: int, topo=None, ranks: Optional[GlooRanks] = None) -> float:
     """gloo's reference for a row, timed alone: the median of at least ``GLOO_ROUNDS`` rounds, over
-    ``topo``'s links, else in ``ranks`` on loopback."""
+    ``topo``'s links between ``peers`` ranks, else in ``ranks`` on loopback."""
     rounds = max(rounds, GLOO_ROUNDS)
     if topo is not None:
-        return measure_gloo_netns(topo, numel, rounds)
+        return measure_gloo_netns(topo, numel, rounds, peers)
     if ranks is None:
         raise ValueError("time_gloo needs the namespaces (topo) or running gloo ranks")
     return statistics.median(ranks.times(numel, rounds))

@@ -256,7 +256,7 @@ def _run(args: argparse.Namespace, topo, probe: Optional[dict], ranks: Optional[
     gloo = {}
     if args.gloo:  # first, on a quiet machine (the peers' daemons are not up yet)
         for numel in args.numels:
-            gloo[numel] = time_gloo(numel, args.rounds, topo, ranks)
+            gloo[numel] = time_gloo(numel, args.rounds, PEERS, topo, ranks)
             print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
     floors = {}
     if args.gloo:  # the codec work alone, spread over this machine's cores (codec_floor.py)
@@ -278,7 +278,7 @@ def _run(args: argparse.Namespace, topo, probe: Optional[dict], ranks: Optional[
                               prematch=args.prematch, link_mbit=args.loopback_mbit, chunk_bytes=args.chunk_bytes,
                               between=ranks)
     if gloo:  # again, after our rounds: gloo's own time moves between runs on this machine
-        after = {n: time_gloo(n, args.rounds, topo, ranks) for n in gloo}
+        after = {n: time_gloo(n, args.rounds, PEERS, topo, ranks) for n in gloo}
         for row in rows:
             row["gloo_round_s_after"] = after[row["numel"]]
             print(f"{row['codec']}{' ahead' if row['prematch'] else ''} {row['numel']:,}: "
