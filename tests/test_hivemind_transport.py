@@ -279,7 +279,7 @@ class FaultyTransport(HivemindTransport):
     averager_cls = FaultyAverager
 
 
-class CollectingAverager(FragmentAverager):
+class CancelledStepAverager(FragmentAverager):
     """Fakes around a cancelled step, for failures the suite's load produced only now and then.
     It records, in the file named by ``$ODS_TEST_CANCEL_SEEN``, whether the step read as cancelled
     when the averager was woken to cancel it (hivemind goes on matching if not). Right after a
@@ -308,10 +308,10 @@ class CollectingAverager(FragmentAverager):
                 gc.collect()
 
 
-class CollectingTransport(HivemindTransport):
-    """``CollectingAverager``, and a step marked cancelled 0.3 s late in this peer's process: a host
+class CancelledStepTransport(HivemindTransport):
+    """``CancelledStepAverager``, and a step marked cancelled 0.3 s late in this peer's process: a host
     thread descheduled between waking the averager and marking the step, as under load."""
-    averager_cls = CollectingAverager
+    averager_cls = CancelledStepAverager
 
     def __init__(self, *args, **kwargs):
         mark = MPFuture.cancel
@@ -639,7 +639,7 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
     moved on) fails it with reason "matchmaking" instead of waiting out the window. The averager
     stops that step before the lane touches the shared buffers again: the next round of the same
     fragment, with both peers, gives both the exact weighted mean. Peer 0 runs the fakes of
-    ``CollectingTransport``. Its averager must see the step cancelled when woken (``cancel_step``:
+    ``CancelledStepTransport``. Its averager must see the step cancelled when woken (``cancel_step``:
     with hivemind's order it went on matching until the window ended, and the next round waited for
     it). Its garbage collection right after the cancel left its matchmaking broken, and this round
     failed on both peers, until the averager held its pending tasks (``_hold_pending_tasks``)."""
@@ -647,7 +647,7 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
     monkeypatch.setenv("ODS_TEST_CANCEL_SEEN", str(seen))  # peers inherit it
     swarm = LoopbackSwarm(2, run_id="hvabandon", transport_kwargs=dict(codec="fp32", target_group_size=2,
                                                                        matchmaking_time=5.0, request_timeout=1.0),
-                          peer_overrides={0: dict(transport_cls=f"{MODULE}:CollectingTransport")})
+                          peer_overrides={0: dict(transport_cls=f"{MODULE}:CancelledStepTransport")})
     try:
         swarm.start()
         swarm.call_all("prepare", {0: N}, timeout=120)
