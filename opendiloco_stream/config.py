@@ -39,6 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer runs on (cuda:N, mps:0 with an index)
+
 # ``net.chunk_bytes``'s bounds; transport/layout.py takes them from here (this module loads no torch)
 CHUNK_BYTES_BOUNDS = (1024, 64 << 20)
 
@@ -198,6 +200,14 @@ class TrainConfig(_Strict):
     step_delay_s: float = Field(0.0, ge=0.0, description="benchmarks and tests only: sleep this long in every inner "
                                 "step, counted as compute (emulates a slower peer)")
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        kind, _, index = value.partition(":")
+        if kind not in DEVICE_TYPES or (index and (kind == "cpu" or not index.isdigit())):
+            raise ValueError(f"device {value!r}: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        return value
+
 
 class NetConfig(_Strict):
     """Networking (hivemind DHT and averagers)."""
@@ -276,6 +286,14 @@ class RunConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     net: NetConfig = Field(default_factory=NetConfig)
+
+    @model_validator(mode="after")
+    def _check_outer_device(self) -> "RunConfig":
+        if self.diloco.outer_device == "cuda" and not self.train.device.startswith("cuda"):
+            raise ValueError(f"diloco.outer_device 'cuda' keeps the outer state on the model's GPU, but "
+                             f"train.device is {self.train.device!r}: use outer_device 'auto' or 'cpu', or a "
+                             f"CUDA device")
+        return self
 
     @model_validator(mode="after")
     def _check_sharding(self) -> "RunConfig":

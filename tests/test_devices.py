@@ -122,6 +122,39 @@ def test_local_threads_refuse_several_ranks(capsys):
     assert len(err) == 1 and "--nproc-per-node needs --transport hivemind" in err[0]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "gpu"], "device 'gpu': use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    (["--device", "cuda:one"], "device 'cuda:one': use"),
+    (["--outer-device", "cuda"], "diloco.outer_device 'cuda' keeps the outer state on the model's GPU, but "
+                                 "train.device is 'cpu'"),
+])
+def test_a_device_that_cannot_be_is_a_config_error(capsys, flags, message):
+    assert cli_main(["local", "--workers", "2", "--steps", "1", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_a_device_this_machine_lacks_fails_in_one_line_before_anything_starts(capsys, monkeypatch):
+    """Whatever GPUs the machine running the tests has, torch is told what to report (the case of
+    a GPU machine with too few GPUs cannot be produced on CI's CPU machine otherwise)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_main(["local", "--workers", "2", "--steps", "1", "--no-progress", "--device", "cuda"]) == 2
+    assert cli_main(["peer", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--steps", "1", "--no-progress",
+                     "--device", "cuda:0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("torch sees no CUDA device here" in line and "use --device cpu" in line
+                                 for line in err)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli_main(["local", "--workers", "2", "--steps", "1", "--no-progress", "--device", "cuda:2"]) == 2
+    assert cli_main(["local", "--transport", "hivemind", "--workers", "2", "--steps", "1", "--no-progress",
+                     "--device", "cuda", "--nproc-per-node", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert "--device cuda:2: this machine has 2 CUDA device(s) (cuda:0 to cuda:1)" in err[0]
+    assert "--nproc-per-node 4 --device cuda: rank r trains on cuda:r, and this machine has 2" in err[1]
+
+
 # ---------------------------------------------------------------------------- ranks
 def test_rank_environment_and_shards():
     assert rank_env({}) is None and rank_env({"RANK": "0", "WORLD_SIZE": "1"}) is None

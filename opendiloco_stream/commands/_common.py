@@ -43,6 +43,33 @@ def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
     return rank, world
 
 
+def require_device(cfg) -> None:
+    """Fail with one line, before anything starts, when ``train.device`` is not on this machine: no
+    CUDA (or MPS) that torch can use, a ``cuda:N`` beyond the GPUs it sees, or fewer GPUs than a
+    multi-rank peer's ranks (rank r trains on ``cuda:r``). ``--dry-run`` only warns for an absent
+    CUDA (its file may be meant for another machine); a run cannot go on."""
+    import torch
+
+    from opendiloco_stream.cli import UsageError
+
+    device, ranks = cfg.train.device, cfg.train.nproc_per_node
+    kind, _, index = device.partition(":")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {device}: MPS is not available on this machine: use --device cpu")
+    if kind != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise UsageError(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}, {build}; "
+                         f"check nvidia-smi and CUDA_VISIBLE_DEVICES): use --device cpu, or a CUDA build of torch")
+    count = torch.cuda.device_count()
+    if ranks > 1 and ranks > count:
+        raise UsageError(f"--nproc-per-node {ranks} --device cuda: rank r trains on cuda:r, and this machine has "
+                         f"{count} CUDA device(s): use --nproc-per-node {count} or fewer")
+    if ranks == 1 and index and int(index) >= count:
+        raise UsageError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")
+
+
 def prepare_data(cfg):
     """(train source, validation tensor, vocab size) for a config; DataError -> UsageError."""
     from opendiloco_stream.cli import UsageError

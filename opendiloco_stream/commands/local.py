@@ -15,7 +15,7 @@ import time
 import torch
 
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
-    add_training_flags, config_from_args, prepare_data, print_summary,
+    add_training_flags, config_from_args, prepare_data, print_summary, require_device,
 )
 
 
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.train.nproc_per_node > 1 and args.transport != "hivemind":
         raise UsageError("--nproc-per-node needs --transport hivemind: the local transport runs the workers as "
                          "threads of one process (each hivemind peer starts its own ranks)")
+    require_device(cfg)
     if args.transport == "hivemind":
         from opendiloco_stream.commands.local_hivemind import run_hivemind
 

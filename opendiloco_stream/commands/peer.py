@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-exported)
-    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard,
+    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, require_device,
 )
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
 
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
     auth = RunAuth.from_config(cfg.net)  # a missing or short key file fails here, before anything starts
+    require_device(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
     from opendiloco_stream.commands import peer_ranks
