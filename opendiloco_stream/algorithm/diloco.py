@@ -76,10 +76,11 @@ class StreamingDiLoCo(HasSyncLog):
             blocks = fr.find_blocks(model)
         fragments = fr.partition(model, blocks, config.num_fragments, config.fragment_pattern)
         offsets = fr.fragment_offsets(config.inner_steps, config.num_fragments)
+        # before the outer state exists: a forking transport's children would keep its old pages (docs/benchmarks.md)
+        self.transport.prepare({f.index: f.numel for f in fragments})
         self.frags = [FragmentState(f, o, config, param_access) for f, o in zip(fragments, offsets)]
         self._on_arrival = (config.mode == "eager" and config.eager_rule == "corrected"
                             and config.eager_correction == "on-arrival")
-        self.transport.prepare({f.index: f.numel for f in fragments})
         self.transport.set_state_provider(self.state_dict)
 
     @property
@@ -87,8 +88,7 @@ class StreamingDiLoCo(HasSyncLog):
         return [f.fragment for f in self.frags]
 
     @property
-    def outer_params(self) -> list[list[torch.Tensor]]:
-        """theta_bar per fragment (fp32)."""
+    def outer_params(self) -> list[list[torch.Tensor]]:  # theta_bar per fragment (fp32)
         return [f.outer for f in self.frags]
 
     # ------------------------------------------------------------------ the per-step entry point
