@@ -35,3 +35,31 @@ def test_memory_quick_reports_extra_rss_and_held_bytes_within_the_target(tmp_pat
     # blocking holds outer parameters + momentum (2 x model fp32); eager also the restart point
     assert rows["blocking"]["held_mib"] == pytest.approx(2 * model_mib, rel=0.01)
     assert rows["eager"]["held_mib"] >= rows["blocking"]["held_mib"] + 0.99 * model_mib
+
+
+PEER_MEMORY = MEMORY.parent / "peer_memory.py"
+
+
+@pytest.mark.network
+@pytest.mark.timeout(300)
+def test_peer_memory_quick_finds_every_process_of_each_peer_and_the_averagers_buffers(tmp_path):
+    """Two real peers (tiny model, P = 4): each one's processes are found and sorted by role, and
+    its shared memory is the averagers' buffers, 3 x model fp32."""
+    from opendiloco_stream.train.models import build_model
+    import torch
+
+    out = tmp_path / "peer-memory.json"
+    proc = subprocess.run([sys.executable, str(PEER_MEMORY), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "| peer | trainer | averagers | dht | p2pd | other | of which shared memory | peer total |" in proc.stdout
+    r = json.loads(out.read_text())
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model("tiny", vocab_size=259, seq_len=128).parameters())
+    assert len(r["peers"]) == 2
+    for peer in r["peers"]:
+        counts = {role: peer[role]["processes"] for role in ("trainer", "averagers", "dht", "p2pd")}
+        assert counts == {"trainer": 1, "averagers": 4, "dht": 1, "p2pd": 1}, counts
+        assert peer["shared_mib"] == pytest.approx(3 * params * 4 / (1 << 20), rel=0.15), (peer, params)
+        assert peer["total_pss_mib"] == pytest.approx(sum(v["Pss"] for v in peer.values() if isinstance(v, dict)))
+    assert r["peak_total_pss_mib"] >= sum(peer["total_pss_mib"] for peer in r["peers"])
