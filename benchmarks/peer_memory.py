@@ -13,12 +13,12 @@ row at the largest sum is reported, grouped by role, per peer:
 
 - *trainer*: the peer's main process (model, AdamW, outer state; its share of shared pages).
 - *averagers*: the forked averager processes, one per fragment. They hold the transport's shared
-  buffers (``input``, ``output``, ``sent``: 3 x fragment fp32 each) and their own heap; and, since
+  buffers (``input``, ``output``: 2 x fragment fp32 each) and their own heap; and, since
   they are forked, any page of the trainer that existed at the fork and that the trainer wrote
   since (the old copy stays with the children).
 - *dht*, *p2pd*, *other* (torch's shared-memory manager).
 - *of which shared memory*: the peer's shared memory (PSS), in all its processes: the averagers'
-  buffers, 3 x model fp32 over all fragments.
+  buffers, 2 x model fp32 over all fragments.
 
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/peer-memory[-quick].json``).
 """

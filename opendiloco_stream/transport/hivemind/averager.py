@@ -11,9 +11,10 @@ Two fixes around a cancelled step: the averager's event loop holds its pending t
 cancelled before it wakes the averager.
 
 Buffers (shared memory, fixed size): ``input_buffer`` (the host writes the tensor to send before a
-step), ``output_buffer`` and ``sent_buffer`` (the runner writes the average and ``deQ(Q(input))``
-there during a step; the host reads them only after a step succeeded). The host touches them
-only between steps, never mid-round.
+step; a lossy codec's runner overwrites each chunk, once encoded, with ``deQ(Q(chunk))``: what was
+sent) and ``output_buffer`` (the runner writes the average). The host reads them only after a step
+succeeded, and touches them only between steps, never mid-round. Two fragment-sized buffers per
+fragment: 2 x model fp32 of host memory over all fragments.
 
 Data path: a round's streams go over direct TCP connections between groupmates where they can
 be opened (``direct.py``; each reducing averager listens on a port advertised in its gathered
@@ -128,7 +129,6 @@ class FragmentAverager(DecentralizedAverager):
             client_mode=client_mode, allow_state_sharing=False, daemon=True, shutdown_timeout=5.0,
         )
         self.output_buffer = torch.zeros(numel, dtype=torch.float32).share_memory_()
-        self.sent_buffer = torch.zeros(numel, dtype=torch.float32).share_memory_()
         self.codec, self.timeouts = codec, timeouts
         self.chunk_bytes, self.norm_bound = chunk_bytes, norm_bound
         # direct TCP data path (direct.py): a listener if we reduce; addresses that failed us
@@ -280,13 +280,13 @@ class FragmentAverager(DecentralizedAverager):
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_info=group_info,
                 tensor=self.input_buffer, codec=self.codec, timeouts=self.timeouts,
                 norm_bound=self.norm_bound, direct_failed=self.direct_failed if self.direct else None,
-                result=self.output_buffer, sent=self.sent_buffer)
+                result=self.output_buffer, sent=self.input_buffer)  # sent: in place of what it encoded
         except RoundError as e:
             registered.set_exception(e)
             registered.exception()  # retrieved: a late sender's handler may never look at it
             raise
         registered.set_result(runner)
-        return await runner.run()  # it wrote output_buffer and sent_buffer (read only if it succeeds)
+        return await runner.run()  # it wrote output_buffer and, lossy, input_buffer (read only if it succeeds)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:

@@ -345,11 +345,9 @@ class _Lane:
             return
         _check_settings(settings, self.timeouts.request)
         average = native.fresh_copy(self.averager.output_buffer)
-        if summary.get("sent_is_input"):  # lossless fp32: the averager sent our tensor as it is
-            cpu32 = flat.device.type == "cpu" and flat.dtype == torch.float32
-            sent = flat if cpu32 else native.fresh_copy(self.averager.input_buffer)  # (not sent_buffer: unwritten)
-        else:
-            sent = native.fresh_copy(self.averager.sent_buffer)
+        # lossless fp32: the averager sent our tensor as it is; lossy: it wrote deQ(Q(.)) over its input
+        cpu32 = flat.device.type == "cpu" and flat.dtype == torch.float32
+        sent = flat if summary.get("sent_is_input") and cpu32 else native.fresh_copy(self.averager.input_buffer)
         handle.succeed(SyncResult(
             average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
             group_size=summary["group_size"], weight_share=summary["weight_share"],

@@ -46,7 +46,8 @@ class HvAllReduceRunner:
     """Reduce-scatter, verdict exchange and all-gather of one group (see ``transport/reduce.py``).
 
     ``run()`` returns the round's metadata (group size, weight share, bytes...) and leaves the
-    average in ``self.result`` and what this peer sent, ``deQ(Q(tensor))``, in ``self.sent``.
+    average in ``self.result`` and what this peer sent, ``deQ(Q(tensor))``, in ``self.sent``, which
+    may be ``tensor`` itself: each chunk is encoded once, then overwritten with what it decodes to.
     Subclasses may override ``encode_contribution`` (tests use it to fake bad senders).
     """
 
