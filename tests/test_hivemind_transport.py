@@ -218,6 +218,46 @@ def test_state_flattens_and_restores_nested_structures():
         flatten_state({"bad": object()})
 
 
+def test_a_round_ends_only_once_its_thread_jobs_are_done_and_later_jobs_never_run():
+    """Cancelling the task that awaits an executor job does not stop its thread, and such a job may
+    write the averager's shared buffers (what was sent, over the input; the average). RoundJobs.finish
+    (run()'s end) waits for it; a job queued before the end and started after it does nothing."""
+    import concurrent.futures
+
+    from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
+
+    async def scenario():
+        loop = asyncio.get_event_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))  # one thread: the second job queues
+        jobs, started, release, ran = RoundJobs(), threading.Event(), threading.Event(), []
+
+        def writes_a_buffer(name):
+            if name == "first":
+                started.set()
+                release.wait(30)
+            ran.append(name)
+
+        first = asyncio.ensure_future(jobs.run(writes_a_buffer, "first"))
+        queued = asyncio.ensure_future(jobs.run(writes_a_buffer, "queued"))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        first.cancel()  # as run()'s finally cancels its tasks: the thread goes on
+        ending = asyncio.ensure_future(jobs.finish("round (0, 0)"))
+        await asyncio.sleep(0.05)
+        still_waiting = (not ending.done(), jobs.running)
+        release.set()
+        finished = await ending
+        with pytest.raises(RoundClosed):
+            await queued  # queued before the end, started after it
+        with pytest.raises(RoundClosed):
+            await jobs.run(writes_a_buffer, "late")  # asked for after the end
+        return still_waiting, finished, ran
+
+    still_waiting, finished, ran = asyncio.run(scenario())
+    assert still_waiting == (True, 1)  # the round had not ended while the first job ran
+    assert finished and ran == ["first"]
+
+
 # ---------------------------------------------------------------------------------------- fakes
 # (fragment, round) -> what peer 2 (FaultyTransport) does wrong. Honest peers never do any of it.
 FAULTS = {

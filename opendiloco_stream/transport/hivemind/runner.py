@@ -27,6 +27,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddresses, make_hello, parse_address
+from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
@@ -100,6 +101,7 @@ class HvAllReduceRunner:
         self.part_status: dict[int, tuple[bytes, float]] = {}
         self.serving: dict[int, asyncio.Event] = {}
         self.finished = False
+        self.jobs = RoundJobs()  # the round's work on executor threads: run() ends once none runs (jobs.py)
         self._deadline = loop.time() + timeouts.allreduce
         # wall-clock marks of the round's phases (time.time(): the host compares them with its own)
         self.marks: dict[str, float] = {"group": time.time()}
@@ -110,9 +112,6 @@ class HvAllReduceRunner:
 
     def _name(self, i: int) -> str:
         return str(self.peer_ids[i])
-
-    async def _in_executor(self, fn, *args):
-        return await asyncio.get_event_loop().run_in_executor(None, fn, *args)
 
     def encode_contribution(self, chunk: torch.Tensor) -> bytes:
         """What goes on the wire for one chunk of this peer's tensor."""
@@ -138,9 +137,9 @@ class HvAllReduceRunner:
         if s == self.me and self.sent_is_input:  # our own fp32 (header, view): the tensor itself,
             lo, hi = self.my_chunks[j]           # found finite by encode_parts
             values = self.tensor[lo:hi]
-            checked = (values, "", await self._in_executor(sum_of_squares, values), None)
+            checked = (values, "", await self.jobs.run(sum_of_squares, values), None)
         else:
-            checked = await self._in_executor(self.part.check, j, payload)
+            checked = await self.jobs.run(self.part.check, j, payload)
         why = self.part.accept(s, j, checked)  # ignored if s was dropped meanwhile
         if why:
             logger.info("round %s: rejecting the contribution of %s: %s", self.key, self._name(s), why)
@@ -243,7 +242,7 @@ class HvAllReduceRunner:
     # ------------------------------------------------------------------ reducer: own part
     async def _contribute_locally(self) -> None:
         for j, (lo, hi) in enumerate(self.my_chunks):
-            payload = await self._in_executor(self._encode_chunk, lo, hi)
+            payload = await self.jobs.run(self._encode_chunk, lo, hi)
             # the same checks as a remote contribution: our own part is no exception
             await self._take_contribution(self.me, j, payload)
         self.sender_done[self.me].set()
@@ -262,7 +261,7 @@ class HvAllReduceRunner:
             self.marks["verdicts"] = time.time()
             self.final.set_result((final, total_weight))
             for j in range(len(self.my_chunks)):
-                payload = await self._in_executor(self._reduce_chunk, j, final)
+                payload = await self.jobs.run(self._reduce_chunk, j, final)
                 self.result_chunks[j].set_result(payload)
             self.marks["reduced"] = time.time()
             self._record_part(self.me, final, total_weight)
@@ -286,9 +285,10 @@ class HvAllReduceRunner:
     async def _contributions_for(self, q: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         for j, (lo, hi) in enumerate(self.layout.chunks[q]):
             try:
-                payload = await self._in_executor(self._encode_chunk, lo, hi)
-            except Exception:  # the reducer only sees our stream end: say why here
-                logger.warning("round %s: encoding chunk %d for %s failed", self.key, j, self._name(q), exc_info=True)
+                payload = await self.jobs.run(self._encode_chunk, lo, hi)
+            except Exception as e:  # the reducer only sees our stream end: say why here (unless the round is over)
+                if not isinstance(e, RoundClosed):
+                    logger.warning("round %s: encoding chunk %d for %s failed", self.key, j, self._name(q), exc_info=True)
                 raise
             msg = _message(frame_parts(CONTRIB, j, payload), self.group_id)  # payload: bytes or fp32 (header, view)
             self.bytes_sent += msg.ByteSize()
@@ -341,7 +341,7 @@ class HvAllReduceRunner:
             for j, (lo, hi) in enumerate(self.layout.chunks[q]):
                 timeout = self._remaining() if j == 0 else min(self.t.next_chunk, self._remaining())
                 frame = await self._next_result(q, it, RESULT, j, timeout)
-                await self._in_executor(self._take_result, frame.payload, lo, hi, frame.status)
+                await self.jobs.run(self._take_result, frame.payload, lo, hi, frame.status)
             # DONE (with the verdict when the part is empty) ends it; then we close: the reducer waits
             timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
             await self._next_result(q, it, DONE, len(self.layout.chunks[q]), timeout)
@@ -397,3 +397,4 @@ class HvAllReduceRunner:
             self.finished = True
             for task in tasks + helpers:
                 task.cancel()
+            await self.jobs.finish(f"round {self.key}")  # threads may still write our buffers: wait for them
