@@ -111,6 +111,35 @@ def test_weighted_mean_is_deterministic_fp32():
     assert torch.equal(out, weighted_mean([x.clone() for x in xs], [1.0, 2.0, 3.0]))
 
 
+@pytest.mark.parametrize("codec_name", ["fp4-e3m0", "int8", "topk-int2", "fp32"])
+def test_a_part_too_big_to_keep_decoded_keeps_the_bytes_and_reduces_to_the_same_bits(codec_name):
+    """Above ``decoded_limit`` a lossy codec's contributions wait as their bytes (decoded again when
+    reduced), not as fp32 values; the results are the same bits. fp32 always keeps its values: they
+    are views of the received bytes."""
+    from opendiloco_stream.transport.reduce import PartReducer
+
+    codec = get_codec(codec_name)
+    align = codec_alignment(codec)
+    chunks = GroupLayout.build(20_000, [True], align, align * max(1, 4096 // align)).chunks[0]  # several chunks
+    contributions = [[codec.encode(make_tensor(10 * s + j, hi - lo)) for j, (lo, hi) in enumerate(chunks)]
+                     for s in range(3)]
+    outcomes = []
+    for limit in (1 << 30, 0):  # kept decoded / kept encoded
+        part = PartReducer(codec, chunks, [OK] * 3, None, decoded_limit=limit)
+        for s in range(3):
+            for j in range(len(chunks)):
+                assert part.take(s, j, contributions[s][j]) == ""
+        decoded = [v for row in part.values for v in row if v is not None]
+        final = part.verdict()
+        reduced = [part.reduce_chunk(j, final, [1.0, 2.0, 0.5]) for j in range(len(chunks))]
+        outcomes.append((len(decoded), bytes(final), [bytes(p) for p, _ in reduced], [r for _, r in reduced]))
+    (kept_decoded, final_a, bytes_a, results_a), (kept_encoded, final_b, bytes_b, results_b) = outcomes
+    assert len(chunks) > 1 and kept_decoded == 3 * len(chunks)
+    assert kept_encoded == (3 * len(chunks) if codec_name == "fp32" else 0)
+    assert final_a == final_b and bytes_a == bytes_b
+    assert all(torch.equal(a, b) for a, b in zip(results_a, results_b))
+
+
 def test_group_metadata_gives_weights_and_refuses_mismatched_peers():
     def member(w, **kw):
         return dict(dict(v=PROTOCOL_VERSION, w=w, spec=["fp4-e3m0", 64, "fp16"], numel=100, key=[0, 3]), **kw)

@@ -167,14 +167,24 @@ def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> t
 
 
 # ---------------------------------------------------------------------------------------- reducer
+DECODED_LIMIT_BYTES = 1 << 30  # a part's decoded contributions above this are kept encoded (PartReducer)
+
+
 class PartReducer:
-    """A reducer's state for its part: the decoded contributions per sender and chunk, their
-    squared norms and each sender's status. ``check`` is pure (safe in an executor thread); the
-    other methods mutate and belong to one thread (the event loop, or the caller locally)."""
+    """A reducer's state for its part: the contributions per sender and chunk, their squared norms
+    and each sender's status. ``check`` is pure (safe in an executor thread); the other methods
+    mutate and belong to one thread (the event loop, or the caller locally).
+
+    Until the reduction, contributions are kept decoded (fp32: a view of the received bytes). Where
+    that would take more than ``decoded_limit`` bytes (4 per element of the part, per sender), a
+    lossy codec's contributions are kept as their bytes instead (5.6x less for fp4) and decoded again,
+    chunk by chunk, when reduced: the same values, for one more decode (docs/benchmarks.md)."""
 
     def __init__(self, codec: Codec, chunks: Sequence[tuple[int, int]], status: Sequence[int],
-                 norm_bound: Optional[float]):
+                 norm_bound: Optional[float], decoded_limit: int = DECODED_LIMIT_BYTES):
         self.codec, self.chunks, self.norm_bound = codec, tuple(chunks), norm_bound
+        decoded = 4 * sum(hi - lo for lo, hi in self.chunks) * len(status)
+        self.keep_bytes = codec.name != "fp32" and decoded > decoded_limit
         self.status = list(status)
         self.values: list[list[Optional[torch.Tensor]]] = [[None] * len(self.chunks) for _ in self.status]
         self.payloads: list[list[Optional[bytes]]] = [[None] * len(self.chunks) for _ in self.status]
@@ -186,7 +196,9 @@ class PartReducer:
         lo, hi = self.chunks[j]
         values, why = check_chunk(self.codec, payload, hi - lo)
         sumsq = sum_of_squares(values) if values is not None else 0.0
-        return values, why, sumsq, bytes(payload) if self.codec.is_sparse and values is not None else None
+        if values is None or not (self.keep_bytes or self.codec.is_sparse):
+            return values, why, sumsq, None
+        return values, why, sumsq, bytes(payload) if self.codec.is_sparse else payload
 
     def accept(self, s: int, j: int, checked: tuple[Optional[torch.Tensor], str, float, Optional[bytes]]) -> str:
         """Record sender ``s``'s checked chunk ``j``; returns why it was rejected ("" if it was not)."""
@@ -196,7 +208,7 @@ class PartReducer:
         if values is None:
             self.drop(s, REJECTED)
             return why
-        self.values[s][j] = values
+        self.values[s][j] = None if self.keep_bytes else values  # (its bytes are kept: decoded again when reduced)
         self.payloads[s][j] = payload
         self.sumsq[s] += sumsq
         return ""
@@ -224,7 +236,10 @@ class PartReducer:
         weighted fp32 mean every member computes the same way (or a dense fp4 mean for large groups).
         With ``parts``, an fp32 result's bytes are ``Codec.encode_parts`` of the mean (no copy)."""
         accepted = [s for s in range(len(final)) if final[s] == OK]
-        mean = weighted_mean([self.values[s][j] for s in accepted], [weights[s] for s in accepted])
+        lo, hi = self.chunks[j]
+        values = [self.codec.decode(self.payloads[s][j], numel=hi - lo, share=True) if self.keep_bytes
+                  else self.values[s][j] for s in accepted]
+        mean = weighted_mean(values, [weights[s] for s in accepted])
         fmt = self.codec.result_codec(len(accepted))
         if fmt is None:
             payload, result = pack_bundle([self.payloads[s][j] for s in accepted]), mean
@@ -232,7 +247,6 @@ class PartReducer:
             payload, result = fmt.encode_parts(mean), mean
         else:
             payload = fmt.encode(mean)
-            lo, hi = self.chunks[j]
             result = fmt.decode(payload, numel=hi - lo)
         for s in accepted:
             self.values[s][j] = self.payloads[s][j] = None
