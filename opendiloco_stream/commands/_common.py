@@ -43,31 +43,39 @@ def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
     return rank, world
 
 
-def require_device(cfg) -> None:
-    """Fail with one line, before anything starts, when ``train.device`` is not on this machine: no
-    CUDA (or MPS) that torch can use, a ``cuda:N`` beyond the GPUs it sees, or fewer GPUs than a
-    multi-rank peer's ranks (rank r trains on ``cuda:r``). ``--dry-run`` only warns for an absent
-    CUDA (its file may be meant for another machine); a run cannot go on."""
+def device_problem(device: str, ranks: int = 1) -> "tuple[bool, str] | None":
+    """What keeps ``train.device`` from running on this machine, or None: ``(absent, message)``, where
+    ``absent`` means the machine has no such device at all (no CUDA or MPS that torch can use),
+    else too few GPUs (a ``cuda:N`` beyond them, or more ranks than GPUs: rank r trains on ``cuda:r``)."""
     import torch
 
-    from opendiloco_stream.cli import UsageError
-
-    device, ranks = cfg.train.device, cfg.train.nproc_per_node
     kind, _, index = device.partition(":")
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {device}: MPS is not available on this machine: use --device cpu")
+        return True, f"--device {device}: MPS is not available on this machine: use --device cpu"
     if kind != "cuda":
-        return
+        return None
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise UsageError(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}, {build}; "
-                         f"check nvidia-smi and CUDA_VISIBLE_DEVICES): use --device cpu, or a CUDA build of torch")
+        return True, (f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}, {build}; "
+                      f"check nvidia-smi and CUDA_VISIBLE_DEVICES): use --device cpu, or a CUDA build of torch")
     count = torch.cuda.device_count()
     if ranks > 1 and ranks > count:
-        raise UsageError(f"--nproc-per-node {ranks} --device cuda: rank r trains on cuda:r, and this machine has "
-                         f"{count} CUDA device(s): use --nproc-per-node {count} or fewer")
+        return False, (f"--nproc-per-node {ranks} --device cuda: rank r trains on cuda:r, and this machine has "
+                       f"{count} CUDA device(s): use --nproc-per-node {count} or fewer")
     if ranks == 1 and index and int(index) >= count:
-        raise UsageError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")
+        return False, f"--device {device}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
+    return None
+
+
+def require_device(cfg) -> None:
+    """Fail with one line, before anything starts, when ``train.device`` is not on this machine
+    (:func:`device_problem`). ``--dry-run`` only warns for an absent device (its file may be meant
+    for another machine); a run cannot go on."""
+    from opendiloco_stream.cli import UsageError
+
+    problem = device_problem(cfg.train.device, cfg.train.nproc_per_node)
+    if problem is not None:
+        raise UsageError(problem[1])
 
 
 def prepare_data(cfg):

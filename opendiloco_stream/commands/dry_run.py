@@ -105,18 +105,19 @@ def check_data(cfg: RunConfig, shard: tuple[int, int]) -> str:
             f"gives batches of {tuple(batch.shape)}, vocabulary {vocab}")
 
 
-def check_device(device: str) -> "str | tuple[str, str]":
+def check_device(device: str, ranks: int = 1) -> "str | tuple[str, str]":
     import torch
 
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return "warn", f"{device}: no CUDA device on this machine (fine if you are checking another machine's file)"
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        return f"{device}: {torch.cuda.get_device_name(dev.index or 0)}"
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        return "warn", f"{device}: MPS is not available on this machine"
+    from opendiloco_stream.commands._common import device_problem
+
+    problem = device_problem(device, ranks)
+    if problem is not None:
+        absent, message = problem
+        if not absent:
+            raise ValueError(message)
+        return "warn", f"{message} (fine if you are checking another machine's file)"
+    if device.startswith("cuda"):
+        return f"{device}: {torch.cuda.get_device_name(torch.device(device).index or 0)}"
     return f"{device}"
 
 
@@ -230,7 +231,7 @@ def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
         checks.run("model", lambda: check_model(cfg, vocab))
         checks.run("data", lambda: check_data(cfg, shard) + shard_note)
-    checks.run("device", lambda: check_device(cfg.train.device))
+    checks.run("device", lambda: check_device(cfg.train.device, cfg.train.nproc_per_node))
     if checks.failure:
         raise UsageError(f"dry run failed: {checks.failure}")
     print("dry run passed: nothing was started; run the same command without --dry-run")
