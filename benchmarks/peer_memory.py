@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from opendiloco_stream.net.lifecycle import descendants
+
 try:
     from benchmarks._common import RESULTS_DIR, command_line, environment, markdown_table, write_json
 except ImportError:  # run as a script: benchmarks/ is on sys.path
@@ -43,26 +45,6 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path
 
 MiB = 1 << 20
 FIELDS = ("Pss", "Pss_Shmem", "Private_Dirty", "Rss")
-
-
-def children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc/PID/task/*/children)."""
-    out, stack = [], [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-            except OSError:
-                continue
-            out += kids
-            stack += kids
-    return out
 
 
 def sample(pid: int) -> Optional[dict[str, Any]]:
@@ -131,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the run took over {args.timeout:.0f} s (log: {workdir / 'run.log'})")
-            snapshot = [s for s in map(sample, [proc.pid, *children(proc.pid)]) if s]
+            snapshot = [s for s in map(sample, [proc.pid, *descendants(proc.pid)]) if s]
             total = sum(s["Pss"] for s in snapshot)
             if total > best[0]:
                 best = (total, snapshot)
