@@ -34,6 +34,7 @@ class SyncStats:
     wait_s: float = 0.0
     rejected: int = 0
     caught_up_steps: int = 0  # inner steps skipped to catch up with the swarm (a slower peer)
+    alone_syncs: int = 0  # rounds that averaged with no other peer (failed, or a group of one)
 
     def merge(self, other: "SyncStats") -> "SyncStats":
         """Counters of both workers: sums, except the peak, which is the larger one."""

@@ -176,9 +176,12 @@ class Presence:
         return self._plan(fragment, round_index, new)
 
     def _plan(self, fragment: int, round_index: int, new: bool) -> RoundPlan:
-        ahead = {peer for peer, (is_ahead, _) in self._entries(fragment, round_index).items() if is_ahead}
+        entries = self._entries(fragment, round_index)
+        ahead = {peer for peer, (is_ahead, _) in entries.items() if is_ahead}
         if new:
-            if ahead - {self.peer_id}:
+            # the run is going if others launched the round before (a joiner's t = 0 says only
+            # that it will be there: with joiners alone, the round still forms at its deadline)
+            if {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t > 0} - {self.peer_id}:
                 return RoundPlan(target=None, skip=True)
             return RoundPlan(target=None)  # a cold start: nobody knows the size yet
         count = len(ahead | {self.peer_id})
