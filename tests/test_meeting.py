@@ -181,3 +181,12 @@ def test_two_alone_rounds_do_not_warn():
     for k in range(ALONE_WARN_AFTER - 1):
         log.record(0, 6 + k, 6 + k, None, "timeout", 1.0, None)
     assert not [e for e in events if e["event"] == "warning"]
+
+
+def test_a_request_timeout_not_below_the_matchmaking_time_is_a_one_line_config_error():
+    import pytest
+
+    from opendiloco_stream.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="request_timeout .* must be below net.matchmaking_time"):
+        load_config(None, {"net": {"matchmaking_time": 2.0}}, environ={})
