@@ -190,3 +190,26 @@ def test_a_request_timeout_not_below_the_matchmaking_time_is_a_one_line_config_e
 
     with pytest.raises(ConfigError, match="request_timeout .* must be below net.matchmaking_time"):
         load_config(None, {"net": {"matchmaking_time": 2.0}}, environ={})
+
+
+def test_monitor_names_a_peer_that_trains_alone():
+    from opendiloco_stream.commands.monitor import format_table
+
+    record = {"name": "carol", "step": 42, "loss": 3.25, "tokens_per_s": 1000.0, "bytes_sent": 0,
+              "compute_utilization": 0.3, "rounds": 0, "failed_rounds": 6, "time": 100.0}
+    quiet = format_table([{**record, "alone_rounds": ALONE_WARN_AFTER - 1}], now=101.0, run_id="r")
+    assert "WARNING" not in quiet
+    loud = format_table([{**record, "alone_rounds": 6}, {**record, "name": "dave", "alone_rounds": 0}],
+                        now=101.0, run_id="r").splitlines()
+    assert loud[-1].startswith("WARNING: carol has averaged with no other peer for its last 6 rounds")
+    assert not any("dave" in line and "WARNING" in line for line in loud)
+
+
+def test_the_alone_streak_is_published_in_the_schema_checked_record():
+    from opendiloco_stream.net.metrics import PeerMetrics, live_values, to_record
+    from opendiloco_stream.stats import SyncStats
+
+    stats = SyncStats(syncs=5, failed_syncs=5, alone_syncs=5, current_alone_streak=5)
+    record = to_record(live_values(stats, step=50), name="carol", peer_id="p", time=1.0)
+    assert record["alone_rounds"] == 5 and PeerMetrics(**record).alone_rounds == 5
+    assert SyncStats.total([stats, SyncStats(current_alone_streak=2)]).current_alone_streak == 5

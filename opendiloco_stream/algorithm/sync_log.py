@@ -81,6 +81,7 @@ class SyncLog:
         self.emit(rec)
         if self.alone.after_round(rec):
             s.alone_syncs += 1
+        s.current_alone_streak = self.alone.streak
 
     def emit(self, rec: dict[str, Any]) -> None:
         self.events.append(rec)
