@@ -89,16 +89,18 @@ class Presence:
         run_id, peer_id: the run and this peer (the subkey of its announcements).
         ttl: seconds an announcement outlives the last refresh (how long a dead peer stays counted).
         late_after: a round the others launched this long ago is late for a peer that has not.
+        window: the matchmaking window of a round (``matchmaking_time``).
         poll_s: refresh and poll period (default ``min(1, ttl / 4)``).
         dht_timeout: bound on one DHT store or lookup (a stuck DHT costs a refresh, never a hang).
     """
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, *, ttl: float = DEFAULT_TTL_S, late_after: float = 1.0,
-                 poll_s: Optional[float] = None, dht_timeout: float = 3.0):
+                 poll_s: Optional[float] = None, dht_timeout: float = 3.0, window: float = 5.0):
         if not ttl > 0 or not late_after >= 0:
             raise ValueError(f"presence ttl must be > 0 and late_after >= 0, got {ttl}, {late_after}")
         self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
         self.ttl, self.late_after = float(ttl), float(late_after)
+        self.window = float(window)  # a round's matchmaking window: how long an open round forms
         self.poll_s = min(1.0, self.ttl / 4) if poll_s is None else float(poll_s)
         self.dht_timeout = float(dht_timeout)
         self._lock = threading.Lock()
@@ -199,14 +201,22 @@ class Presence:
                 self._expected_at[(fragment, round_index)] = get_dht_time()
 
     def launched_by_others(self, fragment: int, round_index: int) -> bool:
-        """Whether another peer launched this round without counting this peer (a blocking DHT
-        lookup: for a joiner checking, once, that the state it downloaded is not a round behind
-        the swarm). A peer that launched it after this peer's ``expect`` was stored planned the
-        round with this peer in it and waits for it there: that round is not missed."""
+        """Whether another peer launched this round without counting this peer, so that its group
+        may form without it (a blocking DHT lookup: for a joiner checking, once, that the state it
+        downloaded is not a round behind the swarm). Not missed: a round launched after this
+        peer's ``expect`` was stored (planned with this peer in it: it waits for it there), and
+        an open round, one that nobody else was counted in (it forms at the end of its window
+        with whoever is there) launched less than ``window`` seconds ago."""
         with self._lock:
             expected_at = self._expected_at.get((fragment, round_index), float("inf"))
-        return any(is_ahead and 0 < t < expected_at and peer != self.peer_id
-                   for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items())
+        launches = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
+                    if is_ahead and 0 < t < expected_at and peer != self.peer_id]
+        if not launches:
+            return False
+        counted = {peer for peer, (is_ahead, t) in self._entries(fragment, round_index).items()
+                   if is_ahead and peer != self.peer_id}
+        still_open = len(counted) <= 1 and get_dht_time() - min(launches) < self.window
+        return not still_open
 
     def is_late(self, fragment: int, round_index: int) -> bool:
         """Whether other peers launched this round at least ``late_after`` seconds ago (non-blocking:

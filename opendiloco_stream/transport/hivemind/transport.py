@@ -167,6 +167,7 @@ class HivemindTransport(Transport):
         # a round others launched a quarter of the matchmaking time ago is late for a slower peer
         self._presence = Presence(self.dht, self.run_id, self.peer_id, ttl=self.presence_ttl,
                                   late_after=self.timeout_args["matchmaking_time"] / 4,
+                                  window=self.timeout_args["matchmaking_time"],
                                   dht_timeout=self.timeout_args["request_timeout"])
         self._lanes = {p: _Lane(p, averager, timeouts, self._presence, self.target_group_size)
                        for p, (timeouts, averager) in averagers.items()}
