@@ -85,8 +85,8 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
 
     start = time.perf_counter()
     try:
-        reports = swarm.run(lambda rank: train_worker(rank, M, cfg, swarm.transport(rank), train_source, val,
-                                                      vocab_size, emit, on_step=on_step))
+        reports = swarm.run(lambda rank: train_worker(rank, M, worker_config(cfg, rank), swarm.transport(rank),
+                                                      train_source, val, vocab_size, emit, on_step=on_step))
     finally:
         bar.close()
         emit.close()
@@ -96,3 +96,11 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
     writer.close()
     print_summary(summary)
     return 0
+
+
+def worker_config(cfg, rank: int):
+    """Worker ``rank``'s config: only worker 0 writes ``train.save_model`` (every worker holds the same
+    theta_bar; one directory)."""
+    if rank == 0 or not cfg.train.save_model:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"save_model": None})})
