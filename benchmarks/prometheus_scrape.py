@@ -120,6 +120,9 @@ def main() -> int:
         verdict["error"] = str(e)
     finally:
         stop_processes(procs, grace=10)
+    if verdict["ok"]:  # a failed run's logs and config stay for a look
+        shutil.rmtree(workdir, ignore_errors=True)
+        verdict.pop("workdir")
     print(json.dumps(verdict, indent=1))
     return 0 if verdict["ok"] else 1
 
