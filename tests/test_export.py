@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -37,6 +38,23 @@ def _theta_bar_by_name(ckpt: dict, model) -> dict[str, torch.Tensor]:
     cfg = RunConfig.model_validate(ckpt["config"])
     frags = partition(model, transformer_blocks(model), cfg.diloco.num_fragments, cfg.diloco.fragment_pattern)
     return {n: t for f, st in zip(frags, ckpt["diloco"]["fragments"]) for n, t in zip(f.names, st["outer_params"])}
+
+
+def assert_export_is_theta_bar(checkpoint_dir: Path, out: Path, rank: Optional[int] = None) -> None:
+    """``export`` of ``checkpoint_dir`` loads in transformers with the checkpoint's theta_bar, bit for
+    bit, and generates (the hivemind tests call this on a late joiner's and a sharded peer's files)."""
+    flags = [] if rank is None else ["--rank", str(rank)]
+    proc = _cli("export", "--checkpoint-dir", str(checkpoint_dir), "--out", str(out), "--no-eval", *flags)
+    assert proc.returncode == 0, proc.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    name = "worker-0.pt" if rank is None and (checkpoint_dir / "worker-0.pt").is_file() else f"worker-{rank}.pt"
+    expected = _theta_bar_by_name(torch.load(checkpoint_dir / name, weights_only=False), model)
+    params = dict(model.named_parameters())
+    assert set(expected) == set(params) and all(torch.equal(params[n], v) for n, v in expected.items())
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("x = ", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                          pad_token_id=tokenizer.pad_token_id).shape[1] > ids.shape[1]
 
 
 def test_byte_tokenizer_has_the_projects_ids_and_survives_save_pretrained(tmp_path):
