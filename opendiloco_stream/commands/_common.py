@@ -124,3 +124,11 @@ def print_summary(s: dict[str, Any]) -> None:
     print()
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+
+
+def worker_config(cfg, rank: int):
+    """Worker ``rank``'s config: only worker 0 writes ``train.save_model`` (every worker holds the same
+    theta_bar; one directory)."""
+    if rank == 0 or not cfg.train.save_model:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"save_model": None})})

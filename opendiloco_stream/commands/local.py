@@ -15,7 +15,7 @@ import time
 import torch
 
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
-    add_training_flags, config_from_args, prepare_data, print_summary, require_device,
+    add_training_flags, config_from_args, prepare_data, print_summary, require_device, worker_config,
 )
 
 
@@ -97,10 +97,3 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
     print_summary(summary)
     return 0
 
-
-def worker_config(cfg, rank: int):
-    """Worker ``rank``'s config: only worker 0 writes ``train.save_model`` (every worker holds the same
-    theta_bar; one directory)."""
-    if rank == 0 or not cfg.train.save_model:
-        return cfg
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"save_model": None})})

@@ -112,8 +112,7 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
     from tqdm import tqdm
 
-    from opendiloco_stream.commands._common import print_summary
-    from opendiloco_stream.commands.local import worker_config
+    from opendiloco_stream.commands._common import print_summary, worker_config
     from opendiloco_stream.net.lifecycle import GracefulShutdown
     from opendiloco_stream.train.metrics_file import MetricsTail
 
