@@ -51,7 +51,7 @@ def test_local_save_pretrained_dir_loads_weights_or_only_its_config(tmp_path):
 
 def test_hub_names_resolve_through_from_pretrained_from_the_offline_cache(tmp_path):
     cache = _hub_cache(tmp_path, "someorg/tiny-byte")
-    code = f"""
+    code = """
 import json, torch
 from opendiloco_stream.train.models import build_model
 from opendiloco_stream.train.data import load_tokenizer
@@ -59,9 +59,9 @@ tok = load_tokenizer("someorg/tiny-byte")
 m = build_model("someorg/tiny-byte", tok.vocab_size, 32, seed=5)
 c = build_model("someorg/tiny-byte", tok.vocab_size, 32, seed=5, init_from_config=True)
 p = build_model("tiny", tok.vocab_size, 32, seed=11)
-print(json.dumps({{"vocab": tok.vocab_size, "ids": tok.encode("hé"),
+print(json.dumps({"vocab": tok.vocab_size, "ids": tok.encode("hé"),
     "weights": all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), p.state_dict().values())),
-    "config_only_differs": not all(torch.equal(a, b) for a, b in zip(c.state_dict().values(), p.state_dict().values()))}}))
+    "config_only_differs": not all(torch.equal(a, b) for a, b in zip(c.state_dict().values(), p.state_dict().values()))}))
 """
     proc = _offline(cache, code)
     assert proc.returncode == 0, proc.stderr

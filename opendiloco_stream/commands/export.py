@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="export worker-N.pt (default: worker-0.pt, or the only checkpoint in the directory)")
     p.add_argument("--config", metavar="TOML", default=None,
                    help="the run's config, for checkpoints that do not record it (written before export existed)")
-    p.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="split model.safetensors into files of at most this size (default 2GB)")
     p.add_argument("--no-eval", action="store_true",
                    help="do not evaluate the model on the run's validation data for the README")
@@ -33,10 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.config import load_config
-    from opendiloco_stream.train.export import export_checkpoint
+    from opendiloco_stream.train.export import DEFAULT_MAX_SHARD_SIZE, export_checkpoint
 
     config = load_config(args.config) if args.config else None
     out = export_checkpoint(args.checkpoint_dir, args.out, rank=args.rank, config=config,
-                            evaluate_loss=not args.no_eval, max_shard_size=args.max_shard_size)
+                            evaluate_loss=not args.no_eval, max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     print(f"wrote {out} (load it with AutoModelForCausalLM.from_pretrained('{out}'))")
     return 0

@@ -114,8 +114,10 @@ def run_model(cfg: RunConfig, vocab_size: int, diloco_state: dict[str, Any],
 
     model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=cfg.train.seed,
                         dtype=torch.float32, init_from_config=cfg.model.init_from_config)
-    if "fragments" not in diloco_state:
-        model.load_state_dict(model_state if model_state is not None else {})
+    if "fragments" not in diloco_state:  # data-parallel: the model itself
+        if model_state is None:
+            raise ExportError("the checkpoint holds neither outer parameters nor a model to export")
+        model.load_state_dict(model_state)
     else:
         weights, params = theta_bar(model, cfg, diloco_state, model_state), dict(model.named_parameters())
         with torch.no_grad():
