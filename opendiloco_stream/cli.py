@@ -11,7 +11,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-COMMANDS = ("local", "peer", "bootstrap", "doctor", "monitor", "simulate")
+COMMANDS = ("local", "peer", "bootstrap", "doctor", "monitor", "simulate", "export", "sample")
 
 
 class UsageError(Exception):

@@ -150,8 +150,10 @@ class DiLoCoConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    name: str = Field("tiny", description="preset name (tiny, 35M, 100M, ...) or a local HF config/model path",
-                      json_schema_extra=cli("--model"))
+    name: str = Field("tiny", description="preset name (tiny, 35M, 100M, ...), a local HF config/model path or a "
+                      "hub name org/name (its weights, through from_pretrained)", json_schema_extra=cli("--model"))
+    init_from_config: bool = Field(False, description="a model directory or hub name: take only its config and "
+                                   "initialise the weights from train.seed")
     seq_len: int = Field(128, ge=8)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -160,7 +162,8 @@ class DataConfig(_Strict):
     dataset: str = Field("builtin", description="'builtin' (stdlib source), a hub name, or local files/dir")
     dataset_config: Optional[str] = None
     text_field: str = "text"
-    tokenizer: Optional[str] = Field(None, description="local HF tokenizer path; byte-level when unset")
+    tokenizer: Optional[str] = Field(None, description="a local HF tokenizer path or a hub name org/name; "
+                                     "byte-level when unset")
     streaming: Optional[bool] = Field(None, description="read the dataset on the fly (datasets streaming=True), "
                                       "position kept in checkpoints; default: on for hub names, off for local files")
     shard: str = Field("auto", description="this peer's data shard 'R/W' (e.g. '0/3'); 'auto' picks one of 64 "
@@ -195,6 +198,9 @@ class TrainConfig(_Strict):
     checkpoint_dir: Optional[str] = Field(None, description="where worker-<rank>.pt checkpoints go")
     checkpoint_every: int = Field(0, ge=0, description="save every N inner steps (0: only at the end)")
     resume: bool = Field(False, description="continue from checkpoint_dir if a checkpoint is there")
+    save_model: Optional[str] = Field(None, description="at the end of training, write theta_bar (the model every "
+                                      "peer agrees on) here as a transformers model directory (see the export "
+                                      "command)")
     tensorboard_dir: Optional[str] = Field(None, description="also log to TensorBoard here (needs the tensorboard package)")
     wandb_project: Optional[str] = Field(None, description="also log to this Weights & Biases project (needs wandb)")
     step_delay_s: float = Field(0.0, ge=0.0, description="benchmarks and tests only: sleep this long in every inner "

@@ -17,11 +17,22 @@ if ! "$V" -c "import torch" >/dev/null 2>&1; then
   "$V" -m pip install -q "torch==2.13.0" >"$VENV/pip-torch.log" 2>&1 || true
   "$V" -c "import torch" 2>/dev/null || { cat "$VENV/pip-torch.log" >&2; echo "[setup] torch install failed" >&2; exit 1; }
 fi
-if ! "$V" -c "import opendiloco_stream, hivemind, transformers, datasets, pytest, pytest_timeout, matplotlib" >/dev/null 2>&1; then
+if ! "$V" -c "import opendiloco_stream, hivemind, transformers, datasets, pytest, pytest_timeout, matplotlib, prometheus_client, tensorboard, wandb, compose" >/dev/null 2>&1; then
   echo "[setup] installing opendiloco-stream (editable) and its dependencies" >&2
   # pip's output goes to a log (shown only on failure): it is long and mostly build warnings
-  "$V" -m pip install -q -e ".[test,bench]" >"$VENV/pip-install.log" 2>&1 || true
+  "$V" -m pip install -q -e ".[test,bench,loggers]" >"$VENV/pip-install.log" 2>&1 || true
   "$V" -c "import opendiloco_stream, hivemind, pytest_timeout" 2>/dev/null || {
     cat "$VENV/pip-install.log" >&2; echo "[setup] package install failed" >&2; exit 1; }
+fi
+# promtool (Prometheus's exposition-format linter) for tests/test_prometheus.py, and the prometheus
+# server for benchmarks/prometheus_scrape.py: Debian's package, when missing and we may install it
+if ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Debian's prometheus package (promtool)" >&2
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; } \
+      >"$VENV/apt-prometheus.log" 2>&1 || { cat "$VENV/apt-prometheus.log" >&2; echo "[setup] prometheus install failed" >&2; exit 1; }
+  else
+    echo "[setup] promtool is missing: install Prometheus (Debian/Ubuntu: apt-get install prometheus)" >&2
+  fi
 fi
 echo "[setup] ready: $("$V" -c 'import torch, hivemind; print("torch", torch.__version__, "/ hivemind", hivemind.__version__)')" >&2

@@ -122,7 +122,11 @@ def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_s
         assert files == ["worker-0.pt", "worker-0.rank-0.pt", "worker-0.rank-1.pt"], files
 
         # a restart resumes from rank 0's file and the shards (and trains on with b)
-        a2 = start_peer(tmp_path, "a2", addrs, *common, *sharded, "--steps", "56", "--shard", "0/2", "--resume")
+        from test_export import assert_export_is_theta_bar
+
+        assert_export_is_theta_bar(ckpt, tmp_path / "exported")  # theta_bar whole in rank 0's file
+        a2 = start_peer(tmp_path, "a2", addrs, *common, *sharded, "--steps", "56", "--shard", "0/2", "--resume",
+                        "--save-model", str(tmp_path / "end"))
         procs.append(a2)
         a2.wait(timeout=240)
         assert a2.returncode == 0, (tmp_path / "a2.log").read_text()[-3000:]
@@ -132,5 +136,12 @@ def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_s
         # (catch-up jumps count as steps; one may jump past the last step: b is far ahead)
         assert steps[0] > 48 and steps[-1] >= 56, steps
         assert recs[-1]["eval_loss_initial"] < summary["eval_loss_initial"] - 0.3, recs[-1]  # trained weights
+        from transformers import AutoModelForCausalLM
+
+        end = AutoModelForCausalLM.from_pretrained(tmp_path / "end")  # --save-model on a sharded peer
+        final = [r for r in recs if r["event"] == "eval" and r.get("stage") == "global"]
+        assert final and f"{final[-1]['eval_loss']:.4f}" in (tmp_path / "end" / "README.md").read_text()
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+        assert [n for n, _ in end.named_parameters()] == [n for n, _ in exported.named_parameters()]
     finally:
         stop_processes(procs, grace=10)

@@ -1,9 +1,11 @@
-"""The Prometheus endpoint (``peer --metrics-port``) and the optional TensorBoard / W&B loggers."""
+"""The Prometheus endpoint (``net/prometheus.py``, on ``prometheus_client``): records become typed,
+labelled series; a live peer's scrape passes Prometheus's own ``promtool check metrics``."""
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,8 +15,7 @@ import urllib.request
 
 import pytest
 
-from opendiloco_stream.net.prometheus import PeerCounters, PrometheusExporter, parse_text, render
-from opendiloco_stream.train.loggers import TensorBoardLogger, WandbLogger, build_loggers, scalars
+from opendiloco_stream.net.prometheus import PeerMetrics, PrometheusExporter, samples
 
 
 def _free_port() -> int:
@@ -25,49 +26,67 @@ def _free_port() -> int:
 
 def _get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        assert r.headers["Content-Type"].startswith("text/plain; version=")
         return r.read().decode()
+
+
+def promtool_check(text: str) -> subprocess.CompletedProcess:
+    """``promtool check metrics`` (Prometheus's linter of the exposition format) on a scrape."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: scripts/setup.sh installs Debian's prometheus package"
+    return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
 
 
 RECORDS = [
     {"event": "step", "step": 1, "loss": 5.5, "tokens": 256, "compute_s": 0.1, "sync_s": 0.0},
     {"event": "step", "step": 2, "loss": 5.25, "tokens": 256, "compute_s": 0.1, "sync_s": 0.0},
     {"event": "sync", "fragment": 0, "round": 0, "ok": True, "wait_s": 0.25, "group_size": 3,
-     "bytes_sent": 1000, "bytes_received": 2000},
+     "bytes_sent": 1000, "bytes_received": 2000, "land_steps": 2},
     {"event": "sync", "fragment": 1, "round": 0, "ok": False, "wait_s": 1.5, "group_size": 0, "reason": "timeout"},
     {"event": "eval", "step": 2, "eval_loss": 4.75},
 ]
 
 
-def test_records_become_prometheus_samples_with_labels():
-    counters = PeerCounters()
+def test_records_become_typed_series_labelled_by_peer_and_fragment():
+    metrics = PeerMetrics({"run": "demo"}, info={"mode": "eager", "codec": "fp4-e3m0"})
+    metrics.relabel(peer='Qm"x')
     for rec in RECORDS:
-        counters.observe(rec)
-    text = render(counters, {"run": "demo", "peer": 'Qm"x'}, info={"mode": "eager", "codec": "fp4-e3m0"})
-    samples = parse_text(text)
-    lab = (("peer", 'Qm\\"x'), ("run", "demo"))
-    assert samples[("ods_step", lab)] == 2
-    assert samples[("ods_loss", lab)] == 5.25 and samples[("ods_eval_loss", lab)] == 4.75
-    assert samples[("ods_tokens_total", lab)] == 512
-    assert samples[("ods_bytes_sent_total", lab)] == 1000 and samples[("ods_bytes_received_total", lab)] == 2000
-    assert samples[("ods_rounds_total", tuple(sorted(lab + (("result", "ok"),))))] == 1
-    assert samples[("ods_rounds_total", tuple(sorted(lab + (("result", "failed"),))))] == 1
-    assert samples[("ods_group_size", lab)] == 3  # the failed round does not reset it
-    assert samples[("ods_sync_wait_seconds_total", lab)] == 1.75 and samples[("ods_last_sync_wait_seconds", lab)] == 1.5
-    assert 0 < samples[("ods_compute_utilization", lab)] <= 1 and samples[("ods_tokens_per_second", lab)] > 0
+        metrics.observe(rec)
+    text = metrics.exposition()
+    got = samples(text)
+    lab = (("peer", 'Qm"x'), ("run", "demo"))
+
+    def frag(p, **extra):
+        return tuple(sorted(lab + (("fragment", str(p)),) + tuple(extra.items())))
+
+    assert got[("ods_step", lab)] == 2
+    assert got[("ods_loss", lab)] == 5.25 and got[("ods_eval_loss", lab)] == 4.75
+    assert got[("ods_tokens_total", lab)] == 512
+    assert got[("ods_bytes_sent_total", frag(0))] == 1000 and got[("ods_bytes_received_total", frag(0))] == 2000
+    assert got[("ods_rounds_total", frag(0, result="ok"))] == 1
+    assert got[("ods_rounds_total", frag(1, result="failed"))] == 1
+    assert got[("ods_group_size", frag(0))] == 3 and ("ods_group_size", frag(1)) not in got  # failed: no group
+    assert got[("ods_sync_wait_seconds_total", frag(1))] == 1.5 and got[("ods_last_sync_wait_seconds", frag(0))] == 0.25
+    assert got[("ods_round_land_steps", frag(0))] == 2 and ("ods_round_land_steps", frag(1)) not in got
+    assert 0 < got[("ods_compute_utilization", lab)] <= 1 and got[("ods_tokens_per_second", lab)] > 0
     assert "# TYPE ods_tokens_total counter" in text and "# TYPE ods_loss gauge" in text
-    info = [k for k in samples if k[0] == "ods_info"]
-    assert info and dict(info[0][1])["codec"] == "fp4-e3m0"
+    assert "# HELP ods_round_land_steps " in text
+    info = [k for k in got if k[0] == "ods_info"]
+    assert len(info) == 1 and dict(info[0][1])["codec"] == "fp4-e3m0" and dict(info[0][1])["peer"] == 'Qm"x'
+    assert not [k for k in got if dict(k[1]).get("peer") == ""]  # relabel replaced the series, none left behind
+    with pytest.raises(ValueError):  # counters only go up: the library refuses a decrease
+        metrics.tokens.labels(**metrics.labels).inc(-1)
+    check = promtool_check(text)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_exporter_serves_metrics_and_refuses_a_taken_port():
     with PrometheusExporter(0, host="127.0.0.1", labels={"run": "t"}) as exp:
         exp.observe(RECORDS[0])
-        samples = parse_text(_get(exp.url))
-        assert samples[("ods_step", (("run", "t"),))] == 1
-        assert math.isnan(samples[("ods_eval_loss", (("run", "t"),))])  # no eval yet: NaN, not 0
-        with pytest.raises(urllib.error.HTTPError):
-            _get(exp.url.replace("/metrics", "/other"))
+        got = samples(_get(exp.url))
+        lab = (("peer", ""), ("run", "t"))
+        assert got[("ods_step", lab)] == 1
+        assert math.isnan(got[("ods_eval_loss", lab)])  # no eval yet: NaN, not 0
         with pytest.raises(OSError):
             PrometheusExporter(exp.port, host="127.0.0.1")
 
@@ -88,83 +107,36 @@ def test_scrape_the_endpoint_of_running_peers(tmp_path):
             procs.append(subprocess.Popen(cmd, stdout=open(tmp_path / f"p{r}.log", "w"), stderr=subprocess.STDOUT,
                                           start_new_session=True, env={**os.environ}))
         url = f"http://127.0.0.1:{ports[0]}/metrics"
-        deadline, samples = time.monotonic() + 180, {}
+        deadline, found = time.monotonic() + 180, {}
         while time.monotonic() < deadline:
             for p in procs[1:]:
                 assert p.poll() is None, (tmp_path / "p0.log").read_text()[-2000:]
             try:
-                samples = {k[0] if k[0] != "ods_rounds_total" else f"rounds_{dict(k[1])['result']}": v
-                           for k, v in parse_text(_get(url)).items()}
+                text = _get(url)
+                scrape = {}
+                for (name, labels), v in samples(text).items():  # summed over the fragments
+                    key = name if name != "ods_rounds_total" else f"rounds_{dict(labels)['result']}"
+                    merge = max if key == "ods_group_size" else lambda a, b: a + b
+                    scrape[key] = merge(scrape.get(key, 0), v)
+                found = scrape
             except (urllib.error.URLError, ConnectionError):
-                samples = {}  # not up yet (the peer builds its model, then joins the DHT)
-            if samples.get("rounds_ok", 0) >= 2 and samples.get("ods_group_size") == 2:
+                found = {}  # not up yet (the peer builds its model, then joins the DHT)
+            if found.get("rounds_ok", 0) >= 2 and found.get("ods_group_size") == 2:
                 break
             time.sleep(1.0)
-        assert samples.get("rounds_ok", 0) >= 2, samples
-        assert samples["ods_group_size"] == 2
+        assert found.get("rounds_ok", 0) >= 2, found
+        assert found["ods_group_size"] == 2
         # the second round is at step 6; a scrape may land between its sync record and its step record.
         # tokens: 2 x 32 a trained step; a step skipped to catch up with the other peer (under load) has none
-        assert samples["ods_step"] >= 5 and samples["ods_tokens_total"] % (2 * 32) == 0
-        assert 0 < samples["ods_tokens_total"] <= samples["ods_step"] * 2 * 32
-        assert samples["ods_bytes_sent_total"] > 0 and samples["ods_bytes_received_total"] > 0
-        assert 0 < samples["ods_compute_utilization"] <= 1 and samples["ods_tokens_per_second"] > 0
-        assert math.isfinite(samples["ods_loss"]) and samples["ods_sync_wait_seconds_total"] >= 0
-        other = parse_text(_get(f"http://127.0.0.1:{ports[1]}/metrics"))
-        peers = {dict(k[1]).get("peer") for k in other} | {dict(k[1]).get("peer") for k in parse_text(_get(url))}
-        assert len(peers) == 2  # each endpoint is labelled with its own peer id
+        assert found["ods_step"] >= 5 and found["ods_tokens_total"] % (2 * 32) == 0
+        assert 0 < found["ods_tokens_total"] <= found["ods_step"] * 2 * 32
+        assert found["ods_bytes_sent_total"] > 0 and found["ods_bytes_received_total"] > 0
+        assert 0 < found["ods_compute_utilization"] <= 1 and found["ods_tokens_per_second"] > 0
+        assert math.isfinite(found["ods_loss"]) and found["ods_sync_wait_seconds_total"] >= 0
+        other = samples(_get(f"http://127.0.0.1:{ports[1]}/metrics"))
+        peers = {dict(k[1]).get("peer") for k in other} | {dict(k[1]).get("peer") for k in samples(_get(url))}
+        assert len(peers) == 2 and "" not in peers  # each endpoint is labelled with its own peer id
+        check = promtool_check(text)  # Prometheus's own linter passes the live scrape
+        assert check.returncode == 0, check.stdout + check.stderr
     finally:
         stop_processes(procs, grace=10)
-
-
-def test_loggers_are_optional_and_map_records_to_scalars(monkeypatch):
-    from opendiloco_stream.config import ConfigError, load_config
-
-    assert scalars(RECORDS[0]) == [("train/loss", 5.5, 1), ("train/lr", 0.0, 1)]
-    assert ("sync/group_size", 3, 0) in scalars(RECORDS[2]) and ("sync/ok", 0.0, 0) in scalars(RECORDS[3])
-    assert build_loggers(load_config(None, {})) == []
-
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("tensorboard", "wandb") else real(n, *a))
-    with pytest.raises(ConfigError, match="pip install tensorboard"):
-        build_loggers(load_config(None, {"train": {"tensorboard_dir": "tb"}}))
-    with pytest.raises(ConfigError, match="pip install wandb"):
-        build_loggers(load_config(None, {"train": {"wandb_project": "p"}}))
-
-    class FakeWriter:
-        def __init__(self, log_dir):
-            self.log_dir, self.scalars, self.closed = log_dir, [], False
-
-        def add_scalar(self, tag, value, step):
-            self.scalars.append((tag, value, step))
-
-        def close(self):
-            self.closed = True
-
-    made = []
-    tb = TensorBoardLogger("runs/tb", writer_factory=lambda log_dir: made.append(FakeWriter(log_dir)) or made[-1])
-    for rec in RECORDS:
-        tb.observe({**rec, "rank": 1})
-    tb.close()
-    assert made[0].log_dir == "runs/tb/worker-1" and ("eval/loss", 4.75, 2) in made[0].scalars and made[0].closed
-
-    class FakeWandb:
-        logged = []
-
-        @classmethod
-        def init(cls, project, config):
-            assert project == "p"
-            return cls()
-
-        def log(self, values, step):
-            self.logged.append((values, step))
-
-        def finish(self):
-            pass
-
-    wb = WandbLogger("p", {}, wandb_module=FakeWandb)
-    for rec in RECORDS:
-        wb.observe(rec)
-    wb.observe({**RECORDS[0], "rank": 1})  # other ranks are not logged
-    assert len(FakeWandb.logged) == 5 and FakeWandb.logged[0] == ({"train/loss": 5.5, "train/lr": 0.0}, 1)

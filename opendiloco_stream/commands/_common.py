@@ -12,7 +12,6 @@ import hashlib
 from typing import Any, Iterable
 
 from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
-
 from opendiloco_stream.config_cli import (  # noqa: F401 (re-exported for the commands)
     TRAINING_SECTIONS, add_config_flags, config_from_args, overrides_from_args,
 )
@@ -130,3 +129,11 @@ def print_summary(s: dict[str, Any]) -> None:
     if alone >= ALONE_WARN_AFTER:
         print(f"\n  WARNING: {alone} of {s['syncs']} syncs averaged with no other peer: for those rounds this run "
               f"trained alone, not with a swarm (the metrics file's \"warning\" records say why)")
+
+
+def worker_config(cfg, rank: int):
+    """Worker ``rank``'s config: only worker 0 writes ``train.save_model`` (every worker holds the same
+    theta_bar; one directory)."""
+    if rank == 0 or not cfg.train.save_model:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"save_model": None})})

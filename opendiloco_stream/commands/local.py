@@ -15,7 +15,7 @@ import time
 import torch
 
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
-    add_training_flags, config_from_args, prepare_data, print_summary, require_device,
+    add_training_flags, config_from_args, prepare_data, print_summary, require_device, worker_config,
 )
 
 
@@ -85,8 +85,8 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
 
     start = time.perf_counter()
     try:
-        reports = swarm.run(lambda rank: train_worker(rank, M, cfg, swarm.transport(rank), train_source, val,
-                                                      vocab_size, emit, on_step=on_step))
+        reports = swarm.run(lambda rank: train_worker(rank, M, worker_config(cfg, rank), swarm.transport(rank),
+                                                      train_source, val, vocab_size, emit, on_step=on_step))
     finally:
         bar.close()
         emit.close()
@@ -96,3 +96,4 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
     writer.close()
     print_summary(summary)
     return 0
+

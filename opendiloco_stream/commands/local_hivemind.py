@@ -112,14 +112,15 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
     from tqdm import tqdm
 
-    from opendiloco_stream.commands._common import print_summary
+    from opendiloco_stream.commands._common import print_summary, worker_config
     from opendiloco_stream.net.lifecycle import GracefulShutdown
     from opendiloco_stream.train.metrics_file import MetricsTail
 
     M = args.workers
     run_id = cfg.net.run_id if cfg.net.run_id != "opendiloco" else f"local-{os.getpid()}"
     workdir = Path(tempfile.mkdtemp(prefix="ods-local-"))
-    (workdir / "run.toml").write_text(to_toml(cfg))
+    # train.save_model: peer 0 writes it (every peer holds the same theta_bar; one directory)
+    (workdir / "run.toml").write_text(to_toml(worker_config(cfg, 1)))
     threads = args.threads or max(1, (os.cpu_count() or 1) // (M * cfg.train.nproc_per_node))  # per rank
     procs: list[subprocess.Popen] = []
     with GracefulShutdown() as stop:
@@ -132,6 +133,8 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
                        "--run-id", run_id, "--initial-peers", *addrs, "--shard", f"{r}/{M}", "--no-join",
                        "--metrics-file", str(workdir / f"peer-{r}.jsonl"), "--no-progress",
                        "--threads", str(threads), "--target-group-size", str(M), "--log-level", args.log_level]
+                if r == 0 and cfg.train.save_model:
+                    cmd += ["--save-model", str(Path(cfg.train.save_model).resolve())]
                 if cfg.net.data_port:  # one range of data ports per peer: they share this machine
                     cmd += ["--data-port", str(cfg.net.data_port + r * cfg.diloco.num_fragments)]
                 peers.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer-{r}.log", "w"),

@@ -137,7 +137,7 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
                 ranks.share((rank, world))
                 data_rank, data_world = data_shard((rank, world), 0, ranks.world)
             if exporter is not None:
-                exporter.labels["peer"] = peer_id
+                exporter.metrics.relabel(peer=peer_id)
                 print(f"prometheus metrics on {exporter.url}", file=sys.stderr, flush=True)
             on_ranks = f", {ranks.world} ranks" if ranks is not None else ""
             print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}{on_ranks}); "

@@ -1,6 +1,6 @@
 """Atomic, complete checkpoints: model, inner optimizer and schedule, StreamingDiLoCo state (outer
-parameters and optimizers, eager state, error-feedback residuals, schedule position), data position
-and RNG. Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint.
+parameters and optimizers, eager state, error-feedback residuals, schedule position), data position,
+RNG and the run's configuration (``train/export.py`` reads theta_bar and the config back). Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ def checkpoint_path(directory: str, rank: int) -> Path:
 
 
 def save_checkpoint(path: Path, *, model, optimizer, scheduler, diloco, step: int,
-                    data: Optional[dict] = None) -> None:
+                    data: Optional[dict] = None, config: Optional[dict] = None) -> None:
     """``data``: the data position (``StreamBatches.position()`` for a streamed dataset); in-memory
     sources need none, their position is the step. ``model`` and ``optimizer`` None: they are saved
-    elsewhere (a sharded peer's ranks write their shards, ``train/sharded.py``)."""
+    elsewhere (a sharded peer's ranks write their shards, ``train/sharded.py``). ``config``: the run's
+    configuration (``RunConfig.model_dump(mode="json")``), what ``export`` rebuilds the model from."""
     state: dict[str, Any] = {
         "format": 1,
         "step": step,
+        "config": config,
         "data": data if data is not None else {"kind": "windows", "batches": step},
         "model": None if model is None else model.state_dict(),
         "optimizer": None if optimizer is None else optimizer.state_dict(),

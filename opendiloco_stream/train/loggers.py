@@ -7,16 +7,22 @@ for one that is not installed is a configuration error (one line, exit 2), befor
 
 Scalars (the x axis is the inner step): ``train/loss``, ``train/lr``, ``eval/loss``,
 ``sync/wait_s``, ``sync/group_size``, ``sync/bytes_sent``, ``sync/ok`` (1 or 0), and the summary's
-``summary/*`` numbers at the end.
+``summary/*`` numbers at the end. The run's configuration goes with them: TensorBoard text
+``config`` (JSON), the W&B run config. A sync record's step is its round's launch step, which can be
+earlier than the last step logged: W&B, whose own step must only grow, plots against an
+``inner_step`` metric instead (``define_metric``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 from typing import Any, Optional
 
 from opendiloco_stream.config import ConfigError, RunConfig
+
+STEP_METRIC = "inner_step"  # W&B's x axis (its own step counts log calls)
 
 
 def scalars(rec: dict[str, Any]) -> list[tuple[str, float, int]]:
@@ -40,10 +46,10 @@ def scalars(rec: dict[str, Any]) -> list[tuple[str, float, int]]:
 class TensorBoardLogger:
     """Writes the scalars to TensorBoard event files (one directory per worker rank)."""
 
-    def __init__(self, log_dir: str, writer_factory=None):
-        if writer_factory is None:
-            from torch.utils.tensorboard import SummaryWriter as writer_factory
-        self._factory, self._dir, self._writers = writer_factory, log_dir, {}
+    def __init__(self, log_dir: str, config: Optional[dict[str, Any]] = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._factory, self._dir, self._writers, self._config = SummaryWriter, log_dir, {}, config
 
     def observe(self, rec: dict[str, Any]) -> None:
         items = scalars(rec)
@@ -52,6 +58,8 @@ class TensorBoardLogger:
         rank = rec.get("rank", 0)
         if rank not in self._writers:
             self._writers[rank] = self._factory(log_dir=f"{self._dir}/worker-{rank}")
+            if self._config is not None:
+                self._writers[rank].add_text("config", json.dumps(self._config), 0)
         for tag, value, step in items:
             self._writers[rank].add_scalar(tag, float(value), step)
 
@@ -63,18 +71,19 @@ class TensorBoardLogger:
 class WandbLogger:
     """Logs the scalars of rank 0 (one run per process) to Weights & Biases."""
 
-    def __init__(self, project: str, config: dict[str, Any], wandb_module=None):
-        if wandb_module is None:
-            import wandb as wandb_module
-        self._wandb = wandb_module
-        self._run = wandb_module.init(project=project, config=config)
+    def __init__(self, project: str, config: dict[str, Any]):
+        import wandb
+
+        self._run = wandb.init(project=project, config=config)
+        self._run.define_metric(STEP_METRIC)
+        self._run.define_metric("*", step_metric=STEP_METRIC)
 
     def observe(self, rec: dict[str, Any]) -> None:
         if rec.get("rank", 0) != 0:
             return
         items = scalars(rec)
         if items:
-            self._run.log({tag: float(v) for tag, v, _ in items}, step=items[0][2])
+            self._run.log({STEP_METRIC: items[0][2], **{tag: float(v) for tag, v, _ in items}})
 
     def close(self) -> None:
         self._run.finish()
@@ -87,7 +96,7 @@ def build_loggers(cfg: RunConfig) -> list:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("train.tensorboard_dir is set but tensorboard is not installed: "
                               "pip install tensorboard (or unset it)")
-        out.append(TensorBoardLogger(cfg.train.tensorboard_dir))
+        out.append(TensorBoardLogger(cfg.train.tensorboard_dir, cfg.model_dump(mode="json")))
     if cfg.train.wandb_project:
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("train.wandb_project is set but wandb is not installed: pip install wandb (or unset it)")

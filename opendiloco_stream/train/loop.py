@@ -22,6 +22,7 @@ from opendiloco_stream.algorithm.fragments import partition
 from opendiloco_stream.config import ConfigError, RunConfig
 from opendiloco_stream.stats import SyncStats
 from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
+from opendiloco_stream.train.export import save_model_at_end
 from opendiloco_stream.train.metrics_file import MetricsWriter, read_metrics  # noqa: F401 (re-exported)
 from opendiloco_stream.train.models import build_model, transformer_blocks
 from opendiloco_stream.train.sharded import Sharded, agree_on_fragments, load_shard, save_shard, shard_model
@@ -108,7 +109,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     with _BUILD_LOCK:
         model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
-                            dtype=dtype).to(device)
+                            dtype=dtype, init_from_config=cfg.model.init_from_config).to(device)
     model.train()
     if before_join is not None:
         before_join(model)
@@ -201,7 +202,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     def save(at: int) -> None:  # rank 0's checkpoint; a sharded peer's ranks add their shards
         if ckpt is not None:
             save_checkpoint(ckpt, model=None if sharded else model, optimizer=None if sharded else opt,
-                            scheduler=sched, diloco=diloco, step=at, data=position())
+                            scheduler=sched, diloco=diloco, step=at, data=position(), config=cfg.model_dump(mode="json"))
         if shard_ckpt is not None:
             save_shard(shard_ckpt, model, opt, ranks.rank, ranks.world, step=at)
     recent: list[float] = []
@@ -269,6 +270,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
             report.eval_loss_global = ev()
         emit({"event": "eval", "rank": rank, "step": end_step, "stage": "global",
               "eval_loss": report.eval_loss_global})
+    if tc.save_model and leader:  # theta_bar as a transformers model directory (train/export.py)
+        save_model_at_end(cfg, diloco, model, vocab_size, report)
     report.train_loss = float(sum(recent) / max(1, len(recent)))
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)

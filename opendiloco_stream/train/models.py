@@ -12,9 +12,11 @@ this MLP rule the non-embedding counts are 42M, 116M, 244M, 425M, 925M, 1.23B, 4
 ``"small"`` (hidden 256, 6 layers, 8 heads, ~4.9 M) are ours, for CPU runs, tests and the quality
 benchmark's scale check.
 
-``build_model`` accepts a preset name or a local path: a directory holding a HF model (its weights
+``build_model`` accepts a preset name, a local path: a directory holding a HF model (its weights
 are loaded) or a config (``config.json``; initialised from the seed), or a path to a JSON config
-file. Initialisation runs under a forked RNG seeded with ``seed``, so the same seed gives
+file, or a hub name ``org/name`` (through ``from_pretrained``: the hub's cache, ``HF_HUB_OFFLINE``
+and ``HF_ENDPOINT`` apply). ``init_from_config`` (``--init-from-config``) takes only the config of a
+model directory or hub name and initialises the weights from the seed. Initialisation runs under a forked RNG seeded with ``seed``, so the same seed gives
 bit-identical weights and the caller's RNG streams are left untouched.
 """
 
@@ -96,33 +98,56 @@ def build_model(
     seq_len: int,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    init_from_config: bool = False,
 ) -> PreTrainedModel:
-    """Build a causal LM from a preset name or a local HF model/config path (see module doc)."""
+    """Build a causal LM from a preset name, a local HF model/config path or a hub name (module doc)."""
     if vocab_size < 1 or seq_len < 1:
         raise ConfigError(f"vocab_size and seq_len must be positive, got {vocab_size} and {seq_len}")
     if name in PRESETS:
         config = transformers.LlamaConfig(
             **{**PRESETS[name], **_PRESET_COMMON, "vocab_size": vocab_size, "max_position_embeddings": seq_len}
         )
-        model = _init_from_config(config, seed)
+        return _init_from_config(config, seed).to(dtype).train()
+    path = Path(name).expanduser()
+    if path.exists():
+        has_weights = path.is_dir() and any((path / f).is_file() for f in _WEIGHT_FILES)
+        source, local = str(path), True
+    elif is_hub_name(name):
+        has_weights, source, local = True, name, False
     else:
-        path = Path(name).expanduser()
-        if not path.exists():
-            raise ConfigError(
-                f"unknown model '{name}': use a preset ({', '.join(PRESETS)}) "
-                "or a local path to a HF model directory or config.json"
-            )
-        if path.is_dir() and any((path / f).is_file() for f in _WEIGHT_FILES):
-            model = _load_pretrained(path, vocab_size, seq_len)
-        else:
-            config = _load_config(path)
-            config.vocab_size = vocab_size
-            # Learned-position models need a table at least this long; RoPE models just record it.
-            current = getattr(config, "max_position_embeddings", None)
-            if current is not None and current < seq_len:
-                config.max_position_embeddings = seq_len
-            model = _init_from_config(config, seed)
+        raise ConfigError(
+            f"unknown model '{name}': use a preset ({', '.join(PRESETS)}), "
+            "a local path to a HF model directory or config.json, or a hub name org/name"
+        )
+    if has_weights and not init_from_config:
+        model = _load_pretrained(source, vocab_size, seq_len, local)
+    else:
+        config = _load_config(path) if local else _hub_config(name)
+        config.vocab_size = vocab_size
+        # Learned-position models need a table at least this long; RoPE models just record it.
+        current = getattr(config, "max_position_embeddings", None)
+        if current is not None and current < seq_len:
+            config.max_position_embeddings = seq_len
+        model = _init_from_config(config, seed)
     return model.to(dtype).train()
+
+
+def is_hub_name(name: str) -> bool:
+    """Whether ``name`` has the shape of a hub repository id, ``org/name`` (a name that is not a path)."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _hub_error(name: str, e: BaseException) -> ConfigError:
+    return ConfigError(f"cannot load model '{name}' (not a preset or local path; from the hub: {_first_line(e)}): "
+                       "check the name, or download it first (HF_HUB_OFFLINE=1 reads only the local cache)")
+
+
+def _hub_config(name: str) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as e:  # huggingface_hub raises OSError, ValueError, HTTP and offline errors
+        raise _hub_error(name, e) from None
 
 
 def _load_config(path: Path) -> PretrainedConfig:
@@ -155,10 +180,12 @@ def _init_from_config(config: PretrainedConfig, seed: int) -> PreTrainedModel:
         return _instantiate(config)
 
 
-def _load_pretrained(path: Path, vocab_size: int, seq_len: int) -> PreTrainedModel:
+def _load_pretrained(path: str, vocab_size: int, seq_len: int, local: bool = True) -> PreTrainedModel:
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, attn_implementation="sdpa")
-    except (OSError, ValueError) as e:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=local, attn_implementation="sdpa")
+    except Exception as e:  # OSError, ValueError; from the hub also HTTP and offline errors
+        if not local:
+            raise _hub_error(path, e) from None
         raise ConfigError(f"cannot load the model in {path}: {_first_line(e)}") from None
     rows = model.get_input_embeddings().weight.shape[0]
     if vocab_size > rows:
