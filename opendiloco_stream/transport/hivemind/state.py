@@ -48,6 +48,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from opendiloco_stream.testing import faults
 from opendiloco_stream.transport.hivemind.state_format import (  # noqa: F401 (StateError, flatten/unflatten: API)
     PART_BYTES, StateError, _dumps, _loads, flatten_state, tensor_bytes, tensor_digest, unflatten_state,
 )
@@ -89,7 +90,7 @@ class _StateServicer(ServicerBase):
             manifest["auth"] = admission.state_proof("reply", me, joiner)
         yield averaging_pb2.DownloadData(metadata=_dumps(manifest))
         for i, (tensor, digest) in enumerate(zip(tensors, manifest["digests"])):
-            if i == self._sharing.die_after_tensors:  # tests only: a donor that dies mid-stream
+            if i == faults.die_after_tensors():  # tests only (opendiloco_stream/testing/faults.py)
                 os._exit(1)
             if digest in have:  # the joiner has it already (from a donor that failed mid-way)
                 yield averaging_pb2.DownloadData(metadata=_dumps({"have": i}))
@@ -113,7 +114,6 @@ class StateSharing:
         self.key, self.namespace = f"{run_id}_state.donors", f"{run_id}_state"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
-        self.die_after_tensors: Optional[int] = None  # tests only (fault injection): exit mid-stream
         self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
         self._servicer = _StateServicer(self)
         self._declare_task: Optional[asyncio.Task] = None
