@@ -270,6 +270,14 @@ class NetConfig(_Strict):
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
+    def _request_below_matchmaking(self) -> "NetConfig":
+        if self.request_timeout >= self.matchmaking_time:
+            raise ValueError(f"net.request_timeout ({self.request_timeout:g} s) must be below net.matchmaking_time "
+                             f"({self.matchmaking_time:g} s), or matchmaking can deadlock: lower "
+                             f"--request-timeout or raise --matchmaking-time")
+        return self
+
+    @model_validator(mode="after")
     def _one_key_source(self) -> "NetConfig":
         if self.run_key is not None and self.run_key_file is not None:
             raise ValueError("set run_key_file or run_key (ODS_NET__RUN_KEY), not both")

@@ -34,13 +34,15 @@ class SyncStats:
     wait_s: float = 0.0
     rejected: int = 0
     caught_up_steps: int = 0  # inner steps skipped to catch up with the swarm (a slower peer)
+    alone_syncs: int = 0  # rounds that averaged with no other peer (failed, or a group of one)
+    current_alone_streak: int = 0  # such rounds in a row, up to the last one (merged: the largest)
 
     def merge(self, other: "SyncStats") -> "SyncStats":
-        """Counters of both workers: sums, except the peak, which is the larger one."""
+        """Counters of both workers: sums, except peaks and current values, which take the larger one."""
         out = SyncStats()
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            setattr(out, f.name, max(a, b) if f.name.startswith("peak_") else a + b)
+            setattr(out, f.name, max(a, b) if f.name.startswith(("peak_", "current_")) else a + b)
         return out
 
     def to_record(self) -> dict[str, Any]:

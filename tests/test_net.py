@@ -265,7 +265,7 @@ def test_metrics_records_are_schema_exact_whatever_the_trainer_passes():
                         "compute_utilization": 1.2, "rounds": {"0": 3}, "mode": "eager", "peer": "ignored"},
                        name="a", peer_id="b", time=1.0)
     assert record == {"name": "a", "peer_id": "b", "step": 5, "loss": 2.5, "tokens_per_s": 0.0, "bytes_sent": 0,
-                      "bytes_received": 0, "compute_utilization": 1.0, "rounds": 0, "failed_rounds": 0,
+                      "bytes_received": 0, "compute_utilization": 1.0, "rounds": 0, "failed_rounds": 0, "alone_rounds": 0,
                       "mode": "eager", "time": 1.0}
     assert [type(record[k]) for k in ("step", "loss")] == [int, float]  # strict: no numpy/torch scalars
     assert PeerMetrics(**record).dict() == record

@@ -19,6 +19,9 @@ from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import Transport
 
 
+MAX_STEPS_BEHIND = 64  # how far past its next round one catch-up looks
+
+
 class DataParallel(HasSyncLog):
     """Averages gradients inside ``optimizer.step()`` (a step pre-hook), every inner step.
 
@@ -49,13 +52,35 @@ class DataParallel(HasSyncLog):
             raise RuntimeError("DataParallel.step() after close()")
         with self._lock:
             self.step_count += 1
+            self._catch_up()
+
+    def _round_late(self, step: int) -> bool:
+        round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
+        return round_late is not None and bool(round_late((0, step)))
+
+    def _catch_up(self) -> None:
+        """A peer behind the swarm takes the swarm's step: when the others launched the round after
+        this peer's next one a while ago, its next round is over for them, and this peer's next
+        round key (and the training loop's step) jumps to the latest one they launched."""
+        t = self.step_count
+        if not self._round_late(t + 2):
+            return
+        target = t + 2
+        while target < t + 1 + MAX_STEPS_BEHIND and self._round_late(target + 1):
+            target += 1
+        self.step_count = target - 1
+        self.log.stats.caught_up_steps += target - 1 - t
+        self.log.emit({"event": "catch_up", "from_step": t, "to_step": target - 1})
 
     def _average_gradients(self, optimizer, args, kwargs) -> None:
         params = self.fragments[0].params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         t = self.step_count + 1
         handle = self.transport.all_reduce((0, t), fr.flatten(grads), weight=1.0)
-        result, reason, waited = self.log.wait(handle, self.config.sync_timeout)
+        # a round the swarm moved past (it launched the next one) is given up rather than waited out
+        watches = getattr(self.transport, "watches_swarm", False)  # duck-typed transports may lack it
+        give_up = (lambda: self._round_late(t + 1)) if watches else None
+        result, reason, waited = self.log.wait(handle, self.config.sync_timeout, give_up=give_up)
         if result is not None:
             for p, g in zip(params, fr.unflatten(result.average, grads)):
                 if p.grad is None:

@@ -68,6 +68,7 @@ class StreamingDiLoCo(HasSyncLog):
                                if config.use_error_feedback and not self._unsent_in_params else None)
         self._closed = False
         self._catching_up = False  # inside step()'s jump to the swarm's round
+        self._loaded = False  # a state was loaded (resume or join): theta_bar is not the initial model
         self._prematcher = Prematcher(transport, config.prematch_steps, self._weight)  # groups formed ahead
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
@@ -81,7 +82,7 @@ class StreamingDiLoCo(HasSyncLog):
         self.frags = [FragmentState(f, o, config, param_access) for f, o in zip(fragments, offsets)]
         self._on_arrival = (config.mode == "eager" and config.eager_rule == "corrected"
                             and config.eager_correction == "on-arrival")
-        self.transport.set_state_provider(self.state_dict)
+        self.transport.set_state_provider(self._shared_state)
 
     @property
     def fragments(self) -> list[fr.Fragment]:
@@ -134,6 +135,16 @@ class StreamingDiLoCo(HasSyncLog):
             late.append(s)
         return max(late, default=None)
 
+    def _swarm_past(self) -> bool:
+        """Whether the other peers launched a round whose sync step comes after this peer's step:
+        they are past the round this peer waits for, which can no longer form with them. Waiting
+        it out would put this peer a matchmaking window behind them for good (in blocking and
+        overlap modes each peer then reaches every round as the other gives up on it); given up,
+        the round fails at once and ``step`` catches up with the swarm's round."""
+        t, H = self.step_count, self.config.inner_steps
+        return any(self._round_late(g.index, fr.round_index(fr.next_sync(t, g.offset, H), g.offset, H))
+                   for g in self.frags)
+
     def _advance(self, tokens: int) -> None:
         """One inner step of the schedule: count the tokens, apply or land what is due, sync."""
         self.step_count += 1
@@ -176,7 +187,9 @@ class StreamingDiLoCo(HasSyncLog):
             abandon = getattr(pending.handle, "abandon", None)  # duck-typed handles may lack it
             if abandon is not None:
                 abandon()
-        result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout)
+        watches = getattr(self.transport, "watches_swarm", False)  # duck-typed transports may lack it
+        give_up = self._swarm_past if watches else None
+        result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout, give_up=give_up)
         if result is not None and result.average.device != f.device:  # transports hand back CPU tensors
             result = dataclasses.replace(result, average=f.to_outer_device(result.average),
                                          sent=f.to_outer_device(result.sent))
@@ -310,11 +323,27 @@ class StreamingDiLoCo(HasSyncLog):
                     "fragments": [f.state_dict(self.config.sync_timeout) for f in self.frags],
                     "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict()}
 
+    def at_initial_model(self) -> bool:
+        """Whether theta_bar is still the initial model: no outer step taken, no state loaded."""
+        return not self._loaded and all(f.opt.steps == 0 for f in self.frags)
+
+    def _shared_state(self) -> dict[str, Any]:
+        """What a late joiner downloads: ``state_dict()``, or, while theta_bar is still the initial
+        model (peers started together), ``{"step": 0, "initial": True}`` at once, without waiting
+        for a step that holds the lock (a blocking round's matchmaking): the joiner keeps its own
+        initial model, the same for the same seed, and meets this peer in the first rounds."""
+        if self.at_initial_model():
+            return {"step": 0, "initial": True}
+        return self.state_dict()
+
     def load_state_dict(self, state: dict[str, Any], *, joiner: bool = False) -> None:
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local
         parameters are set to the outer parameters, the donor's own contributions are not taken
         as ours, and error-feedback residuals start empty."""
+        if state.get("initial"):
+            return  # a donor still at the initial model: nothing to adopt (``_shared_state``)
         with self._lock:
+            self._loaded = True
             if len(state["fragments"]) != len(self.frags):
                 raise ValueError(f"state has {len(state['fragments'])} fragments, this model has {len(self.frags)}")
             self.step_count = int(state["step"])
@@ -337,6 +366,8 @@ class StreamingDiLoCo(HasSyncLog):
         """After a join: those of this peer's next rounds that the swarm launched already. A joiner
         whose download took longer than the gap to a round would run that round alone and its outer
         parameters would stay a step apart from everyone's: it downloads again (``train/loop.py``)."""
+        if self.at_initial_model():
+            return []  # the donor was at the initial model too: the others' first rounds are still forming
         launched = getattr(self.transport, "rounds_launched", None)  # duck-typed transports may lack it
         return [] if launched is None else list(launched(self.next_rounds()))
 

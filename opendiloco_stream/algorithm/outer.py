@@ -20,6 +20,7 @@ class OuterOptimizer:
 
     def __init__(self, outer_params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool = True):
         self.params = outer_params
+        self.steps = 0  # outer steps taken since construction (a restored state counts as one)
         self.opt = torch.optim.SGD(outer_params, lr=lr, momentum=momentum,
                                    nesterov=nesterov and momentum > 0)
 
@@ -38,6 +39,7 @@ class OuterOptimizer:
         for p, g in zip(self.params, self.split(outer_grad)):
             p.grad = g
         self.opt.step()
+        self.steps += 1
         for p in self.params:
             p.grad = None
 
@@ -66,6 +68,7 @@ class OuterOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state)
+        self.steps = max(self.steps, 1)
 
 
 def eager_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Tensor, prev_share: float) -> torch.Tensor:

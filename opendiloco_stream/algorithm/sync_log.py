@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from typing import Any, Callable, Optional
 
 from opendiloco_stream.stats import SyncStats
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
+
+logger = logging.getLogger(__name__)
+
+
+GIVE_UP_POLL_S = 0.25  # how often a pending round's wait asks whether the swarm moved past it
+ALONE_WARN_AFTER = 3  # rounds in a row without another peer before a run says it trains alone
 
 
 class SyncLog:
@@ -19,12 +26,23 @@ class SyncLog:
         self.stats = SyncStats()
         self.events: list[dict[str, Any]] = []
         self._messages: dict[Any, str] = {}  # round key -> why it failed, until its record is emitted
+        self.alone = AloneWatch(self.emit)
 
-    def wait(self, handle: SyncHandle, timeout: float) -> tuple[Optional[SyncResult], Optional[str], float]:
-        """(result or None, failure reason or None, seconds waited); a failed round is not an error."""
+    def wait(self, handle: SyncHandle, timeout: float, give_up: Optional[Callable[[], bool]] = None
+             ) -> tuple[Optional[SyncResult], Optional[str], float]:
+        """(result or None, failure reason or None, seconds waited); a failed round is not an error.
+
+        ``give_up``, asked every ``GIVE_UP_POLL_S`` while the round is pending, says the round can
+        no longer form (the swarm moved past it): the round is then abandoned, and fails at once
+        if it has no group yet, rather than waiting out its matchmaking window."""
         start = time.perf_counter()
+        if give_up is not None:
+            deadline = time.monotonic() + timeout
+            while not handle.settle(min(GIVE_UP_POLL_S, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline or (give_up() and handle.abandon()):
+                    break
         try:
-            result, reason = handle.wait(timeout=timeout), None
+            result, reason = handle.wait(timeout=max(0.0, timeout - (time.perf_counter() - start))), None
         except SyncFailed as e:
             result, reason = None, e.reason
             self._messages[getattr(handle, "key", None)] = str(e)
@@ -61,11 +79,61 @@ class SyncLog:
         if estimate is not None:
             rec["estimate"] = estimate
         self.emit(rec)
+        if self.alone.after_round(rec):
+            s.alone_syncs += 1
+        s.current_alone_streak = self.alone.streak
 
     def emit(self, rec: dict[str, Any]) -> None:
         self.events.append(rec)
         if self.on_event is not None:
             self.on_event(rec)
+
+
+class AloneWatch:
+    """Notices a peer that syncs alone: ``ALONE_WARN_AFTER`` rounds in a row that averaged with no
+    other peer (failed for lack of a group, or a group of one). It then warns once on the console
+    and in a ``{"event": "warning", "kind": "alone"}`` record, naming the cause, and again (as
+    ``"kind": "not_alone"``) when a round averages with others again. ``streak`` is the current
+    run of such rounds (published to the monitor)."""
+
+    #: failure reasons that mean "no other peer was there", and what the user reads for them
+    CAUSES = {
+        "matchmaking": "no other peer of the run reached the same round in its matchmaking window "
+                       "(none running, or all out of reach: check --initial-peers and `doctor`)",
+        "joining": "this peer sits out its first rounds in a running swarm",
+        "timeout": "rounds time out before a group forms (a slow or unreachable swarm)",
+        "alone": "a group of one: no other peer of the run joined its rounds",
+    }
+
+    def __init__(self, emit: Callable[[dict[str, Any]], None]):
+        self.emit = emit
+        self.streak = 0
+        self.warned = False
+        self._causes: dict[str, int] = {}
+
+    def after_round(self, rec: dict[str, Any]) -> bool:
+        """Take one sync record; True if that round averaged with no other peer."""
+        if rec["ok"] and rec.get("group_size", 0) >= 2:
+            if self.warned:
+                self.emit({"event": "warning", "kind": "not_alone", "fragment": rec["fragment"],
+                           "round": rec["round"], "step": rec["step"],
+                           "message": f"averaging with {rec['group_size']} peers again after {self.streak} "
+                                      f"rounds alone"})
+                logger.warning("averaging with %d peers again after %d rounds alone", rec["group_size"], self.streak)
+            self.streak, self.warned, self._causes = 0, False, {}
+            return False
+        cause = "alone" if rec["ok"] else rec.get("reason") or "failed"
+        self.streak += 1
+        self._causes[cause] = self._causes.get(cause, 0) + 1
+        if self.streak >= ALONE_WARN_AFTER and not self.warned:
+            self.warned = True
+            top = max(self._causes, key=self._causes.get)
+            message = (f"this peer has synced alone for {self.streak} rounds in a row: "
+                       f"{self.CAUSES.get(top, f'rounds fail ({top})')}; it is training alone, not with a swarm")
+            self.emit({"event": "warning", "kind": "alone", "fragment": rec["fragment"], "round": rec["round"],
+                       "step": rec["step"], "rounds": self.streak, "cause": top, "message": message})
+            logger.warning("%s", message)
+        return True
 
 
 class HasSyncLog:

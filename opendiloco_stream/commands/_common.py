@@ -11,6 +11,8 @@ import argparse
 import hashlib
 from typing import Any, Iterable
 
+from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
+
 from opendiloco_stream.config_cli import (  # noqa: F401 (re-exported for the commands)
     TRAINING_SECTIONS, add_config_flags, config_from_args, overrides_from_args,
 )
@@ -124,3 +126,7 @@ def print_summary(s: dict[str, Any]) -> None:
     print()
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    alone = s.get("alone_syncs", 0)
+    if alone >= ALONE_WARN_AFTER:
+        print(f"\n  WARNING: {alone} of {s['syncs']} syncs averaged with no other peer: for those rounds this run "
+              f"trained alone, not with a swarm (the metrics file's \"warning\" records say why)")

@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any, Optional
 
+from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
 from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind
 
 COLUMNS = ("peer", "step", "loss", "tokens/s", "MB sent", "util", "rounds", "last seen (s)")
@@ -57,7 +58,11 @@ def format_table(records: list[dict[str, Any]], now: float, run_id: str) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     header = f"run '{run_id}': {len(records)} peer(s)"
-    return "\n".join([header, *lines])
+    warnings = [f"WARNING: {r['name']} has averaged with no other peer for its last {r['alone_rounds']} rounds: "
+                f"it trains alone (is it reaching the others' rounds? `doctor` on it, and its metrics file's "
+                f"\"warning\" records, say more)"
+                for r in records if r.get("alone_rounds", 0) >= ALONE_WARN_AFTER]
+    return "\n".join([header, *lines, *warnings])
 
 
 def run(args: argparse.Namespace) -> int:

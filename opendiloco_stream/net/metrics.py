@@ -41,6 +41,7 @@ class PeerMetrics(pydantic.BaseModel):
     compute_utilization: Optional[confloat(strict=True, ge=0.0, le=1.0)]
     rounds: conint(strict=True, ge=0)  # fragment rounds completed (SyncStats.ok_syncs, see live_values)
     failed_rounds: conint(strict=True, ge=0)
+    alone_rounds: conint(strict=True, ge=0) = 0  # rounds in a row that averaged with no other peer
     mode: Optional[constr(strict=True, max_length=32)]
     time: StrictFloat  # DHT time (seconds since the epoch) of this record
 
@@ -49,7 +50,7 @@ class PeerMetrics(pydantic.BaseModel):
 
 
 FIELDS = tuple(PeerMetrics.__fields__)
-_INT_FIELDS = ("step", "bytes_sent", "bytes_received", "rounds", "failed_rounds")
+_INT_FIELDS = ("step", "bytes_sent", "bytes_received", "rounds", "failed_rounds", "alone_rounds")
 _FLOAT_FIELDS = ("loss", "tokens_per_s", "compute_utilization")
 
 
@@ -93,7 +94,7 @@ def install_validators(dht: Any, run_id: str, private_key: Any = None) -> bytes:
     return validators[1].local_public_key
 
 
-_DEFAULTS: dict[str, Any] = dict(step=0, bytes_sent=0, bytes_received=0, rounds=0, failed_rounds=0,
+_DEFAULTS: dict[str, Any] = dict(step=0, bytes_sent=0, bytes_received=0, rounds=0, failed_rounds=0, alone_rounds=0,
                                  tokens_per_s=0.0, loss=None, compute_utilization=None, mode=None)
 _warned: set[str] = set()
 
@@ -116,7 +117,7 @@ def live_values(stats: "SyncStats", **progress: Any) -> dict[str, Any]:
     names: ``rounds`` are the syncs that produced an average) plus ``progress`` (step, loss,
     tokens_per_s, compute_utilization, mode)."""
     return {**progress, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-            "rounds": stats.ok_syncs, "failed_rounds": stats.failed_syncs}
+            "rounds": stats.ok_syncs, "failed_rounds": stats.failed_syncs, "alone_rounds": stats.current_alone_streak}
 
 
 def to_record(values: dict[str, Any], *, name: str, peer_id: str, time: float) -> dict[str, Any]:

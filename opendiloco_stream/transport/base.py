@@ -21,6 +21,7 @@ Contract (docs/architecture.md, "The transport contract"):
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
@@ -79,6 +80,17 @@ class SyncHandle(abc.ABC):
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         """Block until the result is there, at most ``timeout`` seconds; raise SyncFailed."""
 
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the round's outcome without taking it; True once
+        ``done()``. Transports with an event to wait on override this polling default."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.005, left))
+        return True
+
     def abandon(self) -> bool:
         """Give the round up if it is still waiting for its group (queued, or in matchmaking): it
         then fails at once with reason "matchmaking" instead of waiting out its window. A peer that
@@ -93,6 +105,9 @@ class Transport(abc.ABC):
 
     #: a printable identifier of this peer
     peer_id: str = "?"
+    #: whether ``round_late`` sees the other peers' rounds (a networked transport with a live view
+    #: of the swarm); a wait for a round then gives it up once the swarm has moved past it
+    watches_swarm: bool = False
 
     @abc.abstractmethod
     def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> SyncHandle:

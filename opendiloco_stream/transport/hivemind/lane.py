@@ -52,6 +52,9 @@ class HivemindSyncHandle(SyncHandle):
     def done(self) -> bool:
         return self._event.is_set()
 
+    def settle(self, timeout: float) -> bool:
+        return self._event.wait(max(0.0, timeout))
+
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 

@@ -107,6 +107,7 @@ class Presence:
         self._expires: dict[tuple[int, int], float] = {}  # (fragment, round) -> our last expiration there
         self._watch: dict[int, int] = {}                  # fragment -> the round is_late was asked about
         self._launched: dict[tuple[int, int], float] = {}  # (fragment, round) -> earliest launch by others
+        self._expected_at: dict[tuple[int, int], float] = {}  # (fragment, round) -> when expect() was stored
         self._pending: dict[tuple[int, int], Any] = {}  # (fragment, round) -> the heartbeat's last store, unanswered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="hv-presence", daemon=True)
@@ -176,9 +177,12 @@ class Presence:
         return self._plan(fragment, round_index, new)
 
     def _plan(self, fragment: int, round_index: int, new: bool) -> RoundPlan:
-        ahead = {peer for peer, (is_ahead, _) in self._entries(fragment, round_index).items() if is_ahead}
+        entries = self._entries(fragment, round_index)
+        ahead = {peer for peer, (is_ahead, _) in entries.items() if is_ahead}
         if new:
-            if ahead - {self.peer_id}:
+            # the run is going if others launched the round before (a joiner's t = 0 says only
+            # that it will be there: with joiners alone, the round still forms at its deadline)
+            if {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t > 0} - {self.peer_id}:
                 return RoundPlan(target=None, skip=True)
             return RoundPlan(target=None)  # a cold start: nobody knows the size yet
         count = len(ahead | {self.peer_id})
@@ -190,12 +194,18 @@ class Presence:
             if fragment in self._ahead and self._ahead[fragment][1] != 0.0:
                 return  # it launched a round of this fragment already: its own announcements count
             self._ahead[fragment] = (round_index, 0.0)  # a joiner that downloaded again moves on
-        self._store(fragment, round_index, [True, 0.0])
+        if self._store(fragment, round_index, [True, 0.0]) is not None:
+            with self._lock:
+                self._expected_at[(fragment, round_index)] = get_dht_time()
 
     def launched_by_others(self, fragment: int, round_index: int) -> bool:
-        """Whether another peer launched this round already (a blocking DHT lookup: for a joiner
-        checking, once, that the state it downloaded is not a round behind the swarm)."""
-        return any(is_ahead and t > 0 and peer != self.peer_id
+        """Whether another peer launched this round without counting this peer (a blocking DHT
+        lookup: for a joiner checking, once, that the state it downloaded is not a round behind
+        the swarm). A peer that launched it after this peer's ``expect`` was stored planned the
+        round with this peer in it and waits for it there: that round is not missed."""
+        with self._lock:
+            expected_at = self._expected_at.get((fragment, round_index), float("inf"))
+        return any(is_ahead and 0 < t < expected_at and peer != self.peer_id
                    for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items())
 
     def is_late(self, fragment: int, round_index: int) -> bool:

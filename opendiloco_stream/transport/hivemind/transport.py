@@ -196,6 +196,10 @@ class HivemindTransport(Transport):
         _check_weight(weight)
         lane.prematch(key, float(weight), max(0.0, float(lead_s)))
 
+    @property
+    def watches_swarm(self) -> bool:
+        return self._presence is not None and not self._closed
+
     def round_late(self, key: tuple[int, int]) -> bool:
         presence = self._presence
         return presence is not None and not self._closed and presence.is_late(*key)

@@ -1,0 +1,128 @@
+"""Real peers that start together, or a few seconds apart, average together in every mode.
+
+Each test starts a bootstrap node and 2 or 3 ``peer`` processes on 127.0.0.1 with no
+``--target-group-size`` (the live group size) and asserts who averaged with whom: every round
+after the first of each fragment has a group of all the peers, on every peer. Before the fix, two
+blocking peers started together never averaged: each reached every round one matchmaking window
+after the other had given up on it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from opendiloco_stream.train.loop import read_metrics
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+KEY = "meeting-test-run-key-0123456789abcdef"
+H, P, STEPS = 10, 2, 40
+TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
+
+
+def _peer(tmp: Path, name: str, addrs: list[str], run_id: str, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", run_id,
+           "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS), *TINY, *flags,
+           "--metrics-file", str(tmp / f"{name}.jsonl")]
+    return subprocess.Popen(cmd, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true"})
+
+
+def _run_swarm(tmp: Path, run_id: str, flags: list[str], starts: list[float], timeout: float = 300) -> list[list[dict]]:
+    """Start one peer per entry of ``starts`` (seconds after the first), wait for all, return each
+    peer's records."""
+    boot, addrs = start_bootstrap(tmp, run_id)
+    procs = [boot]
+    try:
+        t0 = time.monotonic()
+        for i, at in enumerate(starts):
+            time.sleep(max(0.0, t0 + at - time.monotonic()))
+            procs.append(_peer(tmp, f"p{i}", addrs, run_id, *flags, "--shard", f"{i}/{len(starts)}"))
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(procs[1:]):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, (tmp / f"p{i}.log").read_text()[-3000:]
+        return [read_metrics(tmp / f"p{i}.jsonl") for i in range(len(starts))]
+    finally:
+        stop_processes(procs, grace=10)
+
+
+def _assert_met(records: list[list[dict]], first_rounds: set) -> None:
+    """Every peer's every round except ``first_rounds`` averaged with all the peers, and the
+    groups' averages are bit-identical across the peers."""
+    n = len(records)
+    digests: dict = {}
+    for i, recs in enumerate(records):
+        syncs = [r for r in recs if r["event"] == "sync"]
+        later = [r for r in syncs if (r["fragment"], r["round"]) not in first_rounds]
+        assert later, f"peer {i} has no round after the first ones: {syncs}"
+        table = [(r["fragment"], r["round"], r["ok"], r.get("group_size"), r.get("reason")) for r in syncs]
+        assert all(r["ok"] and r["group_size"] == n for r in later), f"peer {i}: {table}"
+        for r in later:
+            digests.setdefault((r["fragment"], r["round"]), set()).add(r["digest"])
+        summary = recs[-1]
+        assert summary["event"] == "summary" and summary["alone_syncs"] <= len(first_rounds), summary
+    assert all(len(d) == 1 for d in digests.values()), digests
+
+
+def _first_rounds(mode: str) -> set:
+    return {(0, 1)} if mode == "data-parallel" else {(f, 0) for f in range(P)}
+
+
+MODES = {
+    "blocking": ["--mode", "blocking"],
+    "overlap": ["--mode", "overlap", "--overlap-steps", "2"],
+    "eager": ["--mode", "eager", "--codec", "fp4-e3m0"],
+    "naive-delayed": ["--mode", "naive-delayed"],
+    "data-parallel": ["--mode", "data-parallel"],
+}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("apart", [0.0, 5.0], ids=["together", "5s-apart"])
+def test_two_peers_average_together_after_the_first_round_of_each_fragment(tmp_path, mode, apart):
+    records = _run_swarm(tmp_path, f"meet-{mode}-{int(apart)}", MODES[mode], [0.0, apart])
+    _assert_met(records, _first_rounds(mode))
+
+
+@pytest.mark.timeout(420)
+def test_two_key_holders_started_together_meet_in_blocking_mode(tmp_path):
+    key = tmp_path / "run.key"
+    key.write_text(KEY + "\n")
+    records = _run_swarm(tmp_path, "meet-key", [*MODES["blocking"], "--run-key-file", str(key)], [0.0, 0.0])
+    _assert_met(records, _first_rounds("blocking"))
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("mode", ["blocking", "overlap", "eager"])
+def test_three_peers_started_apart_meet_in_groups_of_three(tmp_path, mode):
+    records = _run_swarm(tmp_path, f"meet3-{mode}", MODES[mode], [0.0, 0.0, 5.0])
+    _assert_met(records, _first_rounds(mode))
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_alone_warns_on_its_console_and_in_its_metrics(tmp_path):
+    """One peer, no swarm: after a few rounds it says it trains alone, naming the cause."""
+    boot, addrs = start_bootstrap(tmp_path, "alone")
+    procs = [boot]
+    try:
+        proc = _peer(tmp_path, "p0", addrs, "alone", "--mode", "eager", "--matchmaking-time", "4")
+        procs.append(proc)
+        proc.wait(timeout=240)
+        assert proc.returncode == 0, (tmp_path / "p0.log").read_text()[-3000:]
+    finally:
+        stop_processes(procs, grace=10)
+    recs = read_metrics(tmp_path / "p0.jsonl")
+    warnings = [r for r in recs if r["event"] == "warning" and r["kind"] == "alone"]
+    assert len(warnings) == 1 and warnings[0]["cause"] == "matchmaking", warnings
+    log = (tmp_path / "p0.log").read_text()
+    assert "synced alone for 3 rounds" in log and "WARNING" in log and "trained alone" in log
+    assert recs[-1]["alone_syncs"] == recs[-1]["syncs"]
