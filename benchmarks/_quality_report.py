@@ -9,10 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-try:
-    from benchmarks._common import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_json
-except ImportError:  # run as a script: python benchmarks/quality.py
-    from _common import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_json
+from benchmarks.harness.results import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_json
 
 #: the outer-optimizer checks: suffix -> (DiLoCoConfig overrides, words). Defaults: lr 0.7, momentum 0.9.
 #: lr 0.4 is the Streaming DiLoCo paper's value; momentum 0 removes the outer momentum entirely.

@@ -36,11 +36,8 @@ from typing import Any
 
 import torch
 
-try:
-    from benchmarks._common import (RESULTS_DIR, command_line, environment, markdown_table, relative, time_ops,
-                                    write_json)
-except ImportError:  # run as a script: python benchmarks/gpu.py
-    from _common import RESULTS_DIR, command_line, environment, markdown_table, relative, time_ops, write_json
+from benchmarks.harness.results import (RESULTS_DIR, command_line, environment, markdown_table, relative,
+                                       time_ops, write_json)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -5,7 +5,7 @@ download cut mid-way that resumes from another donor.
     python benchmarks/join_state.py --quick         # the tiny preset (a smoke run)
     python benchmarks/join_state.py --model 35M --out benchmarks/results/join-35M.json
 
-Three loopback peers (benchmarks/hv_loopback.py: each its own DHT and p2p daemon, on 127.0.0.1).
+Three loopback peers (benchmarks/harness/loopback.py: each its own DHT and p2p daemon, on 127.0.0.1).
 Peers 0 and 1 are donors: each builds the preset, wraps it in ``StreamingDiLoCo`` (blocking,
 P = H = ``--fragments``) and takes ``--steps`` steps on a 1-peer ``LocalSwarm``, so its state
 holds real outer parameters and Nesterov momentum (2 x model fp32), then serves
@@ -31,9 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, command_line, environment, markdown_table, write_json  # noqa: E402
-from hv_loopback import LoopbackSwarm  # noqa: E402
+from benchmarks.harness.results import RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.harness.loopback import LoopbackSwarm
 
 MiB = 1 << 20
 
@@ -54,6 +53,7 @@ def serve_model_state(peer, model: str, fragments: int, steps: int, seq_len: int
 
     from opendiloco_stream.algorithm import wrap
     from opendiloco_stream.config import DiLoCoConfig
+    from opendiloco_stream.testing import faults
     from opendiloco_stream.train.models import build_model
     from opendiloco_stream.transport.local import LocalSwarm
 
@@ -70,7 +70,6 @@ def serve_model_state(peer, model: str, fragments: int, steps: int, seq_len: int
         opt.zero_grad(set_to_none=True)
         diloco.step(tokens=seq_len)
     state = diloco.state_dict()
-    sharing = peer.transport._sharing()
 
     def provider() -> dict:
         if die_at_half:
@@ -82,7 +81,7 @@ def serve_model_state(peer, model: str, fragments: int, steps: int, seq_len: int
                 os.close(fd)
                 from opendiloco_stream.transport.hivemind.state import flatten_state
 
-                sharing.die_after_tensors = len(flatten_state(state)[1]) // 2  # fault injection
+                faults.inject(die_after_tensors=len(flatten_state(state)[1]) // 2)  # test-only hook
         return state
 
     peer.transport.set_state_provider(provider)
@@ -117,11 +116,11 @@ def run(kind: str, args: argparse.Namespace, claim_dir: Path) -> dict:
         swarm.start()
         info = {}
         for i in (0, 1):
-            info = swarm.peers[i].call("call", f"{__name__}:serve_model_state", model=args.model,
+            info = swarm.peers[i].call("call", "benchmarks.join_state:serve_model_state", model=args.model,
                                        fragments=args.fragments, steps=args.steps, seq_len=args.seq_len,
                                        vocab=args.vocab, claim_dir=str(claim_dir), die_at_half=kind == "resumed",
                                        timeout=900)
-        out = swarm.peers[2].call("call", f"{__name__}:join", load_timeout=args.timeout, timeout=args.timeout + 60)
+        out = swarm.peers[2].call("call", "benchmarks.join_state:join", load_timeout=args.timeout, timeout=args.timeout + 60)
         return dict(out, kind=kind, **info)
     finally:
         swarm.close()

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/live_group.py --out benchmarks/results/live-group.json
 
-Six ``HivemindTransport`` peers (``benchmarks/hv_loopback.py``: one process each, own DHT,
+Six ``HivemindTransport`` peers (``benchmarks/harness/loopback.py``: one process each, own DHT,
 averager and p2p daemon), no ``target_group_size``, default timeouts (matchmaking 5 s, request 3 s,
 presence ttl 10 s), one fragment of 1000 fp32 elements, rounds driven by this script:
 
@@ -25,24 +25,11 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, environment, markdown_table, write_json  # noqa: E402
-from hv_loopback import LoopbackSwarm  # noqa: E402
+from benchmarks.harness.results import command_line, environment, markdown_table, write_json
+from benchmarks.harness.loopback import LoopbackSwarm
 
 NUMEL = 1000
-
-
-def live_ahead(peer, fragment: int, round_index: int) -> int:
-    """Inside a peer: the live peers announced for a round (its target if it launched it now)."""
-    entries = peer.transport._presence._entries(fragment, round_index)
-    return sum(1 for ahead, _ in entries.values() if ahead)
-
-
-def expect(peer, fragment: int, round_index: int) -> None:
-    """Inside a peer: what a joiner does after its state download (StreamingDiLoCo.load_state_dict)."""
-    peer.transport.expect_rounds([(fragment, round_index)])
 
 
 def run_round(swarm: LoopbackSwarm, peers: list, rnd: int, note: str) -> dict:
@@ -77,14 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         killed_at = time.monotonic()
         os.killpg(survivors[3].pid, 9)
         survivors = survivors[:3]
-        while swarm.peers[0].call("call", f"{__name__}:live_ahead", fragment=0, round_index=5) != 3:
+        while swarm.peers[0].call("call", "benchmarks.harness.loopback:live_ahead", fragment=0, round_index=5) != 3:
             time.sleep(0.2)
         events["announcement_expired_after_s"] = time.monotonic() - killed_at
         print(events, flush=True)
         rows.append(run_round(swarm, survivors, 5, "1 more killed, its announcement expired"))
         joiner = swarm.add_peer()
         joiner.call("prepare", {0: NUMEL}, timeout=120)
-        joiner.call("call", f"{__name__}:expect", fragment=0, round_index=6)
+        joiner.call("call", "benchmarks.harness.loopback:expect", fragment=0, round_index=6)
         survivors.append(joiner)
         rows.append(run_round(swarm, survivors, 6, "a joiner that announced it"))
         fresh = swarm.add_peer()

@@ -39,10 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-try:
-    from benchmarks._common import RESULTS_DIR, command_line, environment, markdown_table, write_json
-except ImportError:  # run as a script: benchmarks/ is on sys.path
-    from _common import RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import REPO_ROOT, RESULTS_DIR, command_line, environment, markdown_table, write_json
 
 MiB = 1 << 20
 MODES = ("blocking", "overlap", "eager")
@@ -158,7 +155,7 @@ def run_child(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------- parent
 def run_config(spec: dict, timeout: float) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072", OMP_NUM_THREADS=str(spec["threads"]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--child", json.dumps(spec)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{spec['model']} {spec['mode']} {spec['codec']}: child failed:\n{proc.stderr[-3000:]}")

@@ -38,12 +38,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-try:
-    from benchmarks._common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, plot_bars,
-                                    relative, time_ops, write_json)
-except ImportError:  # run as a script: python benchmarks/overhead.py
-    from _common import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table, plot_bars, relative, time_ops,
-                         write_json)
+from benchmarks.harness.results import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table,
+                                       plot_bars, relative, time_ops, write_json)
 
 from opendiloco_stream.compression import CODEC_NAMES, get_codec, native
 from opendiloco_stream.config import RunConfig, load_config

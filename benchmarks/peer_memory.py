@@ -38,10 +38,7 @@ from typing import Any, Optional
 
 from opendiloco_stream.net.lifecycle import descendants
 
-try:
-    from benchmarks._common import RESULTS_DIR, command_line, environment, markdown_table, write_json
-except ImportError:  # run as a script: benchmarks/ is on sys.path
-    from _common import RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import RESULTS_DIR, command_line, environment, markdown_table, write_json
 
 MiB = 1 << 20
 FIELDS = ("Pss", "Pss_Shmem", "Private_Dirty", "Rss")

@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, environment, markdown_table, write_json  # noqa: E402
+from benchmarks.harness.results import command_line, environment, markdown_table, write_json
 
 
 def run_once(k: int, args: argparse.Namespace, workdir: Path) -> dict:

@@ -44,12 +44,8 @@ from typing import Any, Optional
 
 import torch
 
-try:
-    from benchmarks._common import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
-    from benchmarks._quality_report import OUTER_CHECKS, OUTER_MODES, report
-except ImportError:  # run as a script: python benchmarks/quality.py
-    from _common import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
-    from _quality_report import OUTER_CHECKS, OUTER_MODES, report
+from benchmarks._quality_report import OUTER_CHECKS, OUTER_MODES, report
+from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
 from opendiloco_stream.config import RunConfig, load_config

@@ -29,12 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-try:
-    from benchmarks._common import RESULTS_DIR, command_line, environment, markdown_table, write_json
-    from benchmarks.memory import _status_kib as _rss_kib
-except ImportError:  # run as a script: benchmarks/ is on sys.path
-    from _common import RESULTS_DIR, command_line, environment, markdown_table, write_json
-    from memory import _status_kib as _rss_kib
+from benchmarks.harness.results import REPO_ROOT, RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.memory import _status_kib as _rss_kib
 
 MiB = 1 << 20
 
@@ -97,8 +93,9 @@ def _free_port() -> int:
 
 def measure(model: str, kind: str, ranks: int, steps: int, timeout: float) -> dict:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", "--model", model, "--kind", kind, "--rank", str(r),
-                               "--world", str(ranks), "--steps", str(steps)], stdout=subprocess.PIPE, text=True, env=env)
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ranks_memory", "--child", "--model", model, "--kind",
+                               kind, "--rank", str(r), "--world", str(ranks), "--steps", str(steps)],
+                              cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env=env)
              for r in range(ranks)]
     out = []
     try:

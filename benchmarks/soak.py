@@ -4,7 +4,7 @@
     python benchmarks/soak.py --quick      # 3 minutes
     python benchmarks/soak.py --minutes M [--numel N] [--sample-s S] [--out PATH]
 
-Peers are ``LoopbackSwarm`` processes (benchmarks/hv_loopback.py: each its own session with its
+Peers are ``LoopbackSwarm`` processes (benchmarks/harness/loopback.py: each its own session with its
 DHT, averager processes and p2pd). Rounds: one fragment of ``--numel`` fp32 values (default 1M,
 4 MB), fp32 codec, all 3 peers in every round, back to back. A sampler thread reads the resident
 set size (VmRSS, /proc; psutil is not needed) of every process in every peer's session every
@@ -26,8 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hv_loopback import LoopbackSwarm  # noqa: E402
+from benchmarks.harness.loopback import LoopbackSwarm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -1,11 +1,11 @@
 """Stragglers: the fast peers' compute utilization with and without a peer twice as slow.
 
-    .venv/bin/python benchmarks/straggler.py --out benchmarks/results/straggler.json
+    .venv/bin/python -m benchmarks.straggler --out benchmarks/results/straggler.json
 
 Each scenario starts a ``bootstrap`` node and N real ``peer`` processes on 127.0.0.1 (no
 ``--target-group-size``: groups follow the run's live peers), eager mode, tiny model. Inner steps
-are made regular with ``--step-delay-s`` (``train.step_delay_s``, a knob for benchmarks and tests
-only: a sleep in every inner step, counted as compute): the fast peers sleep ``D`` per step, the
+are made regular with the test-only fault hook ``step_delay_s`` (``opendiloco_stream/testing/faults.py``,
+set through ``ODS_TEST_FAULTS``: a sleep in every inner step, counted as compute): the fast peers sleep ``D`` per step, the
 straggler ``2 D`` plus the measured time of a bare step, so it is about twice as slow; the ratio
 actually measured is reported.
 
@@ -36,45 +36,25 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
-from opendiloco_stream.train.loop import read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, environment, markdown_table, write_json  # noqa: E402
-
-TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
-
+from benchmarks.harness.peers import TINY, train_peers
+from opendiloco_stream.testing import faults
+from benchmarks.harness.results import command_line, environment, markdown_table, write_json
 
 def run_scenario(workdir: Path, run_id: str, delays: list[float], *, steps: int, inner_steps: int, fragments: int,
                  codec: str = "fp32", matchmaking_time: float = 5.0, request_timeout: float = 3.0,
                  timeout: float = 600.0, cgroups: Optional[dict[int, Path]] = None) -> list[dict[str, Any]]:
     """Train ``len(delays)`` peers (peer i sleeps ``delays[i]`` per inner step); their metrics records.
     ``cgroups``: peer index -> a cgroup directory the peer (and all it forks) runs in."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    boot, addrs = start_bootstrap(workdir, run_id)
-    procs = [boot]
-    try:
-        n = len(delays)
-        for i, delay in enumerate(delays):
-            cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", run_id,
-                   "--mode", "eager", "--codec", codec, "--fragments", str(fragments), "--inner-steps",
-                   str(inner_steps), "--steps", str(steps), "--step-delay-s", f"{delay:.4f}", "--matchmaking-time",
-                   str(matchmaking_time), "--request-timeout", str(request_timeout), "--shard", f"{i}/{n}",
-                   "--no-join", *TINY, "--metrics-file", str(workdir / f"peer-{i}.jsonl"),
-                   "--log-level", os.environ.get("ODS_BENCH_LOG_LEVEL", "WARNING")]
-            if cgroups and i in cgroups:  # enter the cgroup before python starts: its children inherit it
-                cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroups[i]), *cmd]
-            procs.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer-{i}.log", "w"), stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-        deadline = time.monotonic() + timeout
-        for i, p in enumerate(procs[1:]):
-            p.wait(max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"peer {i} exited with {p.returncode}:\n"
-                                   f"{(workdir / f'peer-{i}.log').read_text()[-2000:]}")
-        return [{"records": read_metrics(workdir / f"peer-{i}.jsonl"), "delay_s": d} for i, d in enumerate(delays)]
-    finally:
-        stop_processes(procs, grace=10)
+    n = len(delays)
+    common = ["--mode", "eager", "--codec", codec, "--fragments", str(fragments), "--inner-steps", str(inner_steps),
+              "--steps", str(steps), "--matchmaking-time", str(matchmaking_time), "--request-timeout",
+              str(request_timeout), "--no-join", *TINY, "--log-level", os.environ.get("ODS_BENCH_LOG_LEVEL", "WARNING")]
+    per_peer = [["--shard", f"{i}/{n}"] for i in range(n)]
+    envs = {i: faults.env(step_delay_s=f"{d:.4f}") for i, d in enumerate(delays)}
+    # enter the cgroup before python starts: its children inherit it
+    prefixes = {i: ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(g)] for i, g in (cgroups or {}).items()}
+    records = train_peers(workdir, run_id, per_peer, common=common, timeout=timeout, prefixes=prefixes, envs=envs)
+    return [{"records": r, "delay_s": d} for r, d in zip(records, delays)]
 
 
 _SPIN = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass\n"

@@ -22,7 +22,7 @@ With ``--gloo``, the same run also times ``torch.distributed.all_reduce`` (gloo 
 same fp32 tensor between the same number of processes on 127.0.0.1 (one thread each, like the
 peers), and writes it as ``gloo_round_s`` next to each row's ``round_s_median``: the reference for
 "as fast as the link". It times gloo again after the rows (``gloo_round_s_after``): gloo's own
-time moves between runs here. On loopback the gloo ranks stay up (``gloo_ref.GlooRanks``) and also
+time moves between runs here. On loopback the gloo ranks stay up (``harness.gloo.GlooRanks``) and also
 run ``GLOO_BETWEEN`` rounds right after each of our timed rounds: ``ours_over_gloo_between`` is
 each of our rounds over the median of those, ``ours_over_gloo_between_median`` their median, a
 ratio taken in the machine's state of that very round. ``--numels 10000000 50000000`` gives the
@@ -52,8 +52,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from gloo_ref import GlooRanks, time_gloo  # benchmarks/gloo_ref.py
-from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/hv_loopback.py, next to this script
+from benchmarks.harness.gloo import GlooRanks, time_gloo
+from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
 
 PEERS = 3
@@ -108,10 +108,10 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                     key = (fragment, rnd * len(modes) + m)
                     # tensors first, on every peer, then the round: as gloo's barrier, so that no peer's
                     # round time includes waiting for another one still drawing its random tensor
-                    swarm.call_all("call", function="transport_rounds:stage_tensor", numel=numel, timeout=300,
+                    swarm.call_all("call", function="benchmarks.transport_rounds:stage_tensor", numel=numel, timeout=300,
                                    per_peer=[dict(seed=1000 * rnd + i) for i in range(PEERS)])
                     start_at = time.time() + START_AHEAD_S  # every peer's command arrives before this moment
-                    results = swarm.call_all("call", function="transport_rounds:reduce_staged", key=key,
+                    results = swarm.call_all("call", function="benchmarks.transport_rounds:reduce_staged", key=key,
                                              start_at=start_at, prematch=early,
                                              per_peer=[dict(weight=1.0 + i) for i in range(PEERS)], timeout=600)
                     failed = [r for r in results if not r["ok"]]
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.link_mbit is None:
         return run(args, None)
-    import netns  # benchmarks/netns.py
+    from benchmarks.harness import netns
 
     reason = netns.unavailable_reason()
     if reason:

@@ -35,14 +35,13 @@ from typing import Any, Optional
 
 from opendiloco_stream.train.loop import read_metrics
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import netns  # noqa: E402
-import wan_records as wr  # noqa: E402
-import wan_report  # noqa: E402
-from wan_report import CODEC_BITS, wire_bits  # noqa: E402
+from benchmarks import wan_records as wr
+from benchmarks import wan_report
+from benchmarks.harness import netns
+from benchmarks.wan_report import CODEC_BITS, wire_bits
 
 SPARSE = ("topk-int2", "topk-int4")  # at their defaults (2 %, 1024-value chunks)
-from _common import command_line, environment, write_json  # noqa: E402
+from benchmarks.harness.results import command_line, environment, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # the venv's python, by absolute path, also inside the namespaces

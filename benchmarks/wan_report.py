@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import markdown_table, plot_bars  # noqa: E402
-from wan_records import clean, mean, rounds_per_peer  # noqa: E402
+from benchmarks.harness.results import markdown_table, plot_bars
+from benchmarks.wan_records import clean, mean, rounds_per_peer
 
 LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
 SIM_METHOD = {"data-parallel": "data-parallel", "diloco": "diloco", "streaming": "streaming",

@@ -203,8 +203,6 @@ class TrainConfig(_Strict):
                                       "command)")
     tensorboard_dir: Optional[str] = Field(None, description="also log to TensorBoard here (needs the tensorboard package)")
     wandb_project: Optional[str] = Field(None, description="also log to this Weights & Biases project (needs wandb)")
-    step_delay_s: float = Field(0.0, ge=0.0, description="benchmarks and tests only: sleep this long in every inner "
-                                "step, counted as compute (emulates a slower peer)")
 
     @field_validator("device")
     @classmethod

@@ -1,15 +1,21 @@
-"""Test support shared with the benchmarks lives in ``benchmarks/`` (e.g. ``hv_loopback``, ``netns``):
-put that directory on ``sys.path`` so tests import those modules by name, as the benchmark scripts do."""
+"""Shared fixtures, and the check that keeps the tiers honest: a test that starts peer processes
+(found from its code by ``tests/support/markers.py``) must carry the ``network`` marker, or
+collection fails. ``scripts/test.sh --fast`` runs the tests without ``network`` and ``slow``."""
 
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 
-_BENCHMARKS = str(Path(__file__).resolve().parent.parent / "benchmarks")
-if _BENCHMARKS not in sys.path:
-    sys.path.insert(0, _BENCHMARKS)
+from tests.support import peers as _peers  # noqa: F401  (registers the peer launchers)
+from tests.support.markers import unmarked_peer_tests
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: every collected test is checked
+def pytest_collection_modifyitems(config, items):
+    unmarked = unmarked_peer_tests(items)
+    if unmarked:
+        raise pytest.UsageError("these tests start peer processes but lack @pytest.mark.network: "
+                                + ", ".join(unmarked))
 
 
 def _free_port_range(count: int, host: str = "0.0.0.0") -> int:

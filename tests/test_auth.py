@@ -17,7 +17,7 @@ import torch
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 
-from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/ (on sys.path: conftest.py)
+from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
 from opendiloco_stream.config import ConfigError, NetConfig, RunConfig, load_config
 from opendiloco_stream.net.auth import Admission, RunAuth, RunKeyValidator, load_run_key, open_keys
 from opendiloco_stream.net.join import JoinRefused, RunGate, first_difference, fingerprint_fields
@@ -245,7 +245,7 @@ def _refusal(log) -> str:
 def test_outsiders_and_another_codec_are_refused_with_exit_2_and_the_holders_train_on(tmp_path):
     from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
     from opendiloco_stream.train.loop import read_metrics
-    from test_peers_hivemind import start_peer, wait_for
+    from tests.support.peers import start_peer, wait_for
 
     key = tmp_path / "run.key"
     key.write_text(KEY + "\n")

@@ -1,21 +1,18 @@
 """benchmarks/transport_rounds.py on loopback with ``--gloo``: gloo's reference timed before, between
-and after our rounds by ranks that stay up (``benchmarks/gloo_ref.py``)."""
+and after our rounds by ranks that stay up (``benchmarks/harness/gloo.py``)."""
 
 from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from gloo_ref import GlooRanks  # benchmarks/, on sys.path through conftest.py
+from benchmarks.harness.gloo import GlooRanks
+from tests.support.peers import run_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
-
+@pytest.mark.network
 @pytest.mark.timeout(120)
 def test_gloo_ranks_time_rounds_on_command_and_stop():
     with GlooRanks(2) as ranks:
@@ -29,9 +26,8 @@ def test_gloo_ranks_time_rounds_on_command_and_stop():
 @pytest.mark.timeout(300)
 def test_transport_rounds_on_loopback_times_gloo_between_its_rounds(tmp_path):
     out, rounds = tmp_path / "rounds.json", 2
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "transport_rounds.py"), "--codecs", "fp32", "--numels",
-                          "200000", "--rounds", str(rounds), "--no-kill", "--gloo", "--prematch", "--out", str(out)],
-                         capture_output=True, text=True, timeout=280, cwd=BENCHMARKS.parent)
+    run = run_benchmark("transport_rounds", "--codecs", "fp32", "--numels", "200000", "--rounds", str(rounds),
+                        "--no-kill", "--gloo", "--prematch", "--out", str(out), timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["prematch"] for r in rows] == [False, True]

@@ -6,20 +6,16 @@ top of blocking's outer parameters and momentum. (The 35M / 100M table is the be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-MEMORY = Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py"
+from tests.support.peers import run_benchmark
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_memory_quick_reports_extra_rss_and_held_bytes_within_the_target(tmp_path):
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, str(MEMORY), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=280)
+    proc = run_benchmark("memory", "--quick", "--out", str(out), timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| model | params | mode | codec | extra peak MiB" in proc.stdout
     r = json.loads(out.read_text())
@@ -37,9 +33,6 @@ def test_memory_quick_reports_extra_rss_and_held_bytes_within_the_target(tmp_pat
     assert rows["eager"]["held_mib"] >= rows["blocking"]["held_mib"] + 0.99 * model_mib
 
 
-PEER_MEMORY = MEMORY.parent / "peer_memory.py"
-
-
 @pytest.mark.network
 @pytest.mark.timeout(300)
 def test_peer_memory_quick_finds_every_process_of_each_peer_and_the_averagers_buffers(tmp_path):
@@ -50,8 +43,7 @@ def test_peer_memory_quick_finds_every_process_of_each_peer_and_the_averagers_bu
     import torch
 
     out = tmp_path / "peer-memory.json"
-    proc = subprocess.run([sys.executable, str(PEER_MEMORY), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=280)
+    proc = run_benchmark("peer_memory", "--quick", "--out", str(out), timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "| peer | trainer | averagers | dht | p2pd | other | of which shared memory | peer total |" in proc.stdout
     r = json.loads(out.read_text())

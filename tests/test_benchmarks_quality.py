@@ -8,19 +8,15 @@ the byte accounting compares modes fairly, and the JSON, markdown and PNG output
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.peers import run_benchmark
+
 REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # training runs of every variant: minutes
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def assert_png(path: Path) -> None:
@@ -31,7 +27,7 @@ def assert_png(path: Path) -> None:
 @pytest.fixture(scope="module")
 def quality(tmp_path_factory) -> tuple[dict, str, Path]:
     out_dir = tmp_path_factory.mktemp("quality")
-    proc = run_script("quality.py", "--smoke", "--out", str(out_dir / "q.json"), "--img-dir", str(out_dir))
+    proc = run_benchmark("quality", "--smoke", "--out", str(out_dir / "q.json"), "--img-dir", str(out_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out_dir / "q.json").read_text()), proc.stdout, out_dir
 
@@ -51,7 +47,7 @@ def test_quality_smoke_runs_every_variant_at_equal_tokens(quality):
         assert s["eval_loss"] < s["eval_loss_initial"], (r["variant"], s["eval_loss_initial"], s["eval_loss"])
         steps = [step for step, _ in r["eval_curve"]]
         assert steps[0] == 0 and steps[-1] == result["preset"]["steps"] and steps == sorted(steps)
-    assert result["command"].startswith("python benchmarks/quality.py --smoke")
+    assert result["command"].startswith("python -m benchmarks.quality --smoke")
     for label in ("naive-delayed", "streaming tau=1", "data-parallel", "fp4-e2m1"):
         assert label in stdout
 
@@ -81,7 +77,7 @@ def test_quality_resume_runs_only_what_is_missing(quality, tmp_path):
     partial = dict(result, runs=[r for r in result["runs"] if r["variant"] != "eager-int8"])
     out = tmp_path / "q.json"
     out.write_text(json.dumps(partial))
-    proc = run_script("quality.py", "--smoke", "--resume", "--no-plots", "--out", str(out))
+    proc = run_benchmark("quality", "--smoke", "--resume", "--no-plots", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("seed 0: eval loss") == 1 and "eager-int8 seed 0" in proc.stderr
     resumed = json.loads(out.read_text())
@@ -93,14 +89,14 @@ def test_quality_resume_runs_only_what_is_missing(quality, tmp_path):
 
 
 def test_quality_unknown_variant_is_one_line_and_exit_code_2(tmp_path):
-    proc = run_script("quality.py", "--smoke", "--only", "eagre", "--out", str(tmp_path / "q.json"), timeout=120)
+    proc = run_benchmark("quality", "--smoke", "--only", "eagre", "--out", str(tmp_path / "q.json"), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "eagre" in proc.stderr
     assert not (tmp_path / "q.json").exists()
 
 
 def test_overhead_smoke_measures_loops_and_every_codec(tmp_path):
-    proc = run_script("overhead.py", "--smoke", "--out", str(tmp_path / "o.json"), "--img-dir", str(tmp_path))
+    proc = run_benchmark("overhead", "--smoke", "--out", str(tmp_path / "o.json"), "--img-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "o.json").read_text())
     summary = result["loop"]["summary"]

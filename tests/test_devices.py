@@ -21,6 +21,7 @@ from opendiloco_stream.config import ConfigError, load_config
 from opendiloco_stream.train.loop import use_bf16_autocast
 from opendiloco_stream.train.ranks import data_shard, rank_device, rank_env
 from opendiloco_stream.transport.local import LocalSwarm
+from tests.support.peers import run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,15 +239,14 @@ def test_two_gloo_ranks_of_one_peer_keep_bit_identical_parameters():
 
 # ---------------------------------------------------------------------------- GPU benchmark
 def test_gpu_benchmark_says_in_one_line_that_it_needs_cuda():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", os.devnull],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_benchmark("gpu", "--out", os.devnull, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr
 
 
 def test_gpu_benchmark_loop_runs_on_cpu():
-    import gpu  # benchmarks/ is on sys.path (conftest.py)
+    from benchmarks import gpu
 
     args = gpu.parse_args(["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--vocab-size",
                            "256", "--fragments", "2", "--inner-steps", "2", "--precision", "fp32"])
@@ -263,7 +263,7 @@ def test_gpu_benchmark_loop_runs_on_cpu():
 
 
 def test_gpu_benchmark_codec_check_runs_on_cpu():
-    import gpu
+    from benchmarks import gpu
 
     from opendiloco_stream.compression import CODEC_NAMES
 

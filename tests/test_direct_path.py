@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hivemind.proto import averaging_pb2
 
-from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
+from benchmarks.harness.loopback import LoopbackSwarm
 from opendiloco_stream.transport.hivemind import HivemindTransport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.direct import (

@@ -98,6 +98,7 @@ def test_a_taken_port_fails_with_one_line(tmp_path):
     assert "[ok]   model" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_taken_data_port_fails_and_free_data_ports_are_listed(tmp_path):
     with socket.socket() as s:  # us-east has 4 fragments: data ports base..base+3; take base+2
         s.bind(("0.0.0.0", 0))

@@ -1,7 +1,7 @@
 """Faults with real peer processes (issue 10, item 5): a partitioned-then-healed peer, the
 bootstrap peer killed after the swarm formed, a bad sender in a group of 4.
 
-Transport-level: peers are ``LoopbackSwarm`` processes (benchmarks/hv_loopback.py) doing
+Transport-level: peers are ``LoopbackSwarm`` processes (benchmarks/harness/loopback.py) doing
 all-reduce rounds, no training. Every swarm is closed (process groups SIGKILLed) and every
 namespace deleted in ``finally`` blocks. Each test prints what it observed (rounds and seconds to
 recover) for docs/reliability.md; nothing asserts a timing.
@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-import netns  # benchmarks/ (on sys.path: conftest.py)
-from hv_loopback import LoopbackSwarm, make_tensor
+from benchmarks.harness import netns
+from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
 from opendiloco_stream.transport.hivemind import HivemindTransport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
@@ -149,7 +149,7 @@ NETNS = netns.unavailable_reason()
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(NETNS is not None, reason=f"network namespaces unavailable: {NETNS}")
 def test_partitioned_peer_rejoins_after_the_link_heals_and_converges():
-    """Three peers, each in its own namespace on one bridge (benchmarks/netns.py Topology, no
+    """Three peers, each in its own namespace on one bridge (benchmarks/harness/netns.py Topology, no
     shaping). Peer 2's veth is set down on the bridge side for a round, then up again."""
     numel = 50_000
     topo = netns.Topology(peers=3)

@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 CHILD = r"""
 import json, os, sys, threading
 import torch
@@ -58,6 +60,7 @@ def _children(mode: str, forks: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_forked_children_race_for_the_thread_pool_unless_it_is_renewed_first():
     control = _children("none", 100)
     assert control["failed"] > 0, ("no child of 100 hit torch's thread-pool race: has torch stopped racing? "

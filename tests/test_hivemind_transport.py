@@ -21,7 +21,8 @@ from hivemind.averaging.control import StepControl
 from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import get_codec
-from hv_loopback import LoopbackSwarm, make_tensor, peer_signal  # benchmarks/ (on sys.path: conftest.py)
+from opendiloco_stream.testing import faults
+from benchmarks.harness.loopback import LoopbackSwarm, make_tensor, peer_signal
 from opendiloco_stream.transport.hivemind import HivemindTransport
 from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.protocol import (
@@ -434,11 +435,9 @@ def serve_big_state(peer, index: int, n_tensors: int, numel: int, claim_dir: str
     """Inside a donor: serve ``big_state``; the first donor asked claims the download and dies
     (os._exit; its DHT and p2pd live on) when it is about to send tensor ``die_after``. A fault
     injection: a donor dying mid-stream at a known point cannot be produced otherwise."""
-    sharing = peer.transport._sharing()
-
     def provider():
         if claim_download(claim_dir):
-            sharing.die_after_tensors = die_after
+            faults.inject(die_after_tensors=die_after)  # test-only hook (opendiloco_stream/testing/faults.py)
         return dict(big_state(n_tensors, numel), donor=index)
 
     peer.transport.set_state_provider(provider)
@@ -656,6 +655,7 @@ def test_a_download_cut_mid_way_resumes_from_another_donor_with_what_it_has(tmp_
         swarm.close()
 
 
+@pytest.mark.network
 def test_late_joiner_downloads_state_and_survives_a_donor_dying(tmp_path):
     swarm = LoopbackSwarm(3, run_id="hvstate", transport_kwargs=dict(codec="fp32", state_timeout=10.0, **TIMEOUTS))
     numel = 500_000

@@ -12,12 +12,12 @@ from concurrent.futures import Future
 import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from hv_loopback import LoopbackSwarm  # benchmarks/ (on sys.path: conftest.py)
+from benchmarks.harness.loopback import LoopbackSwarm
 from opendiloco_stream.transport.hivemind.presence import Presence
 
 NUMEL = 1000
-LIVE_AHEAD = "live_group:live_ahead"  # benchmarks/live_group.py: run inside a peer, its count of a round
-EXPECT = "live_group:expect"  # inside a peer: what a joiner does after its state download
+LIVE_AHEAD = "benchmarks.harness.loopback:live_ahead"  # run inside a peer: its count of a round
+EXPECT = "benchmarks.harness.loopback:expect"  # inside a peer: what a joiner does after its state download
 
 
 class FakeDHT:
@@ -194,6 +194,7 @@ async def _pending_gets(_dht, node) -> int:
     return len(node.pending_get_requests)
 
 
+@pytest.mark.network
 def test_upkeep_prunes_the_dht_bookkeeping_of_finished_lookups():
     """hivemind keeps an empty entry per key ever looked up (DHTNode.pending_get_requests): every
     round looks up new keys, so a long run's DHT process grew (docs/benchmarks.md, soak). A real

@@ -113,6 +113,7 @@ def bootstrap(tmp_path_factory):
 # ---------------------------------------------------------------------------------- config checks
 
 
+@pytest.mark.network  # start_dht: were a check missing, a node would start
 def test_bad_multiaddrs_are_one_line_errors_naming_the_value_and_a_good_example():
     cases = {
         "1.2.3.4:5": dict(initial_peers=["1.2.3.4:5"]),
@@ -229,6 +230,7 @@ def _hold_shared_bytes_lock():
     time.sleep(120)
 
 
+@pytest.mark.network
 def test_a_process_killed_holding_hivemind_lock_does_not_hang_the_next_dht_start(caplog):
     """hivemind's MPFuture locks are shared by every process forked after import: a DHT or averager
     process SIGKILLed while it holds one (it does, briefly, on every result) left every later DHT

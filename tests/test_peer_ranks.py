@@ -15,8 +15,9 @@ import pytest
 
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 from opendiloco_stream.net.lifecycle import descendants, wait_gone
+from opendiloco_stream.testing import faults
 from opendiloco_stream.train.loop import read_metrics as records
-from test_peers_hivemind import start_peer, wait_for
+from tests.support.peers import start_peer, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -97,12 +98,14 @@ def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_s
         # b, ahead, waits in each round's matchmaking for it. (The other way round, b would reach
         # every round only by catching up, seconds late, and on a loaded box could miss them all.)
         sharded = ["--nproc-per-node", "2", "--sharding", "fsdp", "--outer-device", "cpu",
-                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "16", "--step-delay-s", "0.3"]
-        a = start_peer(tmp_path, "a", addrs, *common, *sharded, "--steps", "48", "--shard", "0/2")
+                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "16"]
+        a = start_peer(tmp_path, "a", addrs, *common, *sharded, "--steps", "48", "--shard", "0/2",
+                       env=faults.env(step_delay_s=0.3))
         procs.append(a)
         # b starts once a trains (a's two ranks start slower) and trains on past a's end
         wait_for(lambda: any(r["event"] == "step" for r in records(tmp_path / "a.jsonl")), 120, "a's first step", [a])
-        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2", "--step-delay-s", "0.1")
+        b = start_peer(tmp_path, "b", addrs, *common, "--steps", "1000", "--shard", "1/2",
+                       env=faults.env(step_delay_s=0.1))
         procs.append(b)
         a.wait(timeout=240)
         assert a.returncode == 0, (tmp_path / "a.log").read_text()[-8000:]

@@ -11,37 +11,16 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 from opendiloco_stream.net.lifecycle import descendants, wait_gone
+from opendiloco_stream.testing import faults
 from opendiloco_stream.train.loop import read_metrics as records
+from tests.support.peers import SMALL, start_peer, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
-
-SMALL = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
-
-
-def start_peer(tmp: Path, name: str, addrs: list[str], *flags: str, env=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, *SMALL, *flags,
-           "--metrics-file", str(tmp / f"{name}.jsonl")]
-    return subprocess.Popen(cmd, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true", **(env or {})})
-
-
-def wait_for(pred, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"{what}: a process exited with {p.returncode}")
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-
 
 def test_three_peers_eager_fp4_learn_with_bit_identical_averages(tmp_path, free_port_range):
     """Also: fixed data ports (net.data_port, here from the environment): the launcher gives each peer
@@ -121,7 +100,7 @@ def test_late_joiner_downloads_state_converges_and_contributes(tmp_path):
         # the first peers pace themselves (>= 25 s for 100 steps): on a loaded machine they must not
         # finish before the joiner's interpreter and DHT are up, or there is no one to join
         first = [start_peer(tmp_path, f"p{r}", addrs, *common, str(tmp_path / f"ck{r}"), "--shard", f"{r}/3",
-                            "--no-join", "--step-delay-s", "0.25") for r in range(2)]
+                            "--no-join", env=faults.env(step_delay_s=0.25)) for r in range(2)]
         procs += first
         wait_for(lambda: any(r["event"] == "sync" and r["round"] >= 1 for r in records(tmp_path / "p0.jsonl")),
                  240, "the first peers' syncs", first)

@@ -1,7 +1,7 @@
 """One reduction core: LocalSwarm predicts the hivemind transport's averages bit for bit.
 
 The same inputs (tensors, weights, codec, chunk size, group order) go through ``LocalSwarm`` in
-this process and through 3 real hivemind peers on 127.0.0.1 (``benchmarks/hv_loopback.py``); the
+this process and through 3 real hivemind peers on 127.0.0.1 (``benchmarks/harness/loopback.py``); the
 averages must be equal bit for bit, and so must what each member sent and the verdict (group
 size, rejected contributions, weight shares). The peers run torch with one thread, this process
 with several: the core's arithmetic must not depend on that.
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from hv_loopback import LoopbackSwarm, make_tensor  # benchmarks/ (on sys.path: conftest.py)
+from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
 from opendiloco_stream.transport.local import LocalSwarm
 
 N = 100_003  # parts of ~33k elements (above torch's parallel grain), not a multiple of any block
@@ -79,7 +79,7 @@ def test_the_codec_floor_does_each_peers_work_and_gets_the_round_average(codec):
     """benchmarks/codec_floor.py times one peer's codec work of a round, mirroring the runner. Each
     peer's average, from its own part reduced and the others' parts decoded, must be the in-process
     round's bit for bit (``measure`` raises otherwise), and the floor is the peers' work over the cores."""
-    import codec_floor  # benchmarks/
+    from benchmarks import codec_floor
 
     row = codec_floor.measure(codec, N, peers=3, repeats=1, chunk_bytes=CHUNK_BYTES, keep_freed_memory=False)
     assert len(row["peer_work_s"]) == 3 and all(t > 0 for t in row["peer_work_s"])
@@ -89,7 +89,7 @@ def test_the_codec_floor_does_each_peers_work_and_gets_the_round_average(codec):
 
 def test_the_codec_floor_notices_a_wrong_average(monkeypatch):
     """The check behind the floor can fail: a decoder that zeroes the other parts gives another average."""
-    import codec_floor
+    from benchmarks import codec_floor
 
     real = codec_floor.decode_result
 

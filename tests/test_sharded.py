@@ -135,6 +135,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_sharded_peer_matches_the_unsharded_algorithm_bit_for_bit(tmp_path):
     ctx = mp.get_context("fork")
     errors = ctx.Queue()

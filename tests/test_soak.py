@@ -4,21 +4,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+from tests.support.peers import run_benchmark
 
 
 @pytest.mark.network
 @pytest.mark.timeout(180)
 def test_soak_runs_briefly_and_writes_its_report(tmp_path):
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, str(SOAK), "--minutes", "0.1", "--numel", "100000", "--sample-s", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=170)
+    proc = run_benchmark("soak", "--minutes", "0.1", "--numel", "100000", "--sample-s", "1", "--out", str(out),
+                         timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     for key in ("duration_s", "rounds", "failed_rounds", "failures", "round_s", "per_peer", "processes"):

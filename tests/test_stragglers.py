@@ -1,5 +1,5 @@
-"""A peer twice as slow as the others: real ``peer`` processes on 127.0.0.1 (benchmarks/straggler.py
-starts them, each in its own session, and kills every process tree in a ``finally`` block)."""
+"""A peer twice as slow as the others: real ``peer`` processes on 127.0.0.1 (benchmarks/harness/peers.py
+starts them, each in its own session, and stops every session on the way out)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from straggler import run_scenario  # benchmarks/ (on sys.path: conftest.py)
+from benchmarks.harness.peers import TINY, train_peers
+from opendiloco_stream.testing import faults
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -21,8 +22,12 @@ def test_fast_peers_keep_training_and_the_straggler_counts_by_its_tokens(tmp_pat
     compute). No target group size. The fast peers train to the end without waiting for it; the
     straggler catches up with their rounds (skipping steps of its schedule) and is in their groups
     with the tokens it processed, so its weight share is below theirs."""
-    peers = run_scenario(tmp_path, f"stragglers-{os.getpid()}", [0.1, 0.1, 0.3], steps=STEPS, inner_steps=10,
-                         fragments=2, matchmaking_time=3.0, request_timeout=1.0, timeout=360)
+    common = ["--mode", "eager", "--codec", "fp32", "--fragments", "2", "--inner-steps", "10", "--steps", str(STEPS),
+              "--matchmaking-time", "3.0", "--request-timeout", "1.0", "--no-join", *TINY, "--log-level", "WARNING"]
+    per_peer = [["--shard", f"{i}/3"] for i in range(3)]
+    slow = {i: faults.env(step_delay_s=d) for i, d in enumerate([0.1, 0.1, 0.3])}  # test-only hook
+    peers = [{"records": r} for r in train_peers(tmp_path, f"stragglers-{os.getpid()}", per_peer, common=common,
+                                                  envs=slow, timeout=360)]
     summaries = [next(r for r in p["records"] if r.get("event") == "summary") for p in peers]
     for s in summaries:  # every peer reached the end of the schedule (trained or caught up)
         assert s["steps"] + s["caught_up_steps"] == STEPS, s

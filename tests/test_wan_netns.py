@@ -11,16 +11,15 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-import netns  # noqa: E402
+from benchmarks.harness import netns
+from tests.support.peers import run_benchmark
 
 REASON = netns.unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"WAN emulation unavailable: {REASON}")
+pytestmark = [pytest.mark.network,
+              pytest.mark.skipif(REASON is not None, reason=f"WAN emulation unavailable: {REASON}")]
 
 RATE_MBIT = 8.0
 NBYTES = 2_000_000
@@ -119,9 +118,8 @@ def test_transport_rounds_over_shaped_links_times_gloo_on_the_same_links(tmp_pat
     namespaces' ``wan0`` (which the root namespace does not have), and the namespaces are gone after."""
     out, numel, rate = tmp_path / "rounds.json", 200_000, 50.0
     before = set(netns.our_namespaces())
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "transport_rounds.py"), "--codecs", "fp32", "fp4-e3m0",
-                          "--numels", str(numel), "--rounds", "1", "--gloo", "--link-mbit", str(rate),
-                          "--out", str(out)], capture_output=True, text=True, timeout=280, cwd=BENCHMARKS.parent)
+    run = run_benchmark("transport_rounds", "--codecs", "fp32", "fp4-e3m0", "--numels", str(numel), "--rounds", "1",
+                        "--gloo", "--link-mbit", str(rate), "--out", str(out), timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["link_mbit"] == rate and report["probe_mbit_s"] > 0

@@ -24,7 +24,7 @@ import argparse
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -92,123 +92,108 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+class LiveMetrics:
+    """A peer's running figures while it trains, and where they go: every record to the metrics
+    file and loggers, a snapshot to the DHT for ``monitor`` every ``publish_every_s``, progress to
+    the terminal. ``emit`` and ``on_step`` are what ``train_worker`` calls."""
+
+    def __init__(self, mode: str, publisher: Any, fanout: Callable[[dict], None], bar: Any, *,
+                 quiet: bool, publish_every_s: float = 2.0):
+        from opendiloco_stream.stats import SyncStats
+
+        self.mode, self.publisher, self.fanout, self.bar = mode, publisher, fanout, bar
+        self.quiet, self.publish_every_s = quiet, publish_every_s
+        self.step, self.loss, self.tokens, self.compute_s = 0, float("nan"), 0, 0.0
+        self.stats = SyncStats()
+        self.t0, self.last_pub = time.perf_counter(), 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        from opendiloco_stream.net.metrics import live_values
+
+        elapsed = max(1e-9, time.perf_counter() - self.t0)
+        return live_values(self.stats, step=self.step, loss=self.loss, tokens_per_s=self.tokens / elapsed,
+                           mode=self.mode, compute_utilization=min(1.0, self.compute_s / elapsed))
+
+    def emit(self, rec: dict[str, Any]) -> None:
+        self.fanout(rec)
+        event = rec.get("event")
+        if event == "step":
+            self.tokens += rec["tokens"]
+            self.compute_s += rec["compute_s"]
+        elif event == "joined":
+            self.step = rec["step"]
+        elif event == "state_download" and not self.quiet:  # a big state takes a while
+            mib = 1 << 20
+            print(f"state download from {rec['donor'][-8:]}: {rec['bytes'] / mib:.0f}/"
+                  f"{rec['total_bytes'] / mib:.0f} MiB, {rec['mib_per_s']:.1f} MiB/s"
+                  + (f" ({rec['reused_bytes'] / mib:.0f} MiB reused from a donor that failed)"
+                     if rec["reused_bytes"] else "") + (" - done" if rec["done"] else ""),
+                  file=sys.stderr, flush=True)
+
+    def on_step(self, _rank: int, loss: float, stats: Any) -> None:
+        self.step += 1
+        self.loss = loss
+        self.stats = stats  # the trainer's own counters: what the summary will say
+        self.bar.update(1)
+        now = time.perf_counter()
+        if now - self.last_pub >= self.publish_every_s:
+            self.last_pub = now
+            self.publisher.publish(self.snapshot())
+            self.bar.set_postfix(loss=f"{loss:.3f}")
+
+    def final(self, summary: dict[str, Any], stats: Any) -> None:
+        """Publish the run's last figures (waiting until they reach the DHT), then log the summary."""
+        self.bar.close()
+        self.stats = stats
+        self.publisher.publish({**self.snapshot(), "compute_utilization": summary["compute_utilization"],
+                                "tokens_per_s": summary["tokens_per_s"]})
+        self.publisher.close(timeout=5.0)  # the final record reaches the DHT before it stops
+        self.fanout(summary)
+
+
+def _exporter(cfg) -> Any:
+    """The Prometheus endpoint, if ``net.metrics_port`` asks for one (a taken port: a one-line error)."""
+    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.net.prometheus import PrometheusExporter
+
+    if cfg.net.metrics_port is None:
+        return None
+    try:
+        return PrometheusExporter(cfg.net.metrics_port, labels={"run": cfg.net.run_id},
+                                  info={"mode": cfg.diloco.mode, "codec": cfg.diloco.codec,
+                                        "fragments": cfg.diloco.num_fragments,
+                                        "inner_steps": cfg.diloco.inner_steps, "model": cfg.model.name})
+    except OSError as e:
+        raise UsageError(f"--metrics-port {cfg.net.metrics_port}: cannot listen ({e.strerror}); "
+                         "pick another port or 0 for any free one") from None
+
+
 def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
     """The peer itself (rank 0 of a multi-rank peer): DHT, transport, metrics, training."""
-    from tqdm import tqdm
-
-    from opendiloco_stream.commands._common import prepare_data, print_summary
+    from opendiloco_stream.commands._common import prepare_data
     from opendiloco_stream.net.auth import Admission
-    from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
-    from opendiloco_stream.net.join import RunGate, fingerprint_digest, fingerprint_fields
+    from opendiloco_stream.net.dht import start_dht, stop_dht
+    from opendiloco_stream.net.join import RunGate
     from opendiloco_stream.net.lifecycle import GracefulShutdown
-    from opendiloco_stream.net.metrics import MetricsPublisher, live_values
-    from opendiloco_stream.net.prometheus import PrometheusExporter
-    from opendiloco_stream.train.loggers import Fanout, build_loggers
-    from opendiloco_stream.train.ranks import data_shard
-    from opendiloco_stream.stats import SyncStats
-    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
-    from opendiloco_stream.transport.factory import codec_from_config, hivemind_transport
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.train.loggers import build_loggers
+    from opendiloco_stream.transport.factory import hivemind_transport
 
     train_source, val, vocab_size = prepare_data(cfg)
     sinks = build_loggers(cfg)
-    exporter = None
-    if cfg.net.metrics_port is not None:
-        try:
-            exporter = PrometheusExporter(cfg.net.metrics_port, labels={"run": cfg.net.run_id},
-                                          info={"mode": cfg.diloco.mode, "codec": cfg.diloco.codec,
-                                                "fragments": cfg.diloco.num_fragments,
-                                                "inner_steps": cfg.diloco.inner_steps, "model": cfg.model.name})
-        except OSError as e:
-            raise UsageError(f"--metrics-port {cfg.net.metrics_port}: cannot listen ({e.strerror}); "
-                             "pick another port or 0 for any free one") from None
+    exporter = _exporter(cfg)
+    if exporter is not None:
         sinks.append(exporter)
-
     with GracefulShutdown() as stop:
         dht = start_dht(cfg.net)
         transport = gate = None
         try:
             gate = RunGate(dht, cfg.net.run_id, auth)
             gate.check_key()  # a peer with another key (or none) stops here, having stored nothing
-            peer_id = str(dht.peer_id)
-            rank, world = parse_shard(cfg.data.shard, peer_id)
-            data_rank, data_world = rank, world
-            if ranks is not None:  # the peer's shard, split between its ranks
-                ranks.share((rank, world))
-                data_rank, data_world = data_shard((rank, world), 0, ranks.world)
-            if exporter is not None:
-                exporter.metrics.relabel(peer=peer_id)
-                print(f"prometheus metrics on {exporter.url}", file=sys.stderr, flush=True)
-            on_ranks = f", {ranks.world} ranks" if ranks is not None else ""
-            print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}{on_ranks}); "
-                  f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
+            shards = _announce(cfg, dht, ranks, exporter)
             admission = Admission(auth)
             transport = hivemind_transport(cfg, dht, admission)
-
-            def before_join(model: torch.nn.Module) -> None:
-                fields = fingerprint_fields(cfg, model)
-                gate.check_fingerprint(fields)
-                admission.fingerprint = fingerprint_digest(fields)  # groupmates compare it every round
-            publisher = MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration,
-                                         name=peer_id[-8:])
-            writer = MetricsWriter(cfg.train.metrics_file)
-            writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",
-                          "ranks": ranks.world if ranks is not None else 1, **cfg.model_dump(mode="json")})
-            live: dict[str, Any] = {"step": 0, "loss": float("nan"), "tokens": 0, "t0": time.perf_counter(),
-                                    "compute_s": 0.0, "stats": SyncStats(), "last_pub": 0.0}
-
-            def snapshot() -> dict[str, Any]:
-                elapsed = max(1e-9, time.perf_counter() - live["t0"])
-                return live_values(live["stats"], step=live["step"], loss=live["loss"],
-                                   tokens_per_s=live["tokens"] / elapsed, mode=cfg.diloco.mode,
-                                   compute_utilization=min(1.0, live["compute_s"] / elapsed))
-
-            fanout = Fanout(writer.write, sinks)
-
-            def emit(rec: dict[str, Any]) -> None:
-                fanout(rec)
-                if rec.get("event") == "step":
-                    live["tokens"] += rec["tokens"]
-                    live["compute_s"] += rec["compute_s"]
-                elif rec.get("event") == "joined":
-                    live["step"] = rec["step"]
-                elif rec.get("event") == "state_download" and not args.no_progress:  # a big state takes a while
-                    mib = 1 << 20
-                    print(f"state download from {rec['donor'][-8:]}: {rec['bytes'] / mib:.0f}/"
-                          f"{rec['total_bytes'] / mib:.0f} MiB, {rec['mib_per_s']:.1f} MiB/s"
-                          + (f" ({rec['reused_bytes'] / mib:.0f} MiB reused from a donor that failed)"
-                             if rec["reused_bytes"] else "") + (" - done" if rec["done"] else ""),
-                          file=sys.stderr, flush=True)
-
-            bar = tqdm(total=cfg.train.steps, desc=f"peer {peer_id[-6:]}", unit="step", disable=args.no_progress,
-                       file=sys.stderr, dynamic_ncols=True)
-
-            def on_step(_rank: int, loss: float, stats: SyncStats) -> None:
-                live["step"] += 1
-                live["loss"] = loss
-                live["stats"] = stats  # the trainer's own counters: what the summary will say
-                bar.update(1)
-                now = time.perf_counter()
-                if now - live["last_pub"] >= 2.0:
-                    live["last_pub"] = now
-                    publisher.publish(snapshot())
-                    bar.set_postfix(loss=f"{loss:.3f}")
-
-            start = time.perf_counter()
-            report = train_worker(data_rank, data_world, cfg, transport, train_source, val, vocab_size, emit,
-                                  on_step=on_step, should_stop=lambda: stop.requested,
-                                  join_running=not args.no_join, before_join=before_join, ranks=ranks)
-            bar.close()
-            wall = time.perf_counter() - start
-            summary = summarize(cfg, [report], wall, codec_from_config(cfg).encoded_size)
-            live["stats"] = report.stats
-            summary.update(peer_id=peer_id, stopped_early=stop.requested)
-            publisher.publish({**snapshot(), "compute_utilization": summary["compute_utilization"],
-                               "tokens_per_s": summary["tokens_per_s"]})
-            publisher.close(timeout=5.0)  # the final record reaches the DHT before it stops
-            fanout(summary)
-            writer.close()
-            print_summary(summary)
+            _train(args, cfg, ranks, dht, gate, admission, transport, sinks, stop, shards,
+                   (train_source, val, vocab_size))
         finally:
             for sink in sinks:
                 sink.close()
@@ -218,3 +203,63 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
                 gate.close()
             stop_dht(dht)
     return 0  # a signal-requested stop at a safe point is a clean exit
+
+
+def _announce(cfg, dht, ranks, exporter) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Say who the peer is and where it listens; its data shard and the part of it this rank reads."""
+    from opendiloco_stream.net.dht import visible_maddrs
+    from opendiloco_stream.train.ranks import data_shard
+
+    peer_id = str(dht.peer_id)
+    rank, world = parse_shard(cfg.data.shard, peer_id)
+    data_rank, data_world = rank, world
+    if ranks is not None:  # the peer's shard, split between its ranks
+        ranks.share((rank, world))
+        data_rank, data_world = data_shard((rank, world), 0, ranks.world)
+    if exporter is not None:
+        exporter.metrics.relabel(peer=peer_id)
+        print(f"prometheus metrics on {exporter.url}", file=sys.stderr, flush=True)
+    on_ranks = f", {ranks.world} ranks" if ranks is not None else ""
+    print(f"peer {peer_id} joined run '{cfg.net.run_id}' (shard {rank}/{world}{on_ranks}); "
+          f"listening on {' '.join(visible_maddrs(dht)) or '(client mode)'}", file=sys.stderr, flush=True)
+    return (rank, world), (data_rank, data_world)
+
+
+def _train(args: argparse.Namespace, cfg, ranks, dht, gate, admission, transport, sinks: list, stop,
+           shards: tuple, data: tuple) -> None:
+    """Train the peer with its live metrics, then write and print its summary."""
+    from tqdm import tqdm
+
+    from opendiloco_stream.commands._common import print_summary
+    from opendiloco_stream.net.join import fingerprint_digest, fingerprint_fields
+    from opendiloco_stream.net.metrics import MetricsPublisher
+    from opendiloco_stream.train.loggers import Fanout
+    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
+    from opendiloco_stream.transport.factory import codec_from_config
+
+    train_source, val, vocab_size = data
+    (rank, world), (data_rank, data_world) = shards
+    peer_id = str(dht.peer_id)
+
+    def before_join(model: torch.nn.Module) -> None:
+        fields = fingerprint_fields(cfg, model)
+        gate.check_fingerprint(fields)
+        admission.fingerprint = fingerprint_digest(fields)  # groupmates compare it every round
+
+    writer = MetricsWriter(cfg.train.metrics_file)
+    writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",
+                  "ranks": ranks.world if ranks is not None else 1, **cfg.model_dump(mode="json")})
+    bar = tqdm(total=cfg.train.steps, desc=f"peer {peer_id[-6:]}", unit="step", disable=args.no_progress,
+               file=sys.stderr, dynamic_ncols=True)
+    live = LiveMetrics(cfg.diloco.mode, MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration,
+                                                         name=peer_id[-8:]),
+                       Fanout(writer.write, sinks), bar, quiet=args.no_progress)
+    start = time.perf_counter()
+    report = train_worker(data_rank, data_world, cfg, transport, train_source, val, vocab_size, live.emit,
+                          on_step=live.on_step, should_stop=lambda: stop.requested,
+                          join_running=not args.no_join, before_join=before_join, ranks=ranks)
+    summary = summarize(cfg, [report], time.perf_counter() - start, codec_from_config(cfg).encoded_size)
+    summary.update(peer_id=peer_id, stopped_early=stop.requested)
+    live.final(summary, report.stats)
+    writer.close()
+    print_summary(summary)

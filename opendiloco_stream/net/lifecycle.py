@@ -10,7 +10,8 @@ take them down:
 * :class:`GracefulShutdown` turns SIGINT/SIGTERM into a flag the training loop checks at safe
   points (after an inner step, never mid-sync); a second signal kills the descendants and exits.
 * :func:`kill_process_tree` finds descendants through ``/proc`` (not through process groups, which
-  a child may leave) and sends SIGTERM, then SIGKILL to whatever is left after ``timeout``.
+  a child may leave) and sends SIGTERM, then SIGKILL to whatever is left after ``timeout``;
+  :func:`kill_session` also stops the members of a launched peer's session whose parent is gone.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from types import FrameType
 from typing import Iterable, Optional
 
 
-def _ppid_map() -> dict[int, int]:
-    """pid -> parent pid for every process visible in /proc."""
+def _stat_map(field: int) -> dict[int, int]:
+    """pid -> the ``field``-th number after the state in /proc/PID/stat (0: ppid, 3: session id)."""
     out: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -36,10 +37,20 @@ def _ppid_map() -> dict[int, int]:
                 stat = f.read()
         except OSError:
             continue  # exited while we were scanning
-        # "pid (comm) state ppid ...": comm may contain spaces and parentheses, so split after the last ')'
+        # "pid (comm) state ppid pgrp session ...": comm may contain spaces and parentheses, so split after the last ')'
         fields = stat[stat.rfind(b")") + 2:].split()
-        out[int(entry)] = int(fields[1])
+        out[int(entry)] = int(fields[1 + field])
     return out
+
+
+def _ppid_map() -> dict[int, int]:
+    """pid -> parent pid for every process visible in /proc."""
+    return _stat_map(0)
+
+
+def session_members(sid: int) -> list[int]:
+    """Every live process of session ``sid``, orphans re-parented away from its leader included."""
+    return [pid for pid, session in _stat_map(3).items() if session == sid and is_running(pid)]
 
 
 def descendants(pid: int) -> list[int]:
@@ -140,6 +151,22 @@ def kill_process_tree(pid: int, timeout: float = 5.0, *, include_root: bool = Tr
     # children forked after our scan (e.g. a DHT process starting p2pd right now)
     late = [p for p in descendants(pid) if p not in tree]
     return killed + terminate_pids(late, min(timeout, 1.0))
+
+
+def kill_session(leader: int, timeout: float = 5.0, *, hard: bool = False) -> list[int]:
+    """Stop the session ``leader`` leads (a peer started with ``start_new_session``) and every
+    descendant: SIGTERM then SIGKILL after ``timeout``, or SIGKILL at once with ``hard`` (a crash).
+
+    Members are found by session id as well as by parentage, so a helper whose parent already
+    exited (a p2pd re-parented to init) is stopped too. Returns the pids signalled.
+    """
+    pids = sorted(set(session_members(leader)) | set(descendants(leader)) | ({leader} if is_running(leader) else set()))
+    if hard:
+        _send(signal.SIGKILL, pids)
+        wait_gone(pids, timeout)
+    else:
+        terminate_pids(pids, timeout)
+    return pids
 
 
 def daemons(name: str = "p2pd") -> set[int]:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from opendiloco_stream.algorithm.diloco import wrap
 from opendiloco_stream.algorithm.fragments import partition
 from opendiloco_stream.config import ConfigError, RunConfig
 from opendiloco_stream.stats import SyncStats
@@ -25,7 +24,9 @@ from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoi
 from opendiloco_stream.train.export import save_model_at_end
 from opendiloco_stream.train.metrics_file import MetricsWriter, read_metrics  # noqa: F401 (re-exported)
 from opendiloco_stream.train.models import build_model, transformer_blocks
+from opendiloco_stream.testing import faults
 from opendiloco_stream.train.sharded import Sharded, agree_on_fragments, load_shard, save_shard, shard_model
+from opendiloco_stream.train.wrapper import Wrapper, build_wrapper
 from opendiloco_stream.transport.base import Transport
 
 if TYPE_CHECKING:
@@ -58,10 +59,7 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, batch_size: int, max_bat
     model.eval()
     losses = []
     for i in range(0, min(len(val), batch_size * max_batches), batch_size):
-        batch = val[i:i + batch_size].to(device)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=batch[:, :-1]).logits
-        losses.append(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)).item())
+        losses.append(lm_loss(model, val[i:i + batch_size].to(device), bf16).item())
     model.train(was_training)
     return float(sum(losses) / max(1, len(losses)))
 
@@ -86,6 +84,76 @@ class WorkerReport:
     rank_digests: list[str] = field(default_factory=list)  # a multi-rank peer: each rank's parameter digest
 
 
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """Next-token cross-entropy of ``batch`` (fp32 loss; the forward pass under bf16 autocast if asked)."""
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+
+
+def inner_step(net: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, *, bf16: bool = False,
+               clip_grad_norm: float = 0.0, scheduler: Any = None, set_to_none: bool = True) -> torch.Tensor:
+    """One inner AdamW step on ``batch``: loss, backward, clipping, ``opt.step()``, schedule; the loss.
+
+    ``net`` is the module the forward pass runs through (a DDP wrapper on a multi-rank peer). The
+    trainer and every benchmark call this, so a benchmark measures the loop users run. A
+    data-parallel wrapper averages the gradients inside ``opt.step()``."""
+    loss = lm_loss(net, batch, bf16)
+    loss.backward()
+    if clip_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
+    opt.step()
+    if scheduler is not None:
+        scheduler.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    return loss
+
+
+@dataclass
+class _Worker:
+    """One worker's parts, built once (:func:`_build`) and used by the loop and the finish."""
+
+    rank: int
+    cfg: RunConfig
+    model: torch.nn.Module
+    net: torch.nn.Module  # what the forward pass runs through (DDP on a multi-rank peer)
+    opt: torch.optim.Optimizer
+    sched: Any
+    diloco: Wrapper
+    device: Any
+    bf16: bool
+    val: torch.Tensor
+    emit: Callable[[dict[str, Any]], None]
+    should_stop: Optional[Callable[[], bool]]
+    ranks: Optional["Ranks"] = None
+    sharded: bool = False
+    ckpt: Optional[Any] = None  # rank 0's checkpoint file
+    shard_ckpt: Optional[Any] = None  # a sharded peer: every rank's model and optimizer shards
+    batches: Any = None
+    vocab_size: int = 0
+
+    @property
+    def leader(self) -> bool:
+        return self.ranks is None or self.ranks.leader
+
+    def evaluate(self) -> float:
+        """The validation loss; rank 0's alone (a sharded peer's forward pass needs every rank)."""
+        if not (self.leader or self.sharded):
+            return float("nan")
+        tc = self.cfg.train
+        return evaluate(self.model, self.val, tc.batch_size, self.cfg.data.max_val_batches, self.device, self.bf16)
+
+    def save(self, at: int) -> None:
+        """Rank 0's checkpoint; a sharded peer's ranks add their shards."""
+        if self.ckpt is not None:
+            position = self.batches.position() if hasattr(self.batches, "position") else None  # a stream's
+            save_checkpoint(self.ckpt, model=None if self.sharded else self.model,
+                            optimizer=None if self.sharded else self.opt, scheduler=self.sched, diloco=self.diloco,
+                            step=at, data=position, config=self.cfg.model_dump(mode="json"))
+        if self.shard_ckpt is not None:
+            save_shard(self.shard_ckpt, self.model, self.opt, self.ranks.rank, self.ranks.world, step=at)
+
+
 def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transport, train_source, val: torch.Tensor,
                  vocab_size: int, emit: Callable[[dict[str, Any]], None],
                  on_step: Optional[Callable[[int, float, SyncStats], None]] = None,
@@ -101,11 +169,29 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     is downloaded or any round runs (the join checks of ``net/join.py``); it may raise to refuse.
     ``ranks``: this worker is one rank of a multi-rank peer (``train/ranks.py``): DDP inner steps on
     ``ranks.device``; only rank 0 has a transport (None elsewhere), evaluates and saves checkpoints.
+
+    Four parts: :func:`_build`, :func:`_restore_or_join`, :func:`_train_loop`, :func:`_finish`.
     """
+    w = _build(rank, cfg, transport, val, emit, should_stop, before_join, ranks, vocab_size)
+    start_step, data_position = _restore_or_join(w, transport, join_running)
+    report = WorkerReport(rank=rank, params=sum(p.numel() for p in w.model.parameters()),
+                          outer_gradient_numel=sum(f.numel for f in w.diloco.fragments))
+    report.eval_loss_initial = w.evaluate()
+    emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial})
+    if data_position is not None:  # a streamed dataset resumes at the recorded position, not by re-reading
+        w.batches = train_source.batches(rank, world_size, cfg.train.batch_size, position=data_position)
+    else:
+        w.batches = train_source.batches(rank, world_size, cfg.train.batch_size, start_step=start_step)
+    recent = _train_loop(w, report, start_step, on_step)
+    return _finish(w, report, start_step, recent)
+
+
+def _build(rank: int, cfg: RunConfig, transport: Transport, val: torch.Tensor, emit: Callable, should_stop,
+           before_join, ranks: Optional["Ranks"], vocab_size: int) -> _Worker:
+    """The model, optimizer, schedule and wrapper (a sharded or multi-rank one where asked)."""
     tc = cfg.train
     device = ranks.device if ranks is not None else tc.device
     leader = ranks is None or ranks.leader
-    bf16 = use_bf16_autocast(tc.precision, device)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     with _BUILD_LOCK:
         model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=tc.seed,
@@ -123,8 +209,8 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         access = Sharded.access(device)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
-    diloco = wrap(model, opt, transport=transport, config=cfg.diloco, blocks=blocks, param_access=access,
-                  on_event=lambda rec: emit({**rec, "rank": rank})) if leader else None
+    diloco = build_wrapper(model, opt, transport, cfg.diloco, blocks, param_access=access,
+                           on_event=lambda rec: emit({**rec, "rank": rank})) if leader else None
     net = model
     if sharded:
         diloco = Sharded(device, frags, diloco, stop_source=should_stop)  # serves rank 0's reads above
@@ -133,150 +219,143 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
         net = ranks.ddp(model)
         diloco = ranks.replicate(model, diloco, stop_source=should_stop)
         should_stop = lambda: diloco.stopped  # noqa: E731 (rank 0's flag, the same on every rank)
-    report = WorkerReport(rank=rank, params=sum(p.numel() for p in model.parameters()),
-                          outer_gradient_numel=sum(f.numel for f in diloco.fragments))
-    start_step, data_position, resumed = 0, None, None
-    ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir and leader else None
-    shard_ckpt = None  # a sharded peer: every rank's model and optimizer shards, next to rank 0's file
+    w = _Worker(rank=rank, cfg=cfg, model=model, net=net, opt=opt, sched=sched, diloco=diloco, device=device,
+                bf16=use_bf16_autocast(tc.precision, device), val=val, emit=emit, should_stop=should_stop,
+                ranks=ranks, sharded=sharded, vocab_size=vocab_size)
+    w.ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir and leader else None
     if sharded and tc.checkpoint_dir:
-        shard_ckpt = checkpoint_path(tc.checkpoint_dir, ranks.share(rank))
-    if ckpt is not None and tc.resume:
-        resumed = restore_checkpoint(ckpt, model=None if sharded else model, optimizer=None if sharded else opt,
-                                     scheduler=sched, diloco=diloco)
+        w.shard_ckpt = checkpoint_path(tc.checkpoint_dir, ranks.share(rank))
+    return w
+
+
+def _restore_or_join(w: _Worker, transport: Transport, join_running: bool) -> tuple[int, Optional[dict]]:
+    """Resume from this worker's checkpoint, or join the running swarm by downloading its state;
+    the step to start at and a stream's data position (None: start the data at that step)."""
+    tc, ranks = w.cfg.train, w.ranks
+    start_step, data_position, resumed = 0, None, None
+    if w.ckpt is not None and tc.resume:
+        resumed = restore_checkpoint(w.ckpt, model=None if w.sharded else w.model,
+                                     optimizer=None if w.sharded else w.opt, scheduler=w.sched, diloco=w.diloco)
         if resumed is not None:
             start_step = resumed.step
             if resumed.data is not None and resumed.data.get("kind") == "stream":
                 data_position = resumed.data
             join_running = False
-            emit({"event": "resumed", "rank": rank, "step": start_step, "path": str(ckpt)})
-    if shard_ckpt is not None and tc.resume:
-        shard_step = load_shard(shard_ckpt, model, opt, ranks.rank, ranks.world)
+            w.emit({"event": "resumed", "rank": w.rank, "step": start_step, "path": str(w.ckpt)})
+    if w.shard_ckpt is not None and tc.resume:
+        shard_step = load_shard(w.shard_ckpt, w.model, w.opt, ranks.rank, ranks.world)
         leader_step = ranks.share(start_step if resumed is not None else None)
         if shard_step != leader_step:
-            raise ConfigError(f"{shard_ckpt}: rank {ranks.rank}'s shards are from step {shard_step}, rank 0's "
+            raise ConfigError(f"{w.shard_ckpt}: rank {ranks.rank}'s shards are from step {shard_step}, rank 0's "
                               f"checkpoint from step {leader_step} (a crash between the two writes?): remove "
                               "the checkpoints or restore a consistent set")
     if join_running:
-        # the swarm trains on while the state downloads: if one of our next rounds went without us,
-        # the state is a round old (we would run that round alone): download again, a few times
-        for attempt in range(1, JOIN_ATTEMPTS + 1):
-            state = transport.load_state_from_peers(
-                timeout=cfg.diloco.sync_timeout,
-                progress=lambda rec: emit({"event": "state_download", "rank": rank, "attempt": attempt, **rec}))
-            if state is None:
-                break
-            diloco.load_state_dict(state, joiner=True)
-            missed = diloco.missed_rounds() if hasattr(diloco, "missed_rounds") else []
-            if not missed or attempt == JOIN_ATTEMPTS:
-                start_step = diloco.step_count
-                for _ in range(start_step):
-                    sched.step()
-                # missed_rounds not empty: every attempt was a round late (a download slower than the
-                # gap between two rounds); the peer trains on, one outer step apart in those fragments
-                emit({"event": "joined", "rank": rank, "step": start_step, "attempts": attempt,
-                      "missed_rounds": [list(k) for k in missed]})
-                break
-            emit({"event": "join_stale", "rank": rank, "step": diloco.step_count, "attempt": attempt,
-                  "missed_rounds": [list(k) for k in missed]})
-    if sharded:
-        diloco.barrier()  # the other ranks served rank 0's writes of a join
+        start_step = _join(w, transport, start_step)
+    if w.sharded:
+        w.diloco.barrier()  # the other ranks served rank 0's writes of a join
     if ranks is not None:
-        start_step = ranks.share_start(model, opt, sched, start_step, sharded=sharded)
+        start_step = ranks.share_start(w.model, w.opt, w.sched, start_step, sharded=w.sharded)
+    return start_step, data_position
 
-    def ev() -> float:  # evaluations are rank 0's (a sharded peer's forward pass needs every rank)
-        if not (leader or sharded):
-            return float("nan")
-        return evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device, bf16)
 
-    report.eval_loss_initial = ev()
-    emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial})
+def _join(w: _Worker, transport: Transport, start_step: int) -> int:
+    """Download the swarm's state; the step to start at. The swarm trains on meanwhile: if one of
+    our next rounds went without us, the state is a round old (we would run that round alone), so
+    download again, up to ``JOIN_ATTEMPTS`` times."""
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        state = transport.load_state_from_peers(
+            timeout=w.cfg.diloco.sync_timeout,
+            progress=lambda rec: w.emit({"event": "state_download", "rank": w.rank, "attempt": attempt, **rec}))
+        if state is None:
+            break
+        w.diloco.load_state_dict(state, joiner=True)
+        missed = w.diloco.missed_rounds()
+        if not missed or attempt == JOIN_ATTEMPTS:
+            start_step = w.diloco.step_count
+            for _ in range(start_step):
+                w.sched.step()
+            # missed_rounds not empty: every attempt was a round late (a download slower than the
+            # gap between two rounds); the peer trains on, one outer step apart in those fragments
+            w.emit({"event": "joined", "rank": w.rank, "step": start_step, "attempts": attempt,
+                    "missed_rounds": [list(k) for k in missed]})
+            break
+        w.emit({"event": "join_stale", "rank": w.rank, "step": w.diloco.step_count, "attempt": attempt,
+                "missed_rounds": [list(k) for k in missed]})
+    return start_step
+
+
+def _train_loop(w: _Worker, report: WorkerReport, start_step: int,
+                on_step: Optional[Callable[[int, float, SyncStats], None]]) -> list[float]:
+    """Inner steps with one ``diloco.step()`` each, until ``train.steps`` or a stop; the last losses."""
+    tc, diloco = w.cfg.train, w.diloco
     wall_start, eval_s = time.perf_counter(), 0.0  # utilization counts the training loop, not evals
-    if data_position is not None:  # a streamed dataset resumes at the recorded position, not by re-reading
-        batches = train_source.batches(rank, world_size, tc.batch_size, position=data_position)
-    else:
-        batches = train_source.batches(rank, world_size, tc.batch_size, start_step=start_step)
-
-    def position() -> Optional[dict]:
-        return batches.position() if hasattr(batches, "position") else None
-
-    def save(at: int) -> None:  # rank 0's checkpoint; a sharded peer's ranks add their shards
-        if ckpt is not None:
-            save_checkpoint(ckpt, model=None if sharded else model, optimizer=None if sharded else opt,
-                            scheduler=sched, diloco=diloco, step=at, data=position(), config=cfg.model_dump(mode="json"))
-        if shard_ckpt is not None:
-            save_shard(shard_ckpt, model, opt, ranks.rank, ranks.world, step=at)
     recent: list[float] = []
     step = start_step
     while step < tc.steps:
         t0 = time.perf_counter()
-        batch = next(batches).to(device)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-            logits = net(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
-        loss.backward()
-        if tc.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad_norm)
-        opt.step()  # data-parallel mode averages gradients inside this call (counted as communication)
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if tc.step_delay_s > 0:  # benchmarks and tests only: a slower peer (the delay counts as compute)
-            time.sleep(tc.step_delay_s)
+        batch = next(w.batches).to(w.device)
+        loss = inner_step(w.net, w.opt, batch, bf16=w.bf16, clip_grad_norm=tc.clip_grad_norm, scheduler=w.sched)
+        faults.slow_step()  # tests and benchmarks only (ODS_TEST_FAULTS): a slower peer, counted as compute
         t1 = time.perf_counter()
-        tokens = batch[:, 1:].numel() * (ranks.world if ranks is not None else 1)  # the peer's, all ranks
+        tokens = batch[:, 1:].numel() * (w.ranks.world if w.ranks is not None else 1)  # the peer's, all ranks
         diloco.step(tokens=tokens)
-        # a peer behind the swarm caught up (StreamingDiLoCo.step): its schedule jumps with it
-        for _ in range(getattr(diloco, "step_count", step + 1) - (step + 1)):
-            sched.step()
+        for _ in range(diloco.step_count - (step + 1)):  # a peer behind the swarm caught up: so does its schedule
+            w.sched.step()
             step += 1
         t2 = time.perf_counter()
         loss_value = loss.item()
-        report.steps += 1
-        report.tokens += tokens
-        report.compute_s += (t1 - t0)
+        report.steps, report.tokens, report.compute_s = report.steps + 1, report.tokens + tokens, report.compute_s + t1 - t0
         recent = (recent + [loss_value])[-20:]
-        emit({"event": "step", "rank": rank, "step": step + 1, "loss": round(loss_value, 5),
-              "lr": sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
-              "sync_s": round(t2 - t1, 5)})
+        w.emit({"event": "step", "rank": w.rank, "step": step + 1, "loss": round(loss_value, 5),
+                "lr": w.sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
+                "sync_s": round(t2 - t1, 5)})
         if on_step is not None:
-            on_step(rank, loss_value, diloco.stats)
+            on_step(w.rank, loss_value, diloco.stats)
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
             e0 = time.perf_counter()
-            ev_loss = ev()
+            ev_loss = w.evaluate()
             eval_s += time.perf_counter() - e0
-            emit({"event": "eval", "rank": rank, "step": step + 1, "eval_loss": ev_loss})
+            w.emit({"event": "eval", "rank": w.rank, "step": step + 1, "eval_loss": ev_loss})
         if tc.checkpoint_dir and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
-            save(step + 1)
-        if should_stop is not None and should_stop():
-            emit({"event": "stopped", "rank": rank, "step": step + 1})
+            w.save(step + 1)
+        if w.should_stop is not None and w.should_stop():
+            w.emit({"event": "stopped", "rank": w.rank, "step": step + 1})
             break
         step += 1
-    end_step = getattr(diloco, "step_count", start_step + report.steps)
+    report.wall_s = time.perf_counter() - wall_start - eval_s
+    return recent
+
+
+def _finish(w: _Worker, report: WorkerReport, start_step: int, recent: list[float]) -> WorkerReport:
+    """After the loop: the last checkpoint, the rounds in flight landed, the final evaluations."""
+    diloco, rank = w.diloco, w.rank
+    end_step = diloco.step_count
     # the data-parallel wait happens inside opt.step(): move it from compute to communication
     if diloco.waits_in_optimizer_step:
         report.compute_s = max(0.0, report.compute_s - diloco.stats.wait_s)
-    report.wall_s = time.perf_counter() - wall_start - eval_s
-    if tc.checkpoint_dir:
-        save(end_step)
+    if w.cfg.train.checkpoint_dir:
+        w.save(end_step)
     if diloco.in_flight:
         # the rounds still in flight land in the final model (finish); the loss before is kept for comparison
-        report.eval_loss_before_finish = ev()
-        emit({"event": "eval", "rank": rank, "step": end_step, "stage": "before-finish",
-              "eval_loss": report.eval_loss_before_finish})
+        report.eval_loss_before_finish = w.evaluate()
+        w.emit({"event": "eval", "rank": rank, "step": end_step, "stage": "before-finish",
+                "eval_loss": report.eval_loss_before_finish})
         diloco.finish()
-    report.eval_loss = ev()
-    emit({"event": "eval", "rank": rank, "step": end_step, "eval_loss": report.eval_loss})
-    if hasattr(diloco, "global_params"):  # the run's consensus model: theta_bar in every fragment
-        with diloco.global_params():
-            report.eval_loss_global = ev()
-        emit({"event": "eval", "rank": rank, "step": end_step, "stage": "global",
-              "eval_loss": report.eval_loss_global})
-    if tc.save_model and leader:  # theta_bar as a transformers model directory (train/export.py)
-        save_model_at_end(cfg, diloco, model, vocab_size, report)
+    report.eval_loss = w.evaluate()
+    w.emit({"event": "eval", "rank": rank, "step": end_step, "eval_loss": report.eval_loss})
+    consensus = diloco.global_params()  # the run's consensus model: theta_bar in every fragment
+    if consensus is not None:
+        with consensus:
+            report.eval_loss_global = w.evaluate()
+        w.emit({"event": "eval", "rank": rank, "step": end_step, "stage": "global",
+                "eval_loss": report.eval_loss_global})
+    if w.cfg.train.save_model and w.leader:  # theta_bar as a transformers model directory (train/export.py)
+        save_model_at_end(w.cfg, diloco, w.model, w.vocab_size, report)
     report.train_loss = float(sum(recent) / max(1, len(recent)))
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)
-    if ranks is not None:
-        report.rank_digests = ranks.digests(model, sharded=sharded)
+    if w.ranks is not None:
+        report.rank_digests = w.ranks.digests(w.model, sharded=w.sharded)
     diloco.close()
     return report
 

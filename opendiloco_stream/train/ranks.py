@@ -27,7 +27,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -199,6 +199,13 @@ class LeaderMirror:
     @property
     def stats(self) -> SyncStats:
         return self._inner.stats if self._inner is not None else SyncStats()
+
+    def missed_rounds(self) -> list[tuple[int, int]]:
+        return self._inner.missed_rounds() if self._inner is not None else []
+
+    def global_params(self) -> Optional[ContextManager[None]]:
+        """Rank 0's consensus block; the other ranks evaluate nothing, so they keep none."""
+        return self._inner.global_params() if self._inner is not None else None
 
 
 class Replicated(LeaderMirror):

@@ -40,6 +40,7 @@ import os
 import random
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 import torch
@@ -48,6 +49,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from opendiloco_stream.testing import faults
 from opendiloco_stream.transport.hivemind.state_format import (  # noqa: F401 (StateError, flatten/unflatten: API)
     PART_BYTES, StateError, _dumps, _loads, flatten_state, tensor_bytes, tensor_digest, unflatten_state,
 )
@@ -89,7 +91,7 @@ class _StateServicer(ServicerBase):
             manifest["auth"] = admission.state_proof("reply", me, joiner)
         yield averaging_pb2.DownloadData(metadata=_dumps(manifest))
         for i, (tensor, digest) in enumerate(zip(tensors, manifest["digests"])):
-            if i == self._sharing.die_after_tensors:  # tests only: a donor that dies mid-stream
+            if i == faults.die_after_tensors():  # tests only (opendiloco_stream/testing/faults.py)
                 os._exit(1)
             if digest in have:  # the joiner has it already (from a donor that failed mid-way)
                 yield averaging_pb2.DownloadData(metadata=_dumps({"have": i}))
@@ -104,6 +106,60 @@ class _StateServicer(ServicerBase):
         await asyncio.sleep(self._sharing.chunk_timeout)
 
 
+@dataclass
+class _Filling:
+    """The tensor being received: its parts land in place, so the peak is the state plus one part."""
+
+    tensor: torch.Tensor
+    parts: int  # how many the donor cut it into
+    offset: int = 0  # bytes in
+    count: int = 0  # parts in
+
+    @classmethod
+    def first(cls, part: Any, entry: list, index: int) -> "_Filling":
+        """An empty tensor for the manifest's ``entry`` (dtype, shape), checked against the first part."""
+        dtype, shape = entry
+        if part.dtype != dtype or not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise StateError(f"tensor {index} is {part.dtype}, the manifest says {dtype}")
+        return cls(torch.empty(shape, dtype=getattr(torch, dtype)), max(1, part.chunks))
+
+    def add(self, part: Any, index: int) -> bool:
+        """Write one part in place; True once the last part is in (and the bytes add up)."""
+        raw = tensor_bytes(self.tensor)
+        if self.offset + len(part.buffer) > len(raw):
+            raise StateError(f"tensor {index} has more bytes than its shape")
+        raw[self.offset:self.offset + len(part.buffer)] = part.buffer
+        self.offset, self.count = self.offset + len(part.buffer), self.count + 1
+        if self.count < self.parts:
+            return False
+        if self.offset != len(raw):
+            raise StateError(f"tensor {index} is short of bytes")
+        return True
+
+
+class _Progress:
+    """A download's progress records, every ``PROGRESS_EVERY_S`` and once at the end."""
+
+    def __init__(self, sink: Optional[Callable[[dict], None]], donor: str, total: int, last_load: dict):
+        self.sink, self.donor, self.total, self.last_load = sink, donor, total, last_load
+        self.done_bytes, self.t0 = 0, time.monotonic()
+        self.next_at = self.t0 + PROGRESS_EVERY_S
+
+    def add(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+        if time.monotonic() >= self.next_at:
+            self()
+            self.next_at = time.monotonic() + PROGRESS_EVERY_S
+
+    def __call__(self, final: bool = False) -> None:
+        if self.sink is not None:
+            elapsed = max(time.monotonic() - self.t0, 1e-9)
+            self.sink({"donor": self.donor, "bytes": self.done_bytes, "total_bytes": self.total,
+                       "received_bytes": self.last_load["received_bytes"],
+                       "reused_bytes": self.last_load["reused_bytes"], "seconds": round(elapsed, 3),
+                       "mib_per_s": round(self.done_bytes / elapsed / (1 << 20), 2), "done": final})
+
+
 class StateSharing:
     """Donor and joiner sides of late joining for one run (see the module docstring)."""
 
@@ -113,7 +169,6 @@ class StateSharing:
         self.key, self.namespace = f"{run_id}_state.donors", f"{run_id}_state"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
-        self.die_after_tensors: Optional[int] = None  # tests only (fault injection): exit mid-stream
         self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
         self._servicer = _StateServicer(self)
         self._declare_task: Optional[asyncio.Task] = None
@@ -229,81 +284,65 @@ class StateSharing:
             "auth": None if self.admission is None else self.admission.state_proof("request", me, theirs),
             "have": sorted(held)}))
         stream = await stub.rpc_download_state(request)
-        loop = asyncio.get_event_loop()
         try:
             it = stream.__aiter__()
-            try:
-                first = await it.__anext__()  # the provider may take a while: bounded by the donor's budget
-            except StopAsyncIteration:
-                raise StateError("the stream ended before the manifest (the donor left, or has no state)") from None
-            manifest = _loads(first.metadata)
-            if self.admission is not None:
-                why = self.admission.check_state_proof(manifest.get("auth"), "reply", theirs, me)
-                if why is not None:
-                    raise StateError(f"the donor is refused: {why}")
-            expected, digests = len(manifest["tensors"]), manifest.get("digests") or []
-            if len(digests) != expected:
-                raise StateError("the manifest has no digest for every tensor")
-            total = int(manifest.get("bytes", 0))
-            tensors: list[torch.Tensor] = []
-            filling: Optional[list] = None  # the tensor being received: [tensor, bytes in, parts in, parts]
-            done_bytes, t0 = 0, time.monotonic()
-            report_at = t0 + PROGRESS_EVERY_S
-
-            def report(final: bool = False) -> None:
-                if progress is not None:
-                    elapsed = max(time.monotonic() - t0, 1e-9)
-                    progress({"donor": str(donor), "bytes": done_bytes, "total_bytes": total,
-                              "received_bytes": self.last_load["received_bytes"],
-                              "reused_bytes": self.last_load["reused_bytes"], "seconds": round(elapsed, 3),
-                              "mib_per_s": round(done_bytes / elapsed / (1 << 20), 2), "done": final})
-
-            while len(tensors) < expected:  # we know what to expect: stop there and close (the donor waits for that)
-                try:
-                    msg = await asyncio.wait_for(it.__anext__(), self.chunk_timeout)
-                except StopAsyncIteration:
-                    raise StateError(f"the stream ended after {len(tensors)} of {expected} tensors (donor left?)") from None
-                index = len(tensors)
-                if msg.metadata:  # "you have tensor i": reuse it
-                    marker = _loads(msg.metadata)
-                    if filling is not None or not isinstance(marker, dict) or marker.get("have") != index or digests[index] not in held:
-                        raise StateError(f"the stream does not match its manifest at tensor {index}")
-                    t = held[digests[index]]
-                    self.last_load["reused_tensors"] += 1
-                    self.last_load["reused_bytes"] += t.numel() * t.element_size()
-                else:
-                    part = msg.tensor_part
-                    if bool(part.dtype) != (filling is None):  # the first part of a tensor carries its dtype
-                        raise StateError(f"tensor {index} is missing parts")
-                    if filling is None:  # each part lands in place: peak = the state + one part
-                        dtype, shape = manifest["tensors"][index]
-                        if part.dtype != dtype or not isinstance(getattr(torch, dtype, None), torch.dtype):
-                            raise StateError(f"tensor {index} is {part.dtype}, the manifest says {dtype}")
-                        filling = [torch.empty(shape, dtype=getattr(torch, dtype)), 0, 0, max(1, part.chunks)]
-                    t, offset, count, n = filling
-                    raw = tensor_bytes(t)
-                    if offset + len(part.buffer) > len(raw):
-                        raise StateError(f"tensor {index} has more bytes than its shape")
-                    raw[offset:offset + len(part.buffer)] = part.buffer
-                    filling[1:3] = offset + len(part.buffer), count + 1
-                    self.last_load["received_bytes"] += len(part.buffer)
-                    if count + 1 < n:
-                        continue
-                    filling = None
-                    if offset + len(part.buffer) != len(raw):
-                        raise StateError(f"tensor {index} is short of bytes")
-                    if await loop.run_in_executor(None, tensor_digest, t) != digests[index]:
-                        raise StateError(f"tensor {index} does not match its digest")
-                    held[digests[index]] = t
-                tensors.append(t)
-                done_bytes += t.numel() * t.element_size()
-                if time.monotonic() >= report_at:
-                    report()
-                    report_at = time.monotonic() + PROGRESS_EVERY_S
+            manifest = await self._manifest(it, theirs, me)
+            report = _Progress(progress, str(donor), int(manifest.get("bytes", 0)), self.last_load)
+            tensors = await self._receive(it, manifest, held, report)
             report(final=True)
             return unflatten_state(manifest, tensors)
         finally:
             await stream.aclose()
+
+    async def _manifest(self, it: Any, theirs: bytes, me: bytes) -> dict:
+        """The stream's first message: what the donor will send, checked (its proof, a digest each)."""
+        try:
+            first = await it.__anext__()  # the provider may take a while: bounded by the donor's budget
+        except StopAsyncIteration:
+            raise StateError("the stream ended before the manifest (the donor left, or has no state)") from None
+        manifest = _loads(first.metadata)
+        if self.admission is not None:
+            why = self.admission.check_state_proof(manifest.get("auth"), "reply", theirs, me)
+            if why is not None:
+                raise StateError(f"the donor is refused: {why}")
+        if len(manifest.get("digests") or []) != len(manifest["tensors"]):
+            raise StateError("the manifest has no digest for every tensor")
+        return manifest
+
+    async def _receive(self, it: Any, manifest: dict, held: dict[str, torch.Tensor], report: "_Progress") -> list:
+        """Every tensor of the manifest, reused from ``held`` or received in parts and checked."""
+        expected, digests = len(manifest["tensors"]), manifest["digests"]
+        loop = asyncio.get_event_loop()
+        tensors: list[torch.Tensor] = []
+        filling: Optional[_Filling] = None
+        while len(tensors) < expected:  # we know what to expect: stop there and close (the donor waits for that)
+            try:
+                msg = await asyncio.wait_for(it.__anext__(), self.chunk_timeout)
+            except StopAsyncIteration:
+                raise StateError(f"the stream ended after {len(tensors)} of {expected} tensors (donor left?)") from None
+            index = len(tensors)
+            if msg.metadata:  # "you have tensor i": reuse it
+                marker = _loads(msg.metadata)
+                if filling is not None or not isinstance(marker, dict) or marker.get("have") != index or digests[index] not in held:
+                    raise StateError(f"the stream does not match its manifest at tensor {index}")
+                t = held[digests[index]]
+                self.last_load["reused_tensors"] += 1
+                self.last_load["reused_bytes"] += t.numel() * t.element_size()
+            else:
+                part = msg.tensor_part
+                if bool(part.dtype) != (filling is None):  # the first part of a tensor carries its dtype
+                    raise StateError(f"tensor {index} is missing parts")
+                filling = filling or _Filling.first(part, manifest["tensors"][index], index)
+                self.last_load["received_bytes"] += len(part.buffer)
+                if not filling.add(part, index):
+                    continue
+                t, filling = filling.tensor, None
+                if await loop.run_in_executor(None, tensor_digest, t) != digests[index]:
+                    raise StateError(f"tensor {index} does not match its digest")
+                held[digests[index]] = t
+            tensors.append(t)
+            report.add(t.numel() * t.element_size())
+        return tensors
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

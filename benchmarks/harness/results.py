@@ -1,9 +1,9 @@
-"""Helpers shared by the benchmark scripts: provenance, JSON results, markdown tables, PNG plots.
+"""One result envelope for every benchmark, and the report helpers: markdown tables, PNG plots.
 
-Kept small and stable on purpose (several scripts import it). Import it either way::
-
-    from benchmarks._common import write_json     # python -m benchmarks.quality (repo root)
-    from _common import write_json                # python benchmarks/quality.py
+Every benchmark's JSON is written by :func:`write_result`, which wraps its rows in the same
+envelope: ``benchmark``, ``command`` (``python -m benchmarks.NAME ...``, rerunnable from the
+repository root), ``commit``, ``environment``, ``settings`` and ``rows``; a benchmark may add keys
+of its own beside them (a table, events, a summary), never instead of them.
 
 Plots use matplotlib's Agg backend (no display needed); matplotlib is imported lazily so that a
 script's ``--help`` and its non-plot paths work without it (``pip install matplotlib``).
@@ -23,21 +23,24 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 IMG_DIR = REPO_ROOT / "docs" / "img"
 
 
-def command_line(argv: Optional[Sequence[str]] = None, script: Optional[str] = None) -> str:
-    """The command that reproduces this run, relative to the repository root, for the docs."""
+def module_name(argv0: Optional[str] = None) -> str:
+    """``benchmarks.NAME`` for the running script (``sys.argv[0]`` under ``python -m``)."""
+    main = Path(argv0 or sys.argv[0]).resolve()
+    try:
+        return ".".join(main.relative_to(REPO_ROOT).with_suffix("").parts)
+    except ValueError:
+        return main.stem
+
+
+def command_line(argv: Optional[Sequence[str]] = None, module: Optional[str] = None) -> str:
+    """The command that reproduces this run from the repository root, for the docs."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if script is None:
-        main = Path(sys.argv[0]).resolve()
-        try:
-            script = main.relative_to(REPO_ROOT).as_posix()
-        except ValueError:
-            script = main.name
-    return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in argv)])
+    return " ".join(["python", "-m", module or module_name(), *(shlex.quote(a) for a in argv)])
 
 
 def relative(path: str | Path) -> str:
@@ -78,6 +81,19 @@ def write_json(path: str | Path, payload: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_finite(payload), indent=2, default=float) + "\n")
     return path
+
+
+def write_result(path: str | Path, *, settings: Any, rows: Any, argv: Optional[Sequence[str]] = None,
+                 benchmark: Optional[str] = None, environment_info: Optional[dict] = None, **extra: Any) -> Path:
+    """Write one benchmark's result in the shared envelope (see the module docstring)."""
+    module = module_name() if benchmark is None else f"benchmarks.{benchmark}"
+    env = environment() if environment_info is None else environment_info
+    payload = {"benchmark": module.rsplit(".", 1)[-1], "command": command_line(argv, module),
+               "commit": env.get("git_commit"), "environment": env, "settings": settings, "rows": rows}
+    clash = sorted(set(extra) & set(payload))
+    if clash:
+        raise ValueError(f"extra keys {clash} would replace the envelope's own")
+    return write_json(path, {**payload, **extra})
 
 
 def _finite(x: Any) -> Any:

@@ -31,11 +31,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from types import FrameType
 from typing import Optional
 
-from opendiloco_stream.net.lifecycle import is_running
+from opendiloco_stream.net.lifecycle import is_running, terminate_pids
 
 PREFIX = "odsw"
 SUBNET = "10.77.0"
@@ -101,17 +100,7 @@ def namespace_pids(ns: str) -> list[int]:
 def kill_namespace_processes(namespaces: list[str], timeout: float = 5.0) -> int:
     """SIGTERM every process inside ``namespaces``, SIGKILL what is left after ``timeout``; return how many."""
     pids = sorted({p for ns in namespaces for p in namespace_pids(ns)} - {os.getpid()})
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in pids:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.05)  # no pidfd here: these are not our children, so poll /proc
-        if not any(_alive(p) for p in pids):
-            break
+    terminate_pids(pids, timeout)
     return len(pids)
 
 

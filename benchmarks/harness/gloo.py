@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hv_loopback import make_tensor  # benchmarks/hv_loopback.py, next to this script
+from benchmarks.harness.loopback import make_tensor
 
 GLOO_ROUNDS = 20  # a reference timed alone: at least this many rounds (a median over a few moved 1.5x)
 
@@ -113,8 +113,8 @@ _GLOO_RANK = r"""
 import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from gloo_ref import time_all_reduces
-from hv_loopback import make_tensor
+from benchmarks.harness.gloo import time_all_reduces
+from benchmarks.harness.loopback import make_tensor
 rank, world, addr, numel, rounds = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world)
@@ -129,8 +129,9 @@ def measure_gloo_netns(topo, numel: int, rounds: int, peers: int, timeout: float
     behind the shaped link (TCP on ``wan0``)."""
     addr = f"{topo.ip('p0')}:{random.randint(20000, 60000)}"  # fresh namespaces: nothing else listens
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "wan0"}
-    procs = [subprocess.Popen(topo.exec_argv(f"p{r}", [sys.executable, "-c", _GLOO_RANK, str(Path(__file__).parent),
-                                                        str(r), str(peers), addr, str(numel), str(rounds)]),
+    root = str(Path(__file__).resolve().parents[2])
+    procs = [subprocess.Popen(topo.exec_argv(f"p{r}", [sys.executable, "-c", _GLOO_RANK, root, str(r), str(peers), addr,
+                                                        str(numel), str(rounds)]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(peers)]
     try:

@@ -21,12 +21,13 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import time
 import traceback
 from typing import Any, Optional
 
 import torch
+
+from opendiloco_stream.net.lifecycle import kill_session
 
 _SIGNAL = None  # the swarm's shared event, inside a peer process
 
@@ -45,6 +46,19 @@ def resolve(path: str) -> Any:
 def make_tensor(seed: int, numel: int, offset: float = 0.0) -> torch.Tensor:
     """The deterministic test tensor ``N(0, 1) + offset`` (peers and the parent build the same)."""
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) + offset
+
+
+# Functions a peer runs on request (``peer.call("call", "benchmarks.harness.loopback:NAME", ...)``).
+
+def live_ahead(peer, fragment: int, round_index: int) -> int:
+    """Inside a peer: the live peers announced for a round (its target if it launched it now)."""
+    entries = peer.transport._presence._entries(fragment, round_index)
+    return sum(1 for ahead, _ in entries.values() if ahead)
+
+
+def expect(peer, fragment: int, round_index: int) -> None:
+    """Inside a peer: what a joiner does after its state download (StreamingDiLoCo.load_state_dict)."""
+    peer.transport.expect_rounds([(fragment, round_index)])
 
 
 class _Peer:
@@ -229,11 +243,8 @@ class LoopbackPeer:
         return self.recv(timeout)
 
     def kill(self) -> None:
-        """SIGKILL the peer's whole process group (it is its own session leader)."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """SIGKILL the peer's whole session at once (it is its own session leader): a crash."""
+        kill_session(self.pid, timeout=10, hard=True)
         self.process.join(10)
 
 
@@ -307,10 +318,8 @@ class LoopbackSwarm:
         for peer in self.peers:
             peer.process.join(max(0.1, deadline - time.monotonic()))
         for peer in self.peers:  # the session may hold orphans (p2pd, averagers) even if the peer exited
-            try:
-                os.killpg(peer.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, TypeError):
-                pass
+            if peer.pid is not None:
+                kill_session(peer.pid, timeout=5, hard=True)
             peer.process.join(5)
 
     def __enter__(self) -> "LoopbackSwarm":

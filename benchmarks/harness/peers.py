@@ -1,0 +1,98 @@
+"""Peer processes for benchmarks and tests: ``opendiloco_stream`` commands (``bootstrap``, ``peer``,
+``monitor``, ``local``) each in its own session, logging to a work directory, and stopped through
+:mod:`opendiloco_stream.net.lifecycle` (SIGTERM, a grace period, then every process of the session).
+
+The three ways the benchmarks start peers are this module (command processes on 127.0.0.1 or,
+with a :class:`~benchmarks.harness.netns.Topology`, inside network namespaces), the loopback
+transports of :mod:`benchmarks.harness.loopback` (a transport per process, driven over a pipe),
+and the in-process ``LocalSwarm`` of the package itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from opendiloco_stream.train.loop import read_metrics
+
+#: the tiny model on one thread, no progress bars: what the benchmarks' peers train
+TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
+
+
+class PeerProcesses:
+    """Command processes of one run; a context manager that stops every one of them on exit."""
+
+    def __init__(self, workdir: Path, *, grace: float = 10.0, topology: Any = None):
+        self.workdir, self.grace, self.topology = Path(workdir), grace, topology
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        self.addrs: list[str] = []
+
+    def bootstrap(self, run_id: str) -> list[str]:
+        """Start a ``bootstrap`` node (on 127.0.0.1) and return its multiaddrs."""
+        boot, self.addrs = start_bootstrap(self.workdir, run_id)
+        self.procs.append(boot)
+        return self.addrs
+
+    def start(self, name: str, command: Sequence[str], *, node: Optional[str] = None,
+              prefix: Sequence[str] = (), env: Optional[dict] = None, stdout: Any = None) -> subprocess.Popen:
+        """``python -m opendiloco_stream COMMAND...`` as ``name`` (log: ``workdir/NAME.log``).
+
+        ``node``: run inside that namespace of the topology; ``prefix``: argv run before python
+        (e.g. entering a cgroup) that ``exec``s it."""
+        argv = [*prefix, sys.executable, "-m", "opendiloco_stream", *command]
+        if node is not None:
+            argv = self.topology.exec_argv(node, argv)
+        out = stdout if stdout is not None else open(self.workdir / f"{name}.log", "w")
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+        self.procs.append(proc)
+        return proc
+
+    def peer(self, name: str, *flags: str, **kwargs) -> subprocess.Popen:
+        """A ``peer`` of this run's bootstrap writing metrics to ``workdir/NAME.jsonl``."""
+        return self.start(name, ["peer", "--initial-peers", *self.addrs, *flags, "--metrics-file",
+                                 str(self.workdir / f"{name}.jsonl")], **kwargs)
+
+    def wait(self, procs: Sequence[subprocess.Popen], timeout: float) -> None:
+        """Wait for ``procs`` to exit; raise with the end of its log when one fails."""
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                name = Path(getattr(p.stdout, "name", "") or "").name or str(p.args)
+                log = self.workdir / name if name.endswith(".log") else None
+                tail = log.read_text()[-2000:] if log and log.exists() else ""
+                raise RuntimeError(f"{name} exited with {p.returncode}:\n{tail}")
+
+    def records(self, name: str) -> list[dict]:
+        return read_metrics(self.workdir / f"{name}.jsonl")
+
+    def stop(self, procs: Optional[Sequence[subprocess.Popen]] = None, grace: Optional[float] = None) -> None:
+        """SIGTERM (peers stop at a safe point), wait ``grace``, then stop their whole sessions."""
+        stop_processes(list(self.procs if procs is None else procs), grace=self.grace if grace is None else grace)
+
+    def __enter__(self) -> "PeerProcesses":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def train_peers(workdir: Path, run_id: str, per_peer: Sequence[Sequence[str]], *, common: Sequence[str] = (),
+                timeout: float = 600.0, prefixes: Optional[dict[int, Sequence[str]]] = None,
+                envs: Optional[dict[int, dict]] = None) -> list[list[dict]]:
+    """Train one ``peer`` per entry of ``per_peer`` (its own flags, after ``common``) over a fresh
+    bootstrap until each exits; their metrics records. ``prefixes``: peer index -> argv before
+    python; ``envs``: peer index -> extra environment (e.g. ``opendiloco_stream.testing.faults.env``)."""
+    with PeerProcesses(workdir) as run:
+        run.bootstrap(run_id)
+        peers = [run.peer(f"peer-{i}", "--run-id", run_id, *common, *flags, prefix=(prefixes or {}).get(i, ()),
+                          env=(envs or {}).get(i)) for i, flags in enumerate(per_peer)]
+        run.wait(peers, timeout)
+        return [run.records(f"peer-{i}") for i in range(len(peers))]

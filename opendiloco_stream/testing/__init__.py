@@ -1,0 +1,1 @@
+"""Hooks for tests and benchmarks only (fault injection); nothing here is a setting users see."""

@@ -1,0 +1,74 @@
+"""The tiers stay honest: a test that starts peer processes without the ``network`` marker fails
+collection (tests/conftest.py with tests/support/markers.py), whichever way it reaches a launcher,
+and tests that name none are left alone (naming one counts: the check reads code, it does not run it). Runs pytest on example files with the real conftest."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXAMPLES = '''
+import pytest
+from benchmarks.harness.loopback import LoopbackSwarm
+from tests.support import peers
+
+def _helper():
+    return LoopbackSwarm(2, transport_kwargs={})
+
+@pytest.fixture
+def bootstrapped(tmp_path):
+    return peers.start_peer(tmp_path, "p0", [])
+
+MARK
+def test_through_a_helper():
+    _helper()
+
+MARK
+def test_through_a_fixture(bootstrapped):
+    pass
+
+MARK
+def test_through_an_import_inside_the_test(tmp_path):
+    from opendiloco_stream.commands.local_hivemind import start_bootstrap
+    start_bootstrap(tmp_path, "x")
+
+MARK
+def test_a_benchmark_that_starts_peers():
+    peers.run_benchmark("soak", "--minutes", "0")
+
+def test_a_benchmark_in_process():
+    peers.run_benchmark("memory", "--quick")
+
+def test_nothing_of_the_sort():
+    assert peers.SMALL
+'''
+
+
+def _collect(tmp_path: Path, mark: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_examples.py").write_text(textwrap.dedent(EXAMPLES).replace("MARK", mark))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                           "--collect-only", "-q", str(tmp_path / "test_examples.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_unmarked_tests_that_start_peers_fail_collection_and_are_named(tmp_path):
+    proc = _collect(tmp_path, "")
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    message = next(line for line in proc.stderr.splitlines() if "lack @pytest.mark.network" in line)
+    for name in ("through_a_helper", "through_a_fixture", "through_an_import_inside_the_test",
+                 "a_benchmark_that_starts_peers"):
+        assert f"test_{name}" in message, message
+    for name in ("a_benchmark_in_process", "nothing_of_the_sort"):
+        assert f"test_{name}" not in message, message
+
+
+def test_the_same_tests_marked_network_collect(tmp_path):
+    proc = _collect(tmp_path, "@pytest.mark.network")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "6 tests collected" in proc.stdout, proc.stdout[-2000:]
