@@ -205,6 +205,10 @@ class StreamingDiLoCo(HasSyncLog):
         says ``land_steps``: inner steps from the round's launch to this step."""
         result, reason, waited = self._wait(f, pending)
         extra = {"land_steps": self.step_count - pending.launched_at}
+        if result is not None:
+            stats = self.log.stats
+            stats.land_steps += extra["land_steps"]
+            stats.peak_land_steps = max(stats.peak_land_steps, extra["land_steps"])
         if apply is not None:
             extra.update(apply(result))
         estimate = ("average" if result is not None else "local-only") if applied else None
