@@ -193,7 +193,8 @@ def sparse_variants(P: int) -> list[Variant]:
 #: the "delay" group's rows: name -> (words, DiLoCoConfig overrides); overlap only where tau < H/P
 DELAY_RULES: dict[str, tuple[str, dict[str, Any]]] = {
     "overlap": ("overlap, tau = D", {"mode": "overlap"}),
-    "eager-merge": ("eager 'merge' (default)", {"mode": "eager", "eager_rule": "merge"}),
+    "eager-merge": ("eager 'merge'", {"mode": "eager", "eager_rule": "merge"}),
+    "eager-overlap": ("eager 'overlap'", {"mode": "eager", "eager_rule": "overlap"}),
     "eager-corrected": ("eager 'corrected'", {"mode": "eager", "eager_rule": "corrected"}),
     "eager-merge-fp4": ("eager 'merge' fp4-e3m0", {"mode": "eager", "eager_rule": "merge", "codec": "fp4-e3m0"}),
 }

@@ -77,11 +77,11 @@ class DiLoCoConfig(_Strict):
     fragment_pattern: Literal["strided", "sequential"] = "strided"
     mode: Mode = Field("eager", description="how a round overlaps training: eager, overlap (tau steps), blocking, "
                        "naive-delayed (ablation), data-parallel (baseline)")
-    eager_rule: Literal["corrected", "paper", "merge"] = Field(
+    eager_rule: Literal["corrected", "paper", "merge", "overlap"] = Field(
         "corrected", description="eager: 'corrected' keeps outer parameters that step only with group "
         "averages and applies the estimate as a one-off step; 'paper' lets the estimate drive the outer "
-        "optimizer; 'merge' keeps training from the local parameters and merges each average into them "
-        "(alpha) when it lands, as overlap does")
+        "optimizer; 'overlap' keeps training from the local parameters and merges each average into them "
+        "(alpha) when it lands, as overlap does; 'merge' too, keeping the progress made while it was in flight")
     eager_estimate: Literal["own", "mixed", "scaled"] = Field(
         "scaled", description="eager 'corrected': estimate of the missing average: this peer's fresh outer "
         "gradient ('own'), the last average with this peer's share swapped for its fresh one ('mixed'), or "

@@ -286,53 +286,61 @@ def test_overlap_golden():
     assert [(o[0], o[1]) for o in out] == [(-2.34375, -3.828125), (-2.34375, -1.828125)]
 
 
-def test_eager_merge_golden_two_peers_instant_link():
-    # eager 'merge' = overlap with tau = the link's delay: no restart; theta_bar <- theta_bar - 0.5 avg and
-    # local <- 0.5 local + 0.5 theta_bar at the first step after the round landed (D = 1: t_k + 1).
-    # H = 2, P = 1, workers move [2, 2, 4, 0, 6, 0] and [0, 2, 2, 0, 0, 0]:
+def test_eager_overlap_and_merge_golden_two_peers_instant_link():
+    # H = 2, P = 1, lr 0.5, alpha 0.5, workers move [2, 2, 4, 0, 6, 0] and [0, 2, 2, 0, 0, 0]; rounds land
+    # at t_k + 1. Eager 'overlap' is overlap with tau = the link's delay: theta_bar <- theta_bar - 0.5 avg,
+    # local <- 0.5 local + 0.5 theta_bar:
     # t2 sync d = [4, 2] (avg 3); t3 locals [-8, -4], theta_bar -1.5, merge [-19/4, -11/4];
     # t4 sync d = [13/4, 5/4] (avg 9/4); t5 locals [-43/4, -11/4], theta_bar -21/8, merge [-107/16, -43/16];
     # t6 sync d = [65/16, 1/16] (avg 33/16); finish: theta_bar -117/32, merge [-331/64, -203/64]
     two = [[[2, 2, 4, 0, 6, 0]], [[0, 2, 2, 0, 0, 0]]]
+    overlap = run_scripted_blocks(two, 6, finish=True, inner_steps=2, mode="eager", eager_rule="overlap")
+    assert overlap == [[(-3.65625, -5.171875)], [(-3.65625, -3.171875)]]
+    assert run_scripted_blocks(two, 6, finish=True, inner_steps=2, mode="overlap", overlap_steps=1) == overlap
+    # eager 'merge' keeps the progress made in flight: local <- local + 0.5 (theta_bar - theta_k), theta_k the
+    # local parameters at the launch: t2 theta_k [-4, -2], d [4, 2] (avg 3); t3 locals [-8, -4],
+    # theta_bar -1.5, + 0.5 ([-1.5, -1.5] - [-4, -2]) = [-27/4, -15/4]; t4 d [21/4, 9/4] (avg 15/4);
+    # t5 locals [-51/4, -15/4], theta_bar -27/8, + 0.5 (-27/8 - theta_k) = [-177/16, -57/16];
+    # t6 d [123/16, 3/16] (avg 63/16); finish: theta_bar -171/32, locals [-525/64, -285/64]
     merge = run_scripted_blocks(two, 6, finish=True, inner_steps=2, mode="eager", eager_rule="merge")
-    assert merge == [[(-3.65625, -5.171875)], [(-3.65625, -3.171875)]]
-    assert run_scripted_blocks(two, 6, finish=True, inner_steps=2, mode="overlap", overlap_steps=1) == merge
+    assert merge == [[(-5.34375, -8.203125)], [(-5.34375, -4.453125)]]
 
 
 def test_eager_merge_golden_three_peers_rounds_land_at_the_next_sync():
     # D = 2 = H: each round lands at the fragment's next sync, is merged, and only then is the next
     # outer gradient taken. DISP3, H = 2, P = 1:
-    # t2 sync d = [2, 0, 4] (avg 2); t4 locals [-6, -2, -4], lands: theta_bar -1, merge [-7/2, -3/2, -5/2],
-    #    sync d = [5/2, 1/2, 3/2] (avg 3/2); t6 locals [-19/2, -3/2, -11/2], lands: theta_bar -7/4,
-    #    merge [-45/8, -13/8, -29/8]
+    # t2 sync theta_k = [-2, 0, -4], d = [2, 0, 4] (avg 2); t4 locals [-6, -2, -4], lands: theta_bar -1,
+    #    + 0.5 (-1 - theta_k) = [-11/2, -5/2, -5/2], sync d = [9/2, 3/2, 3/2] (avg 5/2);
+    # t6 locals [-23/2, -5/2, -11/2], lands: theta_bar -9/4, + 0.5 (-9/4 - theta_k) = [-79/8, -19/8, -43/8]
     events: list = []
     out = run_scripted_blocks(DISP3, 6, inner_steps=2, mode="eager", eager_rule="merge",
                               link=LinkModel(delay_steps=2), events=events)
-    assert out == [[(-1.75, -5.625)], [(-1.75, -1.625)], [(-1.75, -3.625)]]
+    assert out == [[(-2.25, -9.875)], [(-2.25, -2.375)], [(-2.25, -5.375)]]
     assert [e["land_steps"] for e in events if e["event"] == "sync"] == [2, 2]
 
 
 @pytest.mark.parametrize("delay", [2, 3])
 def test_eager_merge_golden_three_peers_two_fragments(delay):
     # H = 2, P = 2: fragment 0 syncs at t = 1, 3, 5 and lands as in the P = 1 case; fragment 1 syncs at
-    # t = 2, 4, 6: t2 d = [6, 0, 3] (avg 3); t4 locals [-6, -6, -3], theta_bar -3/2, merge
-    # [-15/4, -15/4, -9/4], d = [9/4, 9/4, 3/4] (avg 7/4); t6 locals [-23/4, -23/4, -17/4], theta_bar -19/8,
-    # merge [-65/16, -65/16, -53/16]. D = 3 > H: the round is waited for at the next sync, same numbers.
+    # t = 2, 4, 6: t2 theta_k [-6, 0, -3], d = [6, 0, 3] (avg 3); t4 locals [-6, -6, -3], theta_bar -3/2,
+    # + 0.5 (-3/2 - theta_k) = [-15/4, -27/4, -9/4], d = [9/4, 21/4, 3/4] (avg 11/4); t6 locals
+    # [-23/4, -35/4, -17/4], theta_bar -23/8, + 0.5 (-23/8 - theta_k) = [-85/16, -109/16, -73/16].
+    # D = 3 > H: the round is waited for at the next sync, same numbers.
     disp = [[[2, 0, 4, 0, 6, 0], [0, 6, 0, 0, 0, 2]],
             [[0, 0, 2, 0, 0, 0], [0, 0, 0, 6, 0, 2]],
             [[4, 0, 0, 0, 3, 0], [0, 3, 0, 0, 0, 2]]]
     link = LinkModel(delay_steps=delay)
     out = run_scripted_blocks(disp, 6, inner_steps=2, mode="eager", eager_rule="merge", link=link)
-    assert out == [[(-1.75, -5.625), (-2.375, -4.0625)], [(-1.75, -1.625), (-2.375, -4.0625)],
-                   [(-1.75, -3.625), (-2.375, -3.3125)]]
-    # finish(): fragment 0's avg 15/8 -> theta_bar -43/16, merge [-133/32, -69/32, -101/32];
-    # fragment 1's avg 23/16 -> theta_bar -99/32, merge [-229/64, -229/64, -205/64]
+    assert out == [[(-2.25, -9.875), (-2.875, -5.3125)], [(-2.25, -2.375), (-2.875, -6.8125)],
+                   [(-2.25, -5.375), (-2.875, -4.5625)]]
+    # finish(): fragment 0's avg 29/8 -> theta_bar -65/16, locals [-223/32, -103/32, -151/32];
+    # fragment 1's avg 43/16 -> theta_bar -135/32, locals [-305/64, -353/64, -281/64]
     done = run_scripted_blocks(disp, 6, finish=True, inner_steps=2, mode="eager", eager_rule="merge", link=link)
-    assert done == [[(-2.6875, -4.15625), (-3.09375, -3.578125)], [(-2.6875, -2.15625), (-3.09375, -3.578125)],
-                    [(-2.6875, -3.15625), (-3.09375, -3.203125)]]
+    assert done == [[(-4.0625, -6.96875), (-4.21875, -4.765625)], [(-4.0625, -3.21875), (-4.21875, -5.515625)],
+                    [(-4.0625, -4.71875), (-4.21875, -4.390625)]]
 
 
-def test_eager_merge_at_a_link_delay_is_overlap_with_that_tau_bit_for_bit():
+def test_eager_overlap_at_a_link_delay_is_overlap_with_that_tau_bit_for_bit():
     torch.manual_seed(5)
     data = [torch.randn(6, 8) for _ in range(2)]
 
@@ -357,10 +365,10 @@ def test_eager_merge_at_a_link_delay_is_overlap_with_that_tau_bit_for_bit():
         swarm.run(worker)
         return out
 
-    merge = run(mode="eager", eager_rule="merge", delay=3)
+    eager = run(mode="eager", eager_rule="overlap", delay=3)
     overlap = run(mode="overlap", overlap_steps=3, delay=1)
-    assert all(torch.equal(a, b) for m, o in zip(merge, overlap) for a, b in zip(m, o))
-    assert not all(torch.equal(a, b) for a, b in zip(merge[0], run(mode="eager", eager_rule="merge", delay=1)[0]))
+    assert all(torch.equal(a, b) for m, o in zip(eager, overlap) for a, b in zip(m, o))
+    assert not all(torch.equal(a, b) for a, b in zip(eager[0], run(mode="eager", eager_rule="overlap", delay=1)[0]))
 
 
 def test_link_model_lands_rounds_a_given_number_of_steps_late():
@@ -495,7 +503,8 @@ def test_public_api_example_runs_and_moves_the_model():
     assert len(syncs) == 2 * (4 + 3) and all(e["ok"] and e["group_size"] == 2 for e in syncs)
 
 
-@pytest.mark.parametrize("extra", [{}, {"eager_estimate": "scaled"}, {"eager_rule": "paper"}, {"eager_rule": "merge"}])
+@pytest.mark.parametrize("extra", [{}, {"eager_estimate": "scaled"}, {"eager_rule": "paper"}, {"eager_rule": "merge"},
+                                   {"eager_rule": "overlap"}])
 def test_state_dict_round_trip_resumes_exactly(extra):
     torch.manual_seed(3)
     data = [torch.randn(5, 8) for _ in range(3)]

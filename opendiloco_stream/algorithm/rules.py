@@ -99,7 +99,7 @@ class Blocking(SyncRule):
 class Overlap(SyncRule):
     """Launch at the sync, keep training; when the round is applied, step theta_bar with the
     average and merge: ``theta <- alpha * theta + (1 - alpha) * theta_bar``. Overlap applies at
-    t_k + tau; ``EagerMerge`` (a subclass) at the first step after the round landed."""
+    t_k + tau; the eager rules below at the first step after the round landed."""
 
     on_arrival = False
 
@@ -122,11 +122,13 @@ class Overlap(SyncRule):
         f, pending, self.pending = self.f, self.pending, None
 
         def merge(result: Optional[SyncResult]) -> dict[str, Any]:
-            before = _flat(f.outer)
+            before = [t.clone() for t in f.outer]
             f.opt.step(result.average if result is not None else pending.outer_grad)
             local = f.local()
-            merged = [overlap_merge(q, tb, self.config.alpha) for q, tb in zip(local, f.outer)]
-            fields = {} if result is None else self.staleness(pending, result, before, local, merged)
+            merged = self.merged(local, before, pending)
+            fields = {} if result is None else {
+                "estimate_cos": round(_cos(pending.outer_grad, result.average), 6),
+                "correction_ratio": round(_ratio(_flat(merged) - _flat(local), _flat(before) - _flat(f.outer)), 6)}
             f.set_local(merged)
             return fields
 
@@ -134,21 +136,30 @@ class Overlap(SyncRule):
             self.host.log.stats.local_only_steps += 1
         self.host.keep_unsent(f)
 
-    def staleness(self, pending: _Pending, result: SyncResult, before: torch.Tensor,
-                  local: list[torch.Tensor], merged: list[torch.Tensor]) -> dict[str, Any]:
-        """The landed round against what the local parameters went on with meanwhile (their own
-        d_k): the cosine of the two, and the merge's move relative to theta_bar's step."""
-        return {"estimate_cos": round(_cos(pending.outer_grad, result.average), 6),
-                "correction_ratio": round(_ratio(_flat(merged) - _flat(local), before - _flat(self.f.outer)), 6)}
+    def merged(self, local: list[torch.Tensor], before: list[torch.Tensor], pending: _Pending) -> list[torch.Tensor]:
+        """The local parameters after the merge (``before``: theta_bar before the round's step)."""
+        return [overlap_merge(q, tb, self.config.alpha) for q, tb in zip(local, self.f.outer)]
 
 
-class EagerMerge(Overlap):
-    """Eager 'merge': overlap with tau = whatever the link takes. A round is merged into the
-    local parameters (alpha) at the first inner step after it landed; one that has not landed by
-    the fragment's next sync is waited for there, merged, and only then is the next outer
-    gradient taken (against theta_bar, which then holds every landed average)."""
+class EagerOverlap(Overlap):
+    """Eager 'overlap': overlap's merge at whatever step the round lands (tau = the link's delay);
+    a round not landed by the fragment's next sync is waited for there, merged, and only then is
+    the next outer gradient taken. The merge keeps alpha of the progress made while the round was
+    in flight and drops the rest: the later the round lands, the more it drops."""
 
     on_arrival = True
+
+
+class EagerMerge(EagerOverlap):
+    """Eager 'merge' (the default): as 'overlap', but the merge is the one overlap would have made
+    at the launch, moved to the landing: ``theta <- theta + (1 - alpha) * (theta_bar_new - theta_k)``
+    with ``theta_k = theta_bar_old - d_k`` the local parameters at the launch. The progress made
+    while the round was in flight is kept whole, whenever it lands."""
+
+    def merged(self, local: list[torch.Tensor], before: list[torch.Tensor], pending: _Pending) -> list[torch.Tensor]:
+        a = self.config.alpha
+        return [q + (tb - (old - d)) * (1.0 - a)
+                for q, tb, old, d in zip(local, self.f.outer, before, self.f.split(pending.outer_grad))]
 
 
 @dataclass
@@ -337,7 +348,8 @@ class NaiveDelayed(Delayed):
     naive = True
 
 
-EAGER_RULES: dict[str, type[SyncRule]] = {"corrected": EagerCorrected, "paper": Delayed, "merge": EagerMerge}
+EAGER_RULES: dict[str, type[SyncRule]] = {"corrected": EagerCorrected, "paper": Delayed, "merge": EagerMerge,
+                                           "overlap": EagerOverlap}
 MODE_RULES: dict[str, type[SyncRule]] = {"blocking": Blocking, "overlap": Overlap, "naive-delayed": NaiveDelayed}
 
 
