@@ -168,8 +168,9 @@ def run_scripted_blocks(displacement: list[list[list[float]]], steps: int, finis
     block b of worker r moves by -displacement[r][b][t-1]. Returns, per worker, per block, the pair
     (outer parameter, local parameter) after ``steps`` steps (and ``finish()`` if asked)."""
     M, B = len(displacement), len(displacement[0])
-    # the hand-worked numbers below use the 'own' estimate and the correction at the next sync
-    cfg = {"eager_estimate": "own", "eager_correction": "next-sync", **cfg}
+    # the hand-worked numbers below use the 'corrected' rule with the 'own' estimate and the correction
+    # at the next sync, unless a test names another rule
+    cfg = {"eager_rule": "corrected", "eager_estimate": "own", "eager_correction": "next-sync", **cfg}
     swarm = LocalSwarm(num_workers=M, codec="fp32", timeout=10, link=link)
     config = DiLoCoConfig(outer_lr=outer_lr, outer_momentum=outer_momentum, codec="fp32", weighting="equal",
                           num_fragments=B, **cfg)
@@ -427,12 +428,15 @@ def test_single_worker_with_unit_outer_lr_reproduces_local_training(mode):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {}), ("eager", {"eager_estimate": "mixed"}),
-                                        ("eager", {"eager_estimate": "scaled"}),
+@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {}), ("eager", {"eager_rule": "overlap"}),
+                                        ("eager", {"eager_rule": "corrected", "eager_estimate": "mixed"}),
+                                        ("eager", {"eager_rule": "corrected", "eager_estimate": "scaled"}),
+                                        ("eager", {"eager_rule": "corrected", "eager_estimate": "own"}),
                                         ("eager", {"eager_rule": "paper"}), ("overlap", {"overlap_steps": 1}),
                                         ("data-parallel", {})])
 def test_workers_fed_identical_data_behave_like_one(mode, extra):
-    """Blocking, overlap, data-parallel and eager 'corrected' ('own' and 'scaled' estimates): M identical
+    """Blocking, overlap, data-parallel, eager 'merge' and 'overlap', and eager 'corrected' ('own' and
+    'scaled' estimates): M identical
     workers == one worker (the estimate is exact when every peer sends the same outer gradient). Eager
     'paper' and the 'mixed' estimate are not, by design (the others' share of its estimate is one round stale, 1/M of it is fresh), but
     the M workers still stay identical to each other."""
@@ -503,7 +507,8 @@ def test_public_api_example_runs_and_moves_the_model():
     assert len(syncs) == 2 * (4 + 3) and all(e["ok"] and e["group_size"] == 2 for e in syncs)
 
 
-@pytest.mark.parametrize("extra", [{}, {"eager_estimate": "scaled"}, {"eager_rule": "paper"}, {"eager_rule": "merge"},
+@pytest.mark.parametrize("extra", [{}, {"eager_rule": "corrected", "eager_estimate": "own"},
+                                   {"eager_rule": "corrected", "eager_estimate": "scaled"}, {"eager_rule": "paper"},
                                    {"eager_rule": "overlap"}])
 def test_state_dict_round_trip_resumes_exactly(extra):
     torch.manual_seed(3)
