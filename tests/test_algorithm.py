@@ -771,3 +771,16 @@ def test_prematch_steps_announce_each_round_ahead_with_the_weight_it_will_have(a
     early = [(t, key, w) for t, key, w in link.early if t + ahead <= 25]  # those whose sync came in the run
     assert early == [(t - ahead, key, w) for t, key, w in link.launched]
     assert all(t + ahead > 25 for t, _, _ in link.early[len(early):])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--link-delay-steps", "0"], "link delay must be >= 1 inner step"),
+    (["--link-mbps", "5"], "a link rate needs both"),
+    (["--link-delay-steps", "3", "--transport", "hivemind"], "simulate a link for --transport local"),
+])
+def test_local_link_flags_that_cannot_be_are_one_line_and_exit_2(capsys, flags, message):
+    from opendiloco_stream.cli import main as cli_main
+
+    assert cli_main(["local", "--workers", "2", "--steps", "1", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
