@@ -143,6 +143,45 @@ def outer_table(agg: dict[str, dict], runs: list[dict]) -> str:
         f"\n\nSeeds: {', '.join(map(str, sorted(seeds)))}."
 
 
+def _delay_rows(runs: list[dict]) -> tuple[list[int], dict[str, dict[int, dict[int, float]]]]:
+    """The "delay" group's runs as family -> D -> seed -> eval loss (blocking: the same at every D)."""
+    delays = sorted({r.get("link_delay", 1) for r in runs if r["group"] == "delay" and r["variant"] != "streaming"})
+    table: dict[str, dict[int, dict[int, float]]] = {}
+    for r in runs:
+        if r["group"] != "delay":
+            continue
+        loss = r["summary"]["eval_loss"]
+        if r["variant"] == "streaming":
+            for D in delays:
+                table.setdefault("streaming", {}).setdefault(D, {})[r["seed"]] = loss
+        else:
+            family, D = r["variant"].rsplit("-D", 1)
+            table.setdefault(family, {}).setdefault(int(D), {})[r["seed"]] = loss
+    return delays, table
+
+
+def delay_table(runs: list[dict], inner_steps: int) -> str:
+    """Eval loss per rule and link delay D (mean over seeds), each against the best of blocking and
+    overlap with tau = D, seed by seed (the eager issue's bar: at most +1%, fp4 +2%)."""
+    delays, table = _delay_rows(runs)
+    best = {D: {s: min(table[f][D][s] for f in ("streaming", "overlap") if D in table.get(f, {}) and s in table[f][D])
+                for s in table.get("streaming", {}).get(D, {})} for D in delays}
+    rows = []
+    for family, by_d in table.items():
+        row = [family]
+        for D in delays:
+            xs = by_d.get(D, {})
+            if not xs:
+                row.append("—")
+                continue
+            rel = [xs[s] / best[D][s] - 1 for s in xs if s in best[D]]
+            mean = sum(xs.values()) / len(xs)
+            row.append(f"{mean:.4f}" + (f" ({100 * sum(rel) / len(rel):+.1f}%)" if rel else ""))
+        rows.append(row)
+    return markdown_table(["rule"] + [f"D = {D} (D/H {D / inner_steps:.2f})" for D in delays], rows,
+                          align="l" + "r" * len(delays))
+
+
 # ---------------------------------------------------------------------------------------- plots
 def _curves(runs: list[dict], names: list[str], labels: dict[str, str], seeds: Optional[set[int]] = None):
     series, bands = {}, {}
@@ -165,6 +204,15 @@ def make_plots(runs: list[dict], agg: dict[str, dict], variant_list: list, prese
     tokens_per_step = preset.batch_size * preset.seq_len
     note = f"{command}  ({preset.workers} workers x {preset.steps} steps x {tokens_per_step} tokens)"
     paths = []
+    delays, table = _delay_rows(runs)
+    if delays:
+        series = {family: ([D / preset.inner_steps for D in sorted(by_d)],
+                           [sum(by_d[D].values()) / len(by_d[D]) for D in sorted(by_d)]) for family, by_d in table.items()}
+        paths.append(plot_lines(img_dir / "quality-delays-eval-loss.png", series, note=note,
+                                title=f"Eval loss at equal tokens against the link delay ({preset.model})",
+                                xlabel="D / H (inner steps from a round's launch to its landing, per round)",
+                                ylabel="final eval loss (mean over seeds)"))
+        return [relative(p) for p in paths]
     modes = [v.name for v in variant_list if v.group == "mode"]
     series, bands = _curves(runs, modes, labels)
     if series:
@@ -206,7 +254,8 @@ def report(payload: dict[str, Any], preset: Any, variant_list: list, out: Path, 
     agg = aggregate(payload["runs"], variant_list)
     payload["aggregate"] = agg
     groups = {a["group"] for a in agg.values()}
-    tables = {"modes": mode_table(agg)}
+    tables = {"modes": mode_table(agg)} if "delay" not in groups else {
+        "delays": delay_table(payload["runs"], preset.inner_steps)}
     if "codec" in groups:  # presets such as 'eager' run the mode table only
         tables["codecs"] = codec_table(agg, payload["runs"])
     if "outer" in groups:

@@ -87,8 +87,8 @@ def held_bytes(diloco: Any) -> int:
                 visit(v, depth + 1)
 
     params = {p.untyped_storage().data_ptr() for p in diloco.model.parameters()}
-    for f in diloco.frags:
-        visit([f.outer, f.start, f.pending, f.previous, f.last, f.unsent, f.opt.opt.state])
+    for f, rule in zip(diloco.frags, diloco.rules):  # a rule's own state: not its host or fragment
+        visit([f.outer, f.unsent, f.opt.opt.state, [v for k, v in vars(rule).items() if k not in ("host", "f", "config")]])
     visit(diloco.error_feedback)
     return sum(n for ptr, n in seen.items() if ptr not in params)
 

@@ -25,6 +25,7 @@ Usage (from the repository root)::
     python benchmarks/quality.py --smoke --out /tmp/q.json --img-dir /tmp   # seconds (tests)
     python benchmarks/quality.py --only eager,naive-delayed --seeds 0,1,2
     python benchmarks/quality.py --preset full --resume   # run only what --out does not hold yet
+    python benchmarks/quality.py --preset delays --img-dir docs/img   # modes at link delays D (issue 28)
 
 Prints markdown tables, writes JSON (``--out``, default ``benchmarks/results/quality-<preset>.json``,
 rewritten after every run so an interrupted run keeps what it finished) and PNG plots
@@ -69,8 +70,10 @@ class Preset:
     model: str = "tiny"
     #: which variant groups run: "mode", "codec", "outer"; "eager" is the mode comparison plus the
     #: eager rule's checks (the 'paper' reading, fp4-e3m0) in one table; "scale" a short list for
-    #: a larger model
+    #: a larger model; "delay" the modes at link delays (``link_delays``)
     groups: tuple[str, ...] = ("mode", "codec", "outer")
+    #: "delay" group: the inner steps after its launch at which a round lands (LocalSwarm's link model)
+    link_delays: tuple[int, ...] = ()
 
 
 PRESETS: dict[str, Preset] = {
@@ -92,6 +95,15 @@ PRESETS: dict[str, Preset] = {
     # pass --img-dir so that the plots do not replace the other presets' in docs/img.
     "sparse": Preset(workers=4, steps=400, seq_len=128, batch_size=8, inner_steps=25, fragments=2, eval_every=50,
                      warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0, 1), groups=("sparse",)),
+    # eager at real link delays: each round lands D inner steps after its launch, D/H ~ 0, 1/4, 1/2, 1
+    # (D = 26 > H: at the fragment's next sync); blocking, overlap with tau = D (tau < H/P), eager's
+    # rules, eager fp4; `local`'s defaults at 400 steps, 2 seeds. Pass --img-dir / --out per preset.
+    "delays": Preset(workers=4, steps=400, seq_len=128, batch_size=8, inner_steps=25, fragments=2, eval_every=50,
+                     warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0, 1), groups=("delay",),
+                     link_delays=(1, 6, 12, 26)),
+    "delays-small": Preset(workers=4, steps=200, seq_len=64, batch_size=8, inner_steps=25, fragments=2,
+                           eval_every=50, warmup_steps=20, max_val_batches=8, mode_seeds=(0, 1), codec_seeds=(0, 1),
+                           model="small", groups=("delay",), link_delays=(1, 6, 12, 26)),
 }
 SPARSE_DENSITIES = (0.01, 0.02, 0.05)
 
@@ -105,6 +117,7 @@ class Variant:
     label: str
     diloco: dict[str, Any] = field(default_factory=dict)
     reference: str = "streaming"  # the variant that "delta" columns subtract
+    link_delay: int = 1  # inner steps from a round's launch to its landing (1: an instant link)
 
 
 LOSSY_CODECS = ("fp16", "int8", "fp4-e3m0", "fp4-e2m1")
@@ -119,6 +132,8 @@ def variants(preset: Preset) -> list[Variant]:
                         {"mode": "eager", "eager_correction": "next-sync"})
     if "sparse" in preset.groups:
         return sparse_variants(P)
+    if "delay" in preset.groups:
+        return delay_variants(preset)
     if "scale" in preset.groups:
         return [Variant("streaming", "mode", f"streaming (blocking, P={P})", {"mode": "blocking"}),
                 Variant("eager", "mode", f"eager (P={P})", {"mode": "eager"}), next_sync, paper,
@@ -171,6 +186,30 @@ def sparse_variants(P: int) -> list[Variant]:
     return out
 
 
+#: the "delay" group's rows: name -> (words, DiLoCoConfig overrides); overlap only where tau < H/P
+DELAY_RULES: dict[str, tuple[str, dict[str, Any]]] = {
+    "overlap": ("overlap, tau = D", {"mode": "overlap"}),
+    "eager-merge": ("eager 'merge'", {"mode": "eager", "eager_rule": "merge"}),
+    "eager-overlap": ("eager 'overlap'", {"mode": "eager", "eager_rule": "overlap"}),
+    "eager-corrected": ("eager 'corrected'", {"mode": "eager", "eager_rule": "corrected"}),
+    "eager-merge-fp4": ("eager 'merge' fp4-e3m0", {"mode": "eager", "eager_rule": "merge", "codec": "fp4-e3m0"}),
+}
+
+
+def delay_variants(preset: Preset) -> list[Variant]:
+    """Blocking streaming (no delay matters: it waits), then every rule of DELAY_RULES at each delay."""
+    P, H = preset.fragments, preset.inner_steps
+    out = [Variant("streaming", "delay", f"streaming (blocking, P={P})", {"mode": "blocking"})]
+    for D in preset.link_delays:
+        for name, (words, diloco) in DELAY_RULES.items():
+            if name == "overlap":
+                if D * P >= H:
+                    continue
+                diloco = {**diloco, "overlap_steps": D}
+            out.append(Variant(f"{name}-D{D}", "delay", f"{words}, D={D}", diloco, link_delay=D))
+    return out
+
+
 def make_config(preset: Preset, variant: Variant, seed: int) -> RunConfig:
     """The run's RunConfig; the environment (``ODS_*``) is ignored so results are reproducible."""
     diloco = {"inner_steps": preset.inner_steps, "num_fragments": preset.fragments, "codec": "fp32",
@@ -184,17 +223,19 @@ def make_config(preset: Preset, variant: Variant, seed: int) -> RunConfig:
     }, environ={})
 
 
-def train_run(cfg: RunConfig, workers: int, data_cache: dict) -> dict[str, Any]:
-    """Train ``workers`` threads over a LocalSwarm; return the summary record and the curves."""
+def train_run(cfg: RunConfig, workers: int, data_cache: dict, link_delay: int = 1) -> dict[str, Any]:
+    """Train ``workers`` threads over a LocalSwarm whose rounds land ``link_delay`` inner steps
+    after their launch; return the summary record and the curves."""
     from opendiloco_stream.commands.local import prepare_data
     from opendiloco_stream.train.loop import summarize, train_worker
     from opendiloco_stream.transport.factory import codec_from_config, local_swarm
+    from opendiloco_stream.transport.local import LinkModel
 
     key = (cfg.model.seq_len, cfg.train.seed)
     if key not in data_cache:
         data_cache[key] = prepare_data(cfg)
     train_source, val, vocab_size = data_cache[key]
-    swarm = local_swarm(cfg, workers)
+    swarm = local_swarm(cfg, workers, LinkModel(delay_steps=link_delay))
     records: list[dict[str, Any]] = []  # list.append is atomic under the GIL: safe from worker threads
     start = time.perf_counter()
     reports = swarm.run(lambda rank: train_worker(rank, workers, cfg, swarm.transport(rank), train_source, val,
@@ -330,9 +371,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for i, (v, seed) in enumerate(jobs, 1):
         t0 = time.perf_counter()
         cfg = make_config(preset, v, seed)
-        result = train_run(cfg, preset.workers, data_cache)
+        result = train_run(cfg, preset.workers, data_cache, v.link_delay)
         s = result["summary"]
-        payload["runs"].append({"variant": v.name, "group": v.group, "seed": seed,
+        payload["runs"].append({"variant": v.name, "group": v.group, "seed": seed, "link_delay": v.link_delay,
                                 "config": cfg.diloco.model_dump(mode="json"), **result})
         print(f"[{i}/{len(jobs)}] {v.name} seed {seed}: eval loss {s['eval_loss_initial']:.3f} -> "
               f"{s['eval_loss']:.4f}, outer parameters {s.get('eval_loss_global', float('nan')):.4f} "

@@ -18,8 +18,10 @@ Configuration guide for the knobs that matter (every field: docs/configuration.m
 * ``mode``: ``eager`` hides a whole outer round of communication behind compute (the default),
   ``overlap`` hides ``overlap_steps`` (tau) inner steps, ``blocking`` hides nothing,
   ``naive-delayed`` is the ablation, ``data-parallel`` the baseline.
-* ``alpha``: in ``overlap`` mode, how much of the local parameters is kept when the global
-  average lands (0.5 = the paper's merge; 0 = take the global parameters).
+* ``alpha``: in ``overlap`` mode and eager's ``merge`` rule (the default), how much of the local
+  parameters is kept when the global average lands (0.5 = the paper's merge; 0 = take the global
+  parameters). Eager ``merge`` makes the merge at the launch point and keeps the progress made
+  while the round was in flight, so a round may land whenever the link allows.
 * ``codec``: what goes on the wire. ``fp4-e3m0`` is the streaming paper's 4-bit format;
   ``topk-int2`` / ``topk-int4`` send the ``density`` fraction of each ``sparse_chunk`` (top-k by
   magnitude) at 2 / 4 bits, with error feedback on unless ``error_feedback = false``
@@ -77,9 +79,12 @@ class DiLoCoConfig(_Strict):
     fragment_pattern: Literal["strided", "sequential"] = "strided"
     mode: Mode = Field("eager", description="how a round overlaps training: eager, overlap (tau steps), blocking, "
                        "naive-delayed (ablation), data-parallel (baseline)")
-    eager_rule: Literal["corrected", "paper"] = Field(
-        "corrected", description="eager: 'corrected' keeps outer parameters that step only with group "
-        "averages and applies the estimate as a one-off step; 'paper' lets the estimate drive the outer optimizer")
+    eager_rule: Literal["merge", "corrected", "paper", "overlap"] = Field(
+        "merge", description="eager: 'merge' keeps training from the local parameters and merges each average "
+        "into them (alpha) when it lands, keeping the progress made while it was in flight; 'corrected' keeps "
+        "outer parameters that step only with group "
+        "averages and applies the estimate as a one-off step; 'paper' lets the estimate drive the outer "
+        "optimizer; 'overlap' merges as overlap does, at the landing step")
     eager_estimate: Literal["own", "mixed", "scaled"] = Field(
         "scaled", description="eager 'corrected': estimate of the missing average: this peer's fresh outer "
         "gradient ('own'), the last average with this peer's share swapped for its fresh one ('mixed'), or "

@@ -36,6 +36,8 @@ class SyncStats:
     caught_up_steps: int = 0  # inner steps skipped to catch up with the swarm (a slower peer)
     alone_syncs: int = 0  # rounds that averaged with no other peer (failed, or a group of one)
     current_alone_streak: int = 0  # such rounds in a row, up to the last one (merged: the largest)
+    land_steps: int = 0  # inner steps from launch to landing, summed over the rounds that produced an average
+    peak_land_steps: int = 0  # the longest of them
 
     def merge(self, other: "SyncStats") -> "SyncStats":
         """Counters of both workers: sums, except peaks and current values, which take the larger one."""
@@ -72,6 +74,13 @@ class SyncStats:
         """Rounds that produced an average."""
         return self.syncs - self.failed_syncs
 
+    @property
+    def mean_land_steps(self) -> float:
+        """Inner steps a round took from its launch to landing, on average (how stale an eager
+        update is: 1 on an instant link; at most H, where the fragment's next sync waits for it)."""
+        return self.land_steps / self.ok_syncs if self.ok_syncs > 0 else float("nan")
+
     def summary_fields(self, workers: int) -> dict[str, Any]:
         """The counters as the ``{"event": "summary"}`` record carries them (merged over ``workers``)."""
-        return {**self.to_record(), "bytes_sent_per_worker": self.bytes_sent / max(1, workers)}
+        return {**self.to_record(), "bytes_sent_per_worker": self.bytes_sent / max(1, workers),
+                "mean_land_steps": self.mean_land_steps}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from torch import nn
 from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo, wrap
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
-from opendiloco_stream.transport.local import LocalSwarm
+from opendiloco_stream.transport.base import SyncResult
+from opendiloco_stream.transport.local import INSTANT_LINK, LinkModel, LocalSwarm
 
 
 # ---------------------------------------------------------------------------- schedule
@@ -160,14 +162,16 @@ class TwoScalarModel(nn.Module):
 
 
 def run_scripted_blocks(displacement: list[list[list[float]]], steps: int, finish: bool = False,
-                        outer_lr: float = 0.5, outer_momentum: float = 0.0, **cfg) -> list[list[tuple[float, float]]]:
+                        outer_lr: float = 0.5, outer_momentum: float = 0.0, link: LinkModel = INSTANT_LINK,
+                        events: Optional[list] = None, **cfg) -> list[list[tuple[float, float]]]:
     """M workers, one scalar per block (block b is fragment b under the strided rule); at inner step t
     block b of worker r moves by -displacement[r][b][t-1]. Returns, per worker, per block, the pair
     (outer parameter, local parameter) after ``steps`` steps (and ``finish()`` if asked)."""
     M, B = len(displacement), len(displacement[0])
-    # the hand-worked numbers below use the 'own' estimate and the correction at the next sync
-    cfg = {"eager_estimate": "own", "eager_correction": "next-sync", **cfg}
-    swarm = LocalSwarm(num_workers=M, codec="fp32", timeout=10)
+    # the hand-worked numbers below use the 'corrected' rule with the 'own' estimate and the correction
+    # at the next sync, unless a test names another rule
+    cfg = {"eager_rule": "corrected", "eager_estimate": "own", "eager_correction": "next-sync", **cfg}
+    swarm = LocalSwarm(num_workers=M, codec="fp32", timeout=10, link=link)
     config = DiLoCoConfig(outer_lr=outer_lr, outer_momentum=outer_momentum, codec="fp32", weighting="equal",
                           num_fragments=B, **cfg)
     out = [None] * M
@@ -184,6 +188,8 @@ def run_scripted_blocks(displacement: list[list[list[float]]], steps: int, finis
         if finish:
             diloco.finish()
         out[rank] = [(diloco.outer_params[b][0].item(), model.layers[b].w.item()) for b in range(B)]
+        if events is not None and rank == 0:
+            events.extend(diloco.events)
         diloco.close()
 
     swarm.run(worker)
@@ -281,6 +287,108 @@ def test_overlap_golden():
     assert [(o[0], o[1]) for o in out] == [(-2.34375, -3.828125), (-2.34375, -1.828125)]
 
 
+def test_eager_overlap_and_merge_golden_two_peers_instant_link():
+    # H = 2, P = 1, lr 0.5, alpha 0.5, workers move [2, 2, 4, 0, 6, 0] and [0, 2, 2, 0, 0, 0]; rounds land
+    # at t_k + 1. Eager 'overlap' is overlap with tau = the link's delay: theta_bar <- theta_bar - 0.5 avg,
+    # local <- 0.5 local + 0.5 theta_bar:
+    # t2 sync d = [4, 2] (avg 3); t3 locals [-8, -4], theta_bar -1.5, merge [-19/4, -11/4];
+    # t4 sync d = [13/4, 5/4] (avg 9/4); t5 locals [-43/4, -11/4], theta_bar -21/8, merge [-107/16, -43/16];
+    # t6 sync d = [65/16, 1/16] (avg 33/16); finish: theta_bar -117/32, merge [-331/64, -203/64]
+    two = [[[2, 2, 4, 0, 6, 0]], [[0, 2, 2, 0, 0, 0]]]
+    overlap = run_scripted_blocks(two, 6, finish=True, inner_steps=2, mode="eager", eager_rule="overlap")
+    assert overlap == [[(-3.65625, -5.171875)], [(-3.65625, -3.171875)]]
+    assert run_scripted_blocks(two, 6, finish=True, inner_steps=2, mode="overlap", overlap_steps=1) == overlap
+    # eager 'merge' keeps the progress made in flight: local <- local + 0.5 (theta_bar - theta_k), theta_k the
+    # local parameters at the launch: t2 theta_k [-4, -2], d [4, 2] (avg 3); t3 locals [-8, -4],
+    # theta_bar -1.5, + 0.5 ([-1.5, -1.5] - [-4, -2]) = [-27/4, -15/4]; t4 d [21/4, 9/4] (avg 15/4);
+    # t5 locals [-51/4, -15/4], theta_bar -27/8, + 0.5 (-27/8 - theta_k) = [-177/16, -57/16];
+    # t6 d [123/16, 3/16] (avg 63/16); finish: theta_bar -171/32, locals [-525/64, -285/64]
+    merge = run_scripted_blocks(two, 6, finish=True, inner_steps=2, mode="eager", eager_rule="merge")
+    assert merge == [[(-5.34375, -8.203125)], [(-5.34375, -4.453125)]]
+
+
+def test_eager_merge_golden_three_peers_rounds_land_at_the_next_sync():
+    # D = 2 = H: each round lands at the fragment's next sync, is merged, and only then is the next
+    # outer gradient taken. DISP3, H = 2, P = 1:
+    # t2 sync theta_k = [-2, 0, -4], d = [2, 0, 4] (avg 2); t4 locals [-6, -2, -4], lands: theta_bar -1,
+    #    + 0.5 (-1 - theta_k) = [-11/2, -5/2, -5/2], sync d = [9/2, 3/2, 3/2] (avg 5/2);
+    # t6 locals [-23/2, -5/2, -11/2], lands: theta_bar -9/4, + 0.5 (-9/4 - theta_k) = [-79/8, -19/8, -43/8]
+    events: list = []
+    out = run_scripted_blocks(DISP3, 6, inner_steps=2, mode="eager", eager_rule="merge",
+                              link=LinkModel(delay_steps=2), events=events)
+    assert out == [[(-2.25, -9.875)], [(-2.25, -2.375)], [(-2.25, -5.375)]]
+    assert [e["land_steps"] for e in events if e["event"] == "sync"] == [2, 2]
+
+
+@pytest.mark.parametrize("delay", [2, 3])
+def test_eager_merge_golden_three_peers_two_fragments(delay):
+    # H = 2, P = 2: fragment 0 syncs at t = 1, 3, 5 and lands as in the P = 1 case; fragment 1 syncs at
+    # t = 2, 4, 6: t2 theta_k [-6, 0, -3], d = [6, 0, 3] (avg 3); t4 locals [-6, -6, -3], theta_bar -3/2,
+    # + 0.5 (-3/2 - theta_k) = [-15/4, -27/4, -9/4], d = [9/4, 21/4, 3/4] (avg 11/4); t6 locals
+    # [-23/4, -35/4, -17/4], theta_bar -23/8, + 0.5 (-23/8 - theta_k) = [-85/16, -109/16, -73/16].
+    # D = 3 > H: the round is waited for at the next sync, same numbers.
+    disp = [[[2, 0, 4, 0, 6, 0], [0, 6, 0, 0, 0, 2]],
+            [[0, 0, 2, 0, 0, 0], [0, 0, 0, 6, 0, 2]],
+            [[4, 0, 0, 0, 3, 0], [0, 3, 0, 0, 0, 2]]]
+    link = LinkModel(delay_steps=delay)
+    out = run_scripted_blocks(disp, 6, inner_steps=2, mode="eager", eager_rule="merge", link=link)
+    assert out == [[(-2.25, -9.875), (-2.875, -5.3125)], [(-2.25, -2.375), (-2.875, -6.8125)],
+                   [(-2.25, -5.375), (-2.875, -4.5625)]]
+    # finish(): fragment 0's avg 29/8 -> theta_bar -65/16, locals [-223/32, -103/32, -151/32];
+    # fragment 1's avg 43/16 -> theta_bar -135/32, locals [-305/64, -353/64, -281/64]
+    done = run_scripted_blocks(disp, 6, finish=True, inner_steps=2, mode="eager", eager_rule="merge", link=link)
+    assert done == [[(-4.0625, -6.96875), (-4.21875, -4.765625)], [(-4.0625, -3.21875), (-4.21875, -5.515625)],
+                    [(-4.0625, -4.71875), (-4.21875, -4.390625)]]
+
+
+def test_eager_overlap_at_a_link_delay_is_overlap_with_that_tau_bit_for_bit():
+    torch.manual_seed(5)
+    data = [torch.randn(6, 8) for _ in range(2)]
+
+    def run(**cfg):
+        delay = cfg.pop("delay")
+        swarm = LocalSwarm(num_workers=2, link=LinkModel(delay_steps=delay))
+        config = DiLoCoConfig(inner_steps=8, num_fragments=2, codec="fp32", **cfg)
+        out = [None, None]
+
+        def worker(rank):
+            model = make_mlp()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            dl = StreamingDiLoCo(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
+            for _ in range(24):
+                model(data[rank]).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                dl.step()
+            out[rank] = [p.detach().clone() for p in model.parameters()]
+            dl.close()
+
+        swarm.run(worker)
+        return out
+
+    eager = run(mode="eager", eager_rule="overlap", delay=3)
+    overlap = run(mode="overlap", overlap_steps=3, delay=1)
+    assert all(torch.equal(a, b) for m, o in zip(eager, overlap) for a, b in zip(m, o))
+    assert not all(torch.equal(a, b) for a, b in zip(eager[0], run(mode="eager", eager_rule="overlap", delay=1)[0]))
+
+
+def test_link_model_lands_rounds_a_given_number_of_steps_late():
+    for delay in (1, 4, 9):  # H = 8: 9 is waited for at the next sync, 8 steps after the launch
+        events: list = []
+        run_scripted_blocks([[[1.0] * 24]] * 2, 24, inner_steps=8, mode="eager", eager_estimate="scaled",
+                            eager_correction="on-arrival", link=LinkModel(delay_steps=delay), events=events)
+        assert {e["land_steps"] for e in events if e["event"] == "sync"} == {min(delay, 8)}
+    # from the bytes: a round that brings 26 bytes, at 1e-5 Mbit/s (10 bit/s) in 1 s steps, takes 20.8 s
+    link = LinkModel(mbit=1e-5, step_s=1.0)
+    result = SyncResult(average=torch.zeros(1), group_size=2, weight_share=0.5, sent=torch.zeros(1),
+                        bytes_sent=26, bytes_received=26)
+    assert link.steps(result) == 21
+    with pytest.raises(ValueError, match=">= 1"):
+        LinkModel(delay_steps=0)
+    with pytest.raises(ValueError, match="both"):
+        LinkModel(mbit=5.0)
+
+
 # ---------------------------------------------------------------------------- equivalences
 def make_mlp(seed=0):
     torch.manual_seed(seed)
@@ -320,12 +428,15 @@ def test_single_worker_with_unit_outer_lr_reproduces_local_training(mode):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {}), ("eager", {"eager_estimate": "mixed"}),
-                                        ("eager", {"eager_estimate": "scaled"}),
+@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {}), ("eager", {"eager_rule": "overlap"}),
+                                        ("eager", {"eager_rule": "corrected", "eager_estimate": "mixed"}),
+                                        ("eager", {"eager_rule": "corrected", "eager_estimate": "scaled"}),
+                                        ("eager", {"eager_rule": "corrected", "eager_estimate": "own"}),
                                         ("eager", {"eager_rule": "paper"}), ("overlap", {"overlap_steps": 1}),
                                         ("data-parallel", {})])
 def test_workers_fed_identical_data_behave_like_one(mode, extra):
-    """Blocking, overlap, data-parallel and eager 'corrected' ('own' and 'scaled' estimates): M identical
+    """Blocking, overlap, data-parallel, eager 'merge' and 'overlap', and eager 'corrected' ('own' and
+    'scaled' estimates): M identical
     workers == one worker (the estimate is exact when every peer sends the same outer gradient). Eager
     'paper' and the 'mixed' estimate are not, by design (the others' share of its estimate is one round stale, 1/M of it is fresh), but
     the M workers still stay identical to each other."""
@@ -396,7 +507,9 @@ def test_public_api_example_runs_and_moves_the_model():
     assert len(syncs) == 2 * (4 + 3) and all(e["ok"] and e["group_size"] == 2 for e in syncs)
 
 
-@pytest.mark.parametrize("extra", [{}, {"eager_estimate": "scaled"}, {"eager_rule": "paper"}])
+@pytest.mark.parametrize("extra", [{}, {"eager_rule": "corrected", "eager_estimate": "own"},
+                                   {"eager_rule": "corrected", "eager_estimate": "scaled"}, {"eager_rule": "paper"},
+                                   {"eager_rule": "overlap"}])
 def test_state_dict_round_trip_resumes_exactly(extra):
     torch.manual_seed(3)
     data = [torch.randn(5, 8) for _ in range(3)]
@@ -658,3 +771,16 @@ def test_prematch_steps_announce_each_round_ahead_with_the_weight_it_will_have(a
     early = [(t, key, w) for t, key, w in link.early if t + ahead <= 25]  # those whose sync came in the run
     assert early == [(t - ahead, key, w) for t, key, w in link.launched]
     assert all(t + ahead > 25 for t, _, _ in link.early[len(early):])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--link-delay-steps", "0"], "link delay must be >= 1 inner step"),
+    (["--link-mbps", "5"], "a link rate needs both"),
+    (["--link-delay-steps", "3", "--transport", "hivemind"], "simulate a link for --transport local"),
+])
+def test_local_link_flags_that_cannot_be_are_one_line_and_exit_2(capsys, flags, message):
+    from opendiloco_stream.cli import main as cli_main
+
+    assert cli_main(["local", "--workers", "2", "--steps", "1", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]

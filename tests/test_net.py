@@ -266,7 +266,7 @@ def test_metrics_records_are_schema_exact_whatever_the_trainer_passes():
                        name="a", peer_id="b", time=1.0)
     assert record == {"name": "a", "peer_id": "b", "step": 5, "loss": 2.5, "tokens_per_s": 0.0, "bytes_sent": 0,
                       "bytes_received": 0, "compute_utilization": 1.0, "rounds": 0, "failed_rounds": 0, "alone_rounds": 0,
-                      "mode": "eager", "time": 1.0}
+                      "land_steps": None, "mode": "eager", "time": 1.0}
     assert [type(record[k]) for k in ("step", "loss")] == [int, float]  # strict: no numpy/torch scalars
     assert PeerMetrics(**record).dict() == record
 
@@ -551,13 +551,13 @@ def test_monitor_table_shows_the_numbers_that_matter():
     from opendiloco_stream.commands.monitor import format_table
 
     record = {"name": "carol", "step": 42, "loss": 3.25, "tokens_per_s": 1000.4, "bytes_sent": 5 * 2**20,
-              "compute_utilization": 0.9, "rounds": 4, "failed_rounds": 1, "time": 100.0}
+              "compute_utilization": 0.9, "rounds": 4, "failed_rounds": 1, "land_steps": 6.5, "time": 100.0}
     lines = format_table([record, {**record, "name": "dave", "loss": None, "compute_utilization": None,
-                                   "failed_rounds": 0}], now=103.0, run_id="r").splitlines()
+                                   "failed_rounds": 0, "land_steps": None}], now=103.0, run_id="r").splitlines()
     assert lines[0] == "run 'r': 2 peer(s)"
     assert lines[1].split()[:2] == ["peer", "step"]
-    assert lines[2].split() == ["carol", "42", "3.2500", "1000", "5.0", "90%", "4", "(1", "failed)", "3"]
-    assert lines[3].split() == ["dave", "42", "-", "1000", "5.0", "-", "4", "3"]
+    assert lines[2].split() == ["carol", "42", "3.2500", "1000", "5.0", "90%", "4", "(1", "failed)", "6.5", "steps", "3"]
+    assert lines[3].split() == ["dave", "42", "-", "1000", "5.0", "-", "4", "-", "3"]
     assert "no peer has published" in format_table([], now=0.0, run_id="r")
 
 

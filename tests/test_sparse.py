@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo
-from opendiloco_stream.algorithm import diloco as diloco_module
+from opendiloco_stream.algorithm import rules as rules_module
 from opendiloco_stream.compression import HEADER_SIZE, ErrorFeedback, NonFiniteError, decode, get_codec, read_header
 from opendiloco_stream.compression.sparse import pack_bits, unpack_bits
 from opendiloco_stream.compression.wire import index_bits
@@ -330,13 +330,13 @@ def test_eager_with_a_sparse_codec_swaps_exactly_what_this_peer_sent(monkeypatch
     codec = get_codec("topk-int2", block_size=64, density=0.05)
     swarm = LocalSwarm(num_workers=2, codec="topk-int2", block_size=64, density=0.05)
     calls = []
-    real = diloco_module.eager_estimate
+    real = rules_module.eager_estimate
 
     def spy(d, prev_avg, prev_sent, prev_share):
         calls.append((d.clone(), prev_avg.clone(), prev_sent.clone(), prev_share))
         return real(d, prev_avg, prev_sent, prev_share)
 
-    monkeypatch.setattr(diloco_module, "eager_estimate", spy)
+    monkeypatch.setattr(rules_module, "eager_estimate", spy)
     recorders = [_Recorder(swarm.transport(r)) for r in range(2)]
     residuals = [[] for _ in range(2)]
     torch.manual_seed(0)

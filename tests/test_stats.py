@@ -50,6 +50,8 @@ def test_the_live_monitor_publishes_the_same_record():
     assert (record["bytes_sent"], record["bytes_received"]) == (A.bytes_sent, A.bytes_received)
     assert (record["rounds"], record["failed_rounds"]) == (A.syncs - A.failed_syncs, A.failed_syncs)
     assert (record["step"], record["loss"], record["mode"]) == (7, 2.5, "eager")
+    landed = SyncStats(syncs=4, failed_syncs=1, land_steps=15, peak_land_steps=6)
+    assert to_record(live_values(landed, step=1), name="a", peer_id="b", time=1.0)["land_steps"] == 5.0
 
 
 def test_one_reader_for_whole_files_and_files_still_being_written(tmp_path):

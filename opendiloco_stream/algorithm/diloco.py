@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
-from opendiloco_stream.algorithm.fragment_state import FragmentState, ParamAccess, _Pending, _Previous
-from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
+from opendiloco_stream.algorithm.fragment_state import FragmentState, ParamAccess, _Pending
 from opendiloco_stream.algorithm.prematch import Prematcher
+from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
@@ -62,7 +62,7 @@ class StreamingDiLoCo(HasSyncLog):
         self.step_count = 0  # t: inner steps taken
         self.log = SyncLog(on_event, config.record_digests)
         # error feedback: what the codec did not send waits in a residual buffer added to the next
-        # outer gradient ('buffer'), or in this peer's local parameters ('parameters', see _keep_unsent)
+        # outer gradient ('buffer'), or in this peer's local parameters ('parameters', see keep_unsent)
         self._unsent_in_params = config.use_error_feedback and config.error_feedback_mode == "parameters"
         self.error_feedback = (ErrorFeedback(config.error_feedback_decay)
                                if config.use_error_feedback and not self._unsent_in_params else None)
@@ -80,8 +80,8 @@ class StreamingDiLoCo(HasSyncLog):
         # before the outer state exists: a forking transport's children would keep its old pages (docs/benchmarks.md)
         self.transport.prepare({f.index: f.numel for f in fragments})
         self.frags = [FragmentState(f, o, config, param_access) for f, o in zip(fragments, offsets)]
-        self._on_arrival = (config.mode == "eager" and config.eager_rule == "corrected"
-                            and config.eager_correction == "on-arrival")
+        rule = rule_class(config)  # what each fragment's rounds do: algorithm/rules.py
+        self.rules: list[SyncRule] = [rule(self, f, config) for f in self.frags]
         self.transport.set_state_provider(self._shared_state)
 
     @property
@@ -151,17 +151,12 @@ class StreamingDiLoCo(HasSyncLog):
         t, H = self.step_count, self.config.inner_steps
         for f in self.frags:
             f.tokens += tokens
-        if self.config.mode == "overlap":
-            for f in self.frags:
-                if f.pending is not None and f.pending.apply_at == t:
-                    self._apply_overlap(f)
-        if self._on_arrival:
-            for f in self.frags:  # a non-blocking look: nothing waits here
-                if f.pending is not None and f.pending.launched_at < t and f.pending.handle.done():
-                    self._land(f, shift=True)
-        for f in self.frags:
+        for r in self.rules:  # overlap's merge at t_k + tau; on-arrival rules land what arrived
+            r.on_step(t)
+        for f, r in zip(self.frags, self.rules):
             if fr.syncs_at(t, f.offset, H):
-                self._sync(f, fr.round_index(t, f.offset, H))
+                r.sync(fr.round_index(t, f.offset, H))
+                self.keep_unsent(f)
         if not self._catching_up:
             self._prematcher.after_step(t, self.frags, H, tokens)
 
@@ -173,7 +168,8 @@ class StreamingDiLoCo(HasSyncLog):
         round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
         return round_late is not None and bool(round_late((fragment, k)))
 
-    def _launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
+    def launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
+        """Put round k of fragment ``f`` on the wire with outer gradient ``d`` (for the rules)."""
         send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
         handle = self.transport.all_reduce((f.index, k), send, weight=self._weight(f.tokens))
         f.tokens = 0
@@ -204,7 +200,7 @@ class StreamingDiLoCo(HasSyncLog):
             f.unsent = (pending.sent_input - result.sent) * self.config.error_feedback_decay
         return result, reason, waited
 
-    def _keep_unsent(self, f: FragmentState) -> None:
+    def keep_unsent(self, f: FragmentState) -> None:
         """Error feedback in the parameters: after a round's result is applied, the local
         parameters move by minus what this peer did not send, so the inner loop goes on from its
         own unsent progress and the next outer gradient (taken against theta_bar, or ``start``)
@@ -213,102 +209,31 @@ class StreamingDiLoCo(HasSyncLog):
             f.set_local([q - u for q, u in zip(f.local(), f.split(f.unsent))])
             f.unsent = None
 
-    def _consume(self, f: FragmentState, pending: _Pending, applied: bool = False) -> Optional[SyncResult]:
-        """Wait for a round and record it; ``applied``: the record says what this sync applies
-        ("average", or "local-only" if the round failed), as blocking and overlap do."""
+    def consume(self, f: FragmentState, pending: _Pending, applied: bool = False,
+                apply: Optional[Callable[[Optional[SyncResult]], dict[str, Any]]] = None) -> Optional[SyncResult]:
+        """Wait for a round and record it (for the rules). ``applied``: the record says what this
+        sync applies ("average", or "local-only" if the round failed), as blocking and overlap do.
+        ``apply(result)``, if given, runs before the record is emitted and returns fields for it
+        (how the landed average compared with what the peer went on with meanwhile). Every record
+        says ``land_steps``: inner steps from the round's launch to this step."""
         result, reason, waited = self._wait(f, pending)
+        extra = {"land_steps": self.step_count - pending.launched_at}
+        if result is not None:
+            stats = self.log.stats
+            stats.land_steps += extra["land_steps"]
+            stats.peak_land_steps = max(stats.peak_land_steps, extra["land_steps"])
+        if apply is not None:
+            extra.update(apply(result))
         estimate = ("average" if result is not None else "local-only") if applied else None
-        self.log.record(f.index, pending.round, self.step_count, result, reason, waited, estimate)
+        self.log.record(f.index, pending.round, self.step_count, result, reason, waited, estimate, extra)
         return result
 
-    def _outer_step(self, f: FragmentState, k: int, kind: str) -> None:
+    def log_outer_step(self, f: FragmentState, k: int, kind: str) -> None:
+        """Record an outer step taken at a sync with an estimate ``kind`` (for the rules)."""
         if kind == "local-only":
             self.log.stats.local_only_steps += 1
         self.log.emit({"event": "outer_step", "fragment": f.index, "round": k, "step": self.step_count,
                        "estimate": kind})
-
-    def _sync(self, f: FragmentState, k: int) -> None:
-        mode = self.config.mode
-        d = f.outer_grad()
-        if mode == "blocking":
-            pending = self._launch(f, k, d)
-            result = self._consume(f, pending, applied=True)
-            f.opt.step(result.average if result is not None else d)
-            f.restart_from(f.outer)
-        elif mode == "overlap":
-            f.pending = self._launch(f, k, d)
-        elif mode == "eager" and self.config.eager_rule == "corrected":
-            self._sync_corrected(f, k, d)
-        else:
-            self._sync_delayed(f, k, d)
-        self._keep_unsent(f)
-
-    def _sync_corrected(self, f: FragmentState, k: int, d: torch.Tensor) -> None:
-        """Eager, 'corrected': theta_bar steps only with group averages, one round late (a failed
-        round falls back to this peer's own outer gradient); the local parameters restart from a
-        one-off look-ahead step on top of theta_bar with an estimate of round k's average, which
-        the true average replaces when it lands."""
-        if f.pending is not None:
-            self._land(f, shift=False)
-        f.pending = self._launch(f, k, d)
-        prev, scale = f.last, None
-        if prev is None:
-            estimate, kind = d, "local-only"
-        elif self.config.eager_estimate == "mixed" and prev.average is not None:
-            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
-        elif self.config.eager_estimate == "scaled" and prev.coef is not None:
-            estimate, scale, kind = d, prev.coef, "eager"  # projected_estimate: d * its coefficient kept at landing
-        else:
-            estimate, kind = d, "eager"
-        # the look-ahead is written straight into ``start`` (kept in eager), param by param
-        f.restart_from(f.opt.lookahead(estimate, scale=scale, out=f.start))
-        self._outer_step(f, k, kind)
-
-    def _land(self, f: FragmentState, shift: bool) -> None:
-        """Eager 'corrected': round k's average lands: theta_bar <- OuterOpt(theta_bar, avg_k) (a
-        failed round: this peer's own outer gradient). With ``shift`` (mid-round, on arrival) the
-        estimate step is swapped for the true one at once: local parameters and ``start`` move by
-        theta_bar - start, keeping the local progress made since the restart."""
-        pending, f.pending = f.pending, None
-        result = self._consume(f, pending)
-        f.opt.step(result.average if result is not None else pending.outer_grad)
-        f.keep_last(result)
-        if shift:
-            local = [q + o - s_ for q, o, s_ in zip(f.local(), f.outer, f.start)]
-            f.restart_from(f.outer)
-            f.set_local(local)
-            self._keep_unsent(f)
-
-    def _sync_delayed(self, f: FragmentState, k: int, d: torch.Tensor) -> None:
-        """Eager 'paper' and naive-delayed: consume round k-1, launch round k, step theta_bar with
-        the estimate (the outer optimizer's momentum consumes the estimate)."""
-        if f.pending is not None:
-            result = self._consume(f, f.pending)
-            f.previous = None if result is None else _Previous(result.average, result.sent, result.weight_share,
-                                                               result.group_size, result.included_self)
-        f.pending = self._launch(f, k, d)
-        prev = f.previous
-        if prev is None:
-            estimate, kind = d, "local-only"
-        elif self.config.mode == "naive-delayed":
-            estimate, kind = prev.average, "delayed"
-        elif prev.included_self and prev.sent is not None:
-            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
-        else:
-            estimate, kind = joiner_estimate(d, prev.average, prev.group_size), "eager-joiner"
-        f.previous = None  # each round's result is used exactly once
-        f.opt.step(estimate)
-        f.restart_from(f.outer)
-        self._outer_step(f, k, kind)
-
-    def _apply_overlap(self, f: FragmentState) -> None:
-        pending, f.pending = f.pending, None
-        result = self._consume(f, pending, applied=True)
-        f.opt.step(result.average if result is not None else pending.outer_grad)
-        f.set_local([overlap_merge(q, tb, self.config.alpha) for q, tb in zip(f.local(), f.outer)])
-        self._keep_unsent(f)
-        if result is None:
-            self.log.stats.local_only_steps += 1
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -320,7 +245,8 @@ class StreamingDiLoCo(HasSyncLog):
         """
         with self._lock:
             return {"step": self.step_count, "mode": self.config.mode,
-                    "fragments": [f.state_dict(self.config.sync_timeout) for f in self.frags],
+                    "fragments": [{**f.state_dict(), **r.state_dict(self.config.sync_timeout)}
+                                  for f, r in zip(self.frags, self.rules)],
                     "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict()}
 
     def at_initial_model(self) -> bool:
@@ -347,8 +273,9 @@ class StreamingDiLoCo(HasSyncLog):
             if len(state["fragments"]) != len(self.frags):
                 raise ValueError(f"state has {len(state['fragments'])} fragments, this model has {len(self.frags)}")
             self.step_count = int(state["step"])
-            for f, st in zip(self.frags, state["fragments"]):
+            for f, r, st in zip(self.frags, self.rules, state["fragments"]):
                 f.load_state_dict(st, joiner)
+                r.load_state_dict(st, joiner)
             if self.error_feedback is not None:
                 self.error_feedback = ErrorFeedback(self.config.error_feedback_decay)
                 if not joiner and state.get("error_feedback") is not None:
@@ -374,7 +301,7 @@ class StreamingDiLoCo(HasSyncLog):
     @property
     def in_flight(self) -> bool:
         """Whether a launched round has not been applied yet (what ``finish`` would apply)."""
-        return any(f.pending is not None for f in self.frags)
+        return any(r.pending is not None for r in self.rules)
 
     def finish(self) -> None:
         """End of training: let the rounds still in flight land and apply them, so the final model
@@ -384,18 +311,9 @@ class StreamingDiLoCo(HasSyncLog):
         Eager 'paper' and naive-delayed have no correction step and only record the rounds.
         Call it once, after the last ``step()``; the state is no longer an exact resume point."""
         with self._lock:
-            for f in self.frags:
-                if f.pending is None:
-                    continue
-                if self.config.mode == "overlap":
-                    self._apply_overlap(f)
-                    continue
-                if f.start is not None:
-                    self._land(f, shift=True)
-                else:
-                    pending, f.pending = f.pending, None
-                    self._consume(f, pending)
-                    self._keep_unsent(f)
+            for r in self.rules:
+                if r.pending is not None:
+                    r.finish()
 
     @contextlib.contextmanager
     def global_params(self) -> Iterator[None]:

@@ -51,8 +51,9 @@ class SyncLog:
         return result, reason, waited
 
     def record(self, p: int, k: int, step: int, result: Optional[SyncResult], reason: Optional[str],
-               waited: float, estimate: Optional[str]) -> None:
-        """Count one consumed round of fragment ``p`` and emit its sync record."""
+               waited: float, estimate: Optional[str], extra: Optional[dict[str, Any]] = None) -> None:
+        """Count one consumed round of fragment ``p`` and emit its sync record (``extra``: the
+        rule's fields, e.g. ``land_steps``)."""
         s = self.stats
         s.syncs += 1
         rec: dict[str, Any] = {"event": "sync", "fragment": p, "round": k, "step": step,
@@ -78,6 +79,8 @@ class SyncLog:
             s.failed_syncs += 1
         if estimate is not None:
             rec["estimate"] = estimate
+        if extra:
+            rec.update(extra)
         self.emit(rec)
         if self.alone.after_round(rec):
             s.alone_syncs += 1

@@ -103,6 +103,14 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _land(s: dict[str, Any]) -> str:
+    """How stale the rounds were: inner steps from launch to landing (mean, longest)."""
+    mean = s.get("mean_land_steps", float("nan"))
+    if mean != mean:
+        return "-"
+    return f"{mean:.1f} inner steps on average, {s.get('peak_land_steps', 0)} at most (H = {s['inner_steps']})"
+
+
 def print_summary(s: dict[str, Any]) -> None:
     """A short human table of the summary record."""
     before = s.get("eval_loss_before_finish", float("nan"))
@@ -118,6 +126,7 @@ def print_summary(s: dict[str, Any]) -> None:
         ("peak bytes per sync", f"{_fmt_bytes(s['peak_bytes_per_sync'])}  (whole outer gradient: "
                                 f"{_fmt_bytes(s['model_outer_gradient_bytes'])})"),
         ("syncs / failed / local-only", f"{s['syncs']} / {s['failed_syncs']} / {s['local_only_steps']}"),
+        ("rounds landed after", _land(s)),
         ("compute utilization", f"{100 * s['compute_utilization']:.1f}%"),
         ("wall time", f"{s['wall_time_s']:.1f} s  ({s['tokens_per_s']:,.0f} tokens/s)"),
     ]

@@ -31,6 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--log-level", default="WARNING",
                    help="--transport hivemind: each peer's python logging level, in its log (default WARNING)")
+    link = p.add_argument_group("simulated link (--transport local)", "when each round lands, in inner steps "
+                                "after its launch: the same bits every run (default: at once, an instant link)")
+    link.add_argument("--link-delay-steps", type=int, default=None, metavar="D",
+                      help="every round lands D >= 1 inner steps after its launch (D > H: at the next sync)")
+    link.add_argument("--link-mbps", type=float, default=None, metavar="MBIT",
+                      help="or from the round's bytes: its transfer time at this rate, in steps of --link-step-s")
+    link.add_argument("--link-step-s", type=float, default=None, metavar="S",
+                      help="with --link-mbps: the inner step time the transfer is counted in (seconds)")
     add_training_flags(p, exclude=("data.shard",))  # workers take shards r/N
     p.set_defaults(func=run)
 
@@ -40,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
+    link = link_model(args)
     if args.dry_run:
         from opendiloco_stream.commands.dry_run import dry_run
 
@@ -53,11 +62,27 @@ def run(args: argparse.Namespace) -> int:
     if args.transport == "hivemind":
         from opendiloco_stream.commands.local_hivemind import run_hivemind
 
+        if link is not None:
+            raise UsageError("--link-delay-steps / --link-mbps simulate a link for --transport local; over "
+                             "hivemind the link is real (shape it with tc, benchmarks/wan.py)")
         return run_hivemind(args, cfg)
-    return run_threads(args, cfg)
+    return run_threads(args, cfg, link)
 
 
-def run_threads(args: argparse.Namespace, cfg) -> int:
+def link_model(args: argparse.Namespace):
+    """The simulated link of ``--link-*``, or None (an instant link)."""
+    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.transport.local import LinkModel
+
+    if args.link_delay_steps is None and args.link_mbps is None and args.link_step_s is None:
+        return None
+    try:
+        return LinkModel(args.link_delay_steps, args.link_mbps, args.link_step_s)
+    except ValueError as e:
+        raise UsageError(f"{e} (--link-delay-steps, or --link-mbps with --link-step-s)") from None
+
+
+def run_threads(args: argparse.Namespace, cfg, link=None) -> int:
     from tqdm import tqdm
 
     from opendiloco_stream.train.loggers import Fanout, build_loggers
@@ -68,7 +93,7 @@ def run_threads(args: argparse.Namespace, cfg) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // M))
     train_source, val, vocab_size = prepare_data(cfg)
     d = cfg.diloco
-    swarm = local_swarm(cfg, M)
+    swarm = local_swarm(cfg, M, link)
     writer = MetricsWriter(cfg.train.metrics_file)
     emit = Fanout(writer.write, build_loggers(cfg))  # + TensorBoard / W&B when configured
     writer.write({"event": "config", "workers": M, "transport": "local", **cfg.model_dump(mode="json")})

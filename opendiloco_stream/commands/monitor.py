@@ -1,7 +1,8 @@
 """``opendiloco-stream monitor``: a live table of a run's peers, read from their metrics on the DHT.
 
 Joins as a client-mode DHT node (it accepts no requests and stores nothing) and shows, per peer:
-step, loss, tokens/s, MB sent, compute utilization, fragment rounds (failed) and how long ago it
+step, loss, tokens/s, MB sent, compute utilization, fragment rounds (failed), how many inner steps
+rounds took to land on average (how stale eager updates are) and how long ago it
 last published. Peers that stopped publishing disappear when their record expires
 (``net.metrics_expiration``). ``--once`` prints one table and exits; ``--json`` prints the records.
 ``--html F`` also writes a self-contained page of loss and utilization curves over time (inline SVG,
@@ -19,7 +20,7 @@ from typing import Any, Optional
 from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
 from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind
 
-COLUMNS = ("peer", "step", "loss", "tokens/s", "MB sent", "util", "rounds", "last seen (s)")
+COLUMNS = ("peer", "step", "loss", "tokens/s", "MB sent", "util", "rounds", "landed after", "last seen (s)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +53,7 @@ def format_table(records: list[dict[str, Any]], now: float, run_id: str) -> str:
         rows.append((
             r["name"], str(r["step"]), _fmt(r.get("loss"), ".4f"), _fmt(r.get("tokens_per_s"), ".0f"),
             _fmt(r["bytes_sent"] / 2**20, ".1f"), "-" if util is None else f"{util:.0%}", rounds,
+            _fmt(r.get("land_steps"), ".1f") + ("" if r.get("land_steps") is None else " steps"),
             _fmt(max(0.0, now - r["time"]), ".0f"),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]

@@ -42,6 +42,7 @@ class PeerMetrics(pydantic.BaseModel):
     rounds: conint(strict=True, ge=0)  # fragment rounds completed (SyncStats.ok_syncs, see live_values)
     failed_rounds: conint(strict=True, ge=0)
     alone_rounds: conint(strict=True, ge=0) = 0  # rounds in a row that averaged with no other peer
+    land_steps: Optional[confloat(strict=True, ge=0.0)] = None  # SyncStats.mean_land_steps: how stale rounds land
     mode: Optional[constr(strict=True, max_length=32)]
     time: StrictFloat  # DHT time (seconds since the epoch) of this record
 
@@ -51,7 +52,7 @@ class PeerMetrics(pydantic.BaseModel):
 
 FIELDS = tuple(PeerMetrics.__fields__)
 _INT_FIELDS = ("step", "bytes_sent", "bytes_received", "rounds", "failed_rounds", "alone_rounds")
-_FLOAT_FIELDS = ("loss", "tokens_per_s", "compute_utilization")
+_FLOAT_FIELDS = ("loss", "tokens_per_s", "compute_utilization", "land_steps")
 
 
 class MetricsSchema(pydantic.BaseModel):
@@ -95,7 +96,7 @@ def install_validators(dht: Any, run_id: str, private_key: Any = None) -> bytes:
 
 
 _DEFAULTS: dict[str, Any] = dict(step=0, bytes_sent=0, bytes_received=0, rounds=0, failed_rounds=0, alone_rounds=0,
-                                 tokens_per_s=0.0, loss=None, compute_utilization=None, mode=None)
+                                 tokens_per_s=0.0, loss=None, compute_utilization=None, land_steps=None, mode=None)
 _warned: set[str] = set()
 
 
@@ -109,15 +110,19 @@ def _coerce(key: str, value: Any) -> Any:
         return _DEFAULTS[key]
     if key == "compute_utilization":
         return min(1.0, max(0.0, value))
+    if key == "land_steps":
+        return max(0.0, value)
     return max(0.0, value) if key == "tokens_per_s" else value
 
 
 def live_values(stats: "SyncStats", **progress: Any) -> dict[str, Any]:
     """What a peer publishes: its sync counters (the one ``SyncStats`` record, under the schema's
-    names: ``rounds`` are the syncs that produced an average) plus ``progress`` (step, loss,
+    names: ``rounds`` are the syncs that produced an average, ``land_steps`` the inner steps they
+    took to land on average) plus ``progress`` (step, loss,
     tokens_per_s, compute_utilization, mode)."""
     return {**progress, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-            "rounds": stats.ok_syncs, "failed_rounds": stats.failed_syncs, "alone_rounds": stats.current_alone_streak}
+            "rounds": stats.ok_syncs, "failed_rounds": stats.failed_syncs, "alone_rounds": stats.current_alone_streak,
+            "land_steps": stats.mean_land_steps}
 
 
 def to_record(values: dict[str, Any], *, name: str, peer_id: str, time: float) -> dict[str, Any]:

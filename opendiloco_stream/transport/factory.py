@@ -10,14 +10,14 @@ is a config field plus one line in this module.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from opendiloco_stream.config import RunConfig
 
 if TYPE_CHECKING:  # the constructors import lazily: torch and hivemind only when a transport is built
     from opendiloco_stream.compression import Codec
     from opendiloco_stream.transport.hivemind import HivemindTransport
-    from opendiloco_stream.transport.local import LocalSwarm
+    from opendiloco_stream.transport.local import LinkModel, LocalSwarm
 
 
 def codec_args(cfg: RunConfig) -> dict[str, Any]:
@@ -43,12 +43,14 @@ def chunk_bytes(cfg: RunConfig) -> int:
     return resolve_chunk_bytes(cfg.net.chunk_bytes, cfg.net.link_mbit)
 
 
-def local_swarm(cfg: RunConfig, workers: int) -> "LocalSwarm":
-    """``workers`` simulated peers in this process, reducing exactly as the hivemind transport does."""
-    from opendiloco_stream.transport.local import LocalSwarm
+def local_swarm(cfg: RunConfig, workers: int, link: Optional["LinkModel"] = None) -> "LocalSwarm":
+    """``workers`` simulated peers in this process, reducing exactly as the hivemind transport does;
+    ``link``: when rounds land, in inner steps (default: at once)."""
+    from opendiloco_stream.transport.local import INSTANT_LINK, LocalSwarm
 
     return LocalSwarm(num_workers=workers, codec=cfg.diloco.codec, **codec_args(cfg), seed=cfg.train.seed,
-                      timeout=cfg.diloco.sync_timeout, chunk_bytes=chunk_bytes(cfg), norm_bound=cfg.net.norm_bound)
+                      timeout=cfg.diloco.sync_timeout, chunk_bytes=chunk_bytes(cfg), norm_bound=cfg.net.norm_bound,
+                      link=link or INSTANT_LINK)
 
 
 def hivemind_transport(cfg: RunConfig, dht: Any, admission: Any = None) -> "HivemindTransport":

@@ -13,8 +13,10 @@ part to M-1 peers, and receives the mirror image.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -24,6 +26,46 @@ from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES
 from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """When a round of a LocalSwarm lands, counted in the caller's inner steps, so that a run is
+    the same bits every time whatever the machine's load.
+
+    ``delay_steps`` D: a round lands D inner steps after its launch. Or, with ``mbit`` and
+    ``step_s``, D = ceil(bytes this worker receives x 8 / (mbit x 10^6) / step_s): the round's
+    transfer time on a link of that rate, in steps of that length. D = 1 is the instant link (the
+    default): the round has landed at the first step after its launch.
+
+    Time is the caller's looks: ``done()`` answers False to a round's first D - 1 looks and True
+    from the D-th. StreamingDiLoCo's on-arrival rules look once per inner step from the step after
+    the launch, so there the round lands at step t_k + D. ``wait()`` always returns the result: a
+    peer that waits for a round is charged no steps (runs compare at equal tokens, not wall time).
+    """
+
+    delay_steps: Optional[int] = None
+    mbit: Optional[float] = None
+    step_s: Optional[float] = None
+
+    def __post_init__(self):
+        if self.delay_steps is not None and self.delay_steps < 1:
+            raise ValueError(f"link delay must be >= 1 inner step (1: an instant link), got {self.delay_steps}")
+        if (self.mbit is None) != (self.step_s is None) or (self.mbit is not None and min(self.mbit, self.step_s) <= 0):
+            raise ValueError("a link rate needs both a positive rate (Mbit/s) and a positive step time (s)")
+        if self.delay_steps is not None and self.mbit is not None:
+            raise ValueError("give a link delay in steps or a link rate with a step time, not both")
+
+    def steps(self, result: Optional[SyncResult]) -> int:
+        """D for a round with this result (a failed round: as soon as it is looked at)."""
+        if self.delay_steps is not None:
+            return self.delay_steps
+        if self.mbit is None or result is None:
+            return 1
+        return max(1, math.ceil(result.bytes_received * 8 / (self.mbit * 1e6) / self.step_s))
+
+
+INSTANT_LINK = LinkModel()
 
 
 class _Round:
@@ -45,11 +87,13 @@ class LocalSwarm:
             ``block_size`` None: the codec's default, ``density``: sparse codecs only).
         timeout: bound on any wait for the other workers (seconds).
         chunk_bytes, norm_bound: as in ``HivemindTransport`` (chunks of a part; the norm check).
+        link: when a round lands, in inner steps (:class:`LinkModel`; default: at once).
     """
 
     def __init__(self, num_workers: int, codec: str = "fp32", block_size: Optional[int] = None, scale_dtype: str = "fp16",
                  stochastic: bool = False, seed: int = 0, density: float = DEFAULT_DENSITY, timeout: float = 300.0,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, norm_bound: Optional[float] = DEFAULT_NORM_BOUND):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
+                 link: LinkModel = INSTANT_LINK):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.num_workers = num_workers
@@ -59,6 +103,7 @@ class LocalSwarm:
         self.seed = seed
         self.timeout = timeout
         self.chunk_bytes, self.norm_bound = int(chunk_bytes), norm_bound
+        self.link = link
         self._rounds: dict[Hashable, _Round] = {}
         self._cond = threading.Condition()
         self._aborted: Optional[str] = None
@@ -151,23 +196,25 @@ class LocalSwarm:
 
 
 class _LocalHandle(SyncHandle):
-    """A round of a LocalSwarm. The swarm models an *instant link*: a round has landed as soon as
-    every worker has launched it. ``done()`` therefore waits for the other workers to reach the
-    round (threads in one process: at most about one inner step) and then says True, so code
-    that acts "as soon as a round has landed" (eager on-arrival correction) does so at the same
-    step in every run: in-process runs stay deterministic."""
+    """A round of a LocalSwarm. A round is reduced as soon as every worker has launched it; when
+    it *lands* is the swarm's :class:`LinkModel`. ``done()`` waits for the other workers to reach
+    the round (threads in one process: at most about one inner step) and then counts its looks
+    against the link's delay, so code that acts "as soon as a round has landed" (eager's
+    on-arrival rules) does so at the same step in every run: in-process runs stay deterministic."""
 
     def __init__(self, swarm: LocalSwarm, rank: int, key: Hashable, rnd: _Round):
         self.swarm, self.rank, self.key, self._round = swarm, rank, key, rnd
         self._result: Optional[SyncResult] = None
         self._error: Optional[SyncFailed] = None
+        self._looks = 0
 
     def done(self) -> bool:
         try:
             self.wait()
         except SyncFailed:
             pass
-        return True
+        self._looks += 1
+        return self._looks >= self.swarm.link.steps(self._result)
 
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         if self._error is not None:
