@@ -46,12 +46,14 @@ class FakeDHT:
 def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apart():
     """In-process, a fake DHT, no heartbeat (``beat`` by hand): a cold start has no target; then the
     target is the peers that launched the round before; a fresh peer sits its first round out, a
-    joiner that announced its round is counted; a round the others launched is late for a peer
+    joiner that announced its round is counted (and has not missed it), a peer that downloaded after
+    the round's launch has; a round the others launched is late for a peer
     behind; a closed peer is no longer counted."""
     dht = FakeDHT()
     peers = {name: Presence(dht, "run", name, ttl=60, late_after=0, poll_s=1000) for name in "abc"}
     peers.update(fresh=Presence(dht, "run", "fresh", ttl=60, poll_s=1000),
-                 joiner=Presence(dht, "run", "joiner", ttl=60, poll_s=1000))
+                 joiner=Presence(dht, "run", "joiner", ttl=60, poll_s=1000),
+                 late=Presence(dht, "run", "late", ttl=60, poll_s=1000))
     try:
         plans = [peers[n].before_round(0, 0) for n in "abc"]
         assert [(p.target, p.skip) for p in plans] == [(None, False)] * 3  # a cold start: no target
@@ -62,7 +64,9 @@ def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apa
         assert not peers["joiner"].launched_by_others(0, 1)  # the joiner's state is current
         plans = [peers[n].before_round(0, 1) for n in "ab"]
         assert [(p.target, p.skip) for p in plans] == [(4, False)] * 2  # a, b, c and the joiner
-        assert peers["joiner"].launched_by_others(0, 1)  # had it downloaded now: a round late
+        # launched after the joiner's expect: planned with it (a target of 4), so not missed by it ...
+        assert not peers["joiner"].launched_by_others(0, 1)
+        assert peers["late"].launched_by_others(0, 1)  # ... but by a peer that downloaded only now
         assert not peers["joiner"].launched_by_others(0, 2)
         peers["c"].beat()
         assert peers["c"].is_late(0, 1)  # a and b launched round 1: c, still short of it, is late
