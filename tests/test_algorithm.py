@@ -784,3 +784,29 @@ def test_local_link_flags_that_cannot_be_are_one_line_and_exit_2(capsys, flags, 
     assert cli_main(["local", "--workers", "2", "--steps", "1", "--no-progress", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "eager"])
+def test_a_state_dict_is_a_snapshot_that_later_steps_do_not_change(mode):
+    """A donor streams its state while it trains on: nothing in a state_dict may be a live tensor
+    (the outer optimizer's momentum was one, and a joiner's download failed its digest check)."""
+    from opendiloco_stream.transport.hivemind.state_format import flatten_state, tensor_digest
+
+    swarm, model, seen = LocalSwarm(num_workers=1), make_mlp(), {}
+    config = DiLoCoConfig(inner_steps=5, num_fragments=2, mode=mode, outer_nesterov=True, codec="fp32")
+
+    def worker(rank):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        diloco = StreamingDiLoCo(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
+        for i in range(25):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step(tokens=1)
+            if i == 11:  # past the first outer steps: the momentum buffers exist
+                seen["manifest"], seen["tensors"] = flatten_state(diloco.state_dict())
+        diloco.close()
+
+    swarm.run(worker)
+    assert "momentum_buffer" in repr(seen["manifest"]["structure"])
+    assert [tensor_digest(t) for t in seen["tensors"]] == seen["manifest"]["digests"]

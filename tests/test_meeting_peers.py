@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 KEY = "meeting-test-run-key-0123456789abcdef"
 H, P, STEPS = 10, 2, 40
-TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
+TINY = [*(["--log-level", os.environ["MEET_LOG"]] if os.environ.get("MEET_LOG") else []), "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
 
 
 def _peer(tmp: Path, name: str, addrs: list[str], run_id: str, *flags: str) -> subprocess.Popen:

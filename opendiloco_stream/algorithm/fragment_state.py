@@ -15,6 +15,7 @@ full tensors gathered from and scattered to the peer's ranks.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -140,7 +141,8 @@ class FragmentState:
 
     # checkpoint / donor state (the rule adds its own keys)
     def state_dict(self) -> dict[str, Any]:
-        return {"outer_params": [t.clone() for t in self.outer], "outer_opt": self.opt.state_dict(),
+        """A snapshot: copies, not the live tensors (a donor streams it while it trains on)."""
+        return {"outer_params": [t.clone() for t in self.outer], "outer_opt": copy.deepcopy(self.opt.state_dict()),
                 "tokens": self.tokens}
 
     def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
