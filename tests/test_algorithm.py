@@ -810,3 +810,4 @@ def test_a_state_dict_is_a_snapshot_that_later_steps_do_not_change(mode):
     swarm.run(worker)
     assert "momentum_buffer" in repr(seen["manifest"]["structure"])
     assert [tensor_digest(t) for t in seen["tensors"]] == seen["manifest"]["digests"]
+

@@ -16,8 +16,10 @@ No networking here: everything goes through a Transport. docs/algorithm.md state
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -31,6 +33,8 @@ from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncResult, Transport
+
+logger = logging.getLogger(__name__)
 
 MAX_ROUNDS_BEHIND = 16  # how many rounds of one fragment a catch-up looks past the next one
 
@@ -260,7 +264,11 @@ class StreamingDiLoCo(HasSyncLog):
         initial model, the same for the same seed, and meets this peer in the first rounds."""
         if self.at_initial_model():
             return {"step": 0, "initial": True}
-        return self.state_dict()
+        t0 = time.monotonic()
+        state = self.state_dict()  # waits for a step in progress, then for the rounds in flight
+        logger.info("state of step %d for a joiner in %.2fs (a step in progress and the rounds in flight "
+                    "land first)", state["step"], time.monotonic() - t0)
+        return state
 
     def load_state_dict(self, state: dict[str, Any], *, joiner: bool = False) -> None:
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local
@@ -332,6 +340,8 @@ class StreamingDiLoCo(HasSyncLog):
     def close(self) -> None:
         """Stop using the transport. Rounds still in flight are left to the transport to cancel."""
         self._closed = True
+
+
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport, config: DiLoCoConfig,
