@@ -733,6 +733,14 @@ def test_a_joiner_announces_its_next_round_of_every_fragment():
     assert link.expected == []
     joiner.load_state_dict(state, joiner=True)
     assert link.expected == [[(0, 1), (1, 1)]]  # step 12: fragment 0 syncs next at 15, fragment 1 at 20
+    # a donor still at the initial model hands out a marker: the joiner keeps its own (identical)
+    # initial model and is counted in the first round of every fragment, not sat out as a newcomer
+    fresh_link = _SwarmAheadTransport()
+    fresh_model = make_mlp(2)
+    fresh = StreamingDiLoCo(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.05), transport=fresh_link,
+                            config=config, blocks=list(fresh_model))
+    fresh.load_state_dict({"step": 0, "initial": True}, joiner=True)
+    assert fresh_link.expected == [[(0, 0), (1, 0)]] and fresh.step_count == 0 and fresh.at_initial_model()
 
 
 class _PrematchRecorder(_SlowLinkTransport):

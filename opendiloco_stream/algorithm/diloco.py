@@ -274,8 +274,13 @@ class StreamingDiLoCo(HasSyncLog):
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local
         parameters are set to the outer parameters, the donor's own contributions are not taken
         as ours, and error-feedback residuals start empty."""
-        if state.get("initial"):
-            return  # a donor still at the initial model: nothing to adopt (``_shared_state``)
+        expect_rounds = getattr(self.transport, "expect_rounds", None)
+        if state.get("initial"):  # a donor still at the initial model: nothing to adopt (``_shared_state``)
+            if joiner and expect_rounds is not None:
+                # but this peer takes part in the first rounds: counted there, it does not sit them
+                # out as a fresh peer in a running swarm would (the donor waits for it in them)
+                expect_rounds(self.next_rounds())
+            return
         with self._lock:
             self._loaded = True
             if len(state["fragments"]) != len(self.frags):
@@ -288,7 +293,6 @@ class StreamingDiLoCo(HasSyncLog):
                 self.error_feedback = ErrorFeedback(self.config.error_feedback_decay)
                 if not joiner and state.get("error_feedback") is not None:
                     self.error_feedback.load_state_dict(state["error_feedback"])
-            expect_rounds = getattr(self.transport, "expect_rounds", None)
             if joiner and expect_rounds is not None:  # so that the others count this peer in them
                 expect_rounds(self.next_rounds())
 
