@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Optional
 
 import pytest
+
 import torch
 from torch import nn
 
@@ -390,9 +392,15 @@ def test_link_model_lands_rounds_a_given_number_of_steps_late():
 
 
 # ---------------------------------------------------------------------------- equivalences
+_INIT_LOCK = threading.Lock()
+
+
 def make_mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    """The same model for every caller: LocalSwarm workers build theirs in threads at once, and the
+    global RNG is one (without the lock a thread's seed could land in the middle of another's draws)."""
+    with _INIT_LOCK:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
 
 
 def train_plain(model, data, steps):
