@@ -31,7 +31,7 @@ def run_local(tmp_path: Path, name: str, *flags: str, timeout: float = 300) -> d
 @pytest.mark.slow
 def test_local_eager_fp4_learns_and_writes_the_metrics_contract(tmp_path):
     s = run_local(tmp_path, "eager", "--workers", "4", "--mode", "eager", "--fragments", "2", "--inner-steps", "10",
-                  "--codec", "fp4-e3m0", "--steps", "60", "--seed", "0")
+                  "--codec", "fp4-e3m0", "--steps", "60", "--seed", "0", "--eager-rule", "corrected")
     for key in ("mode", "workers", "steps", "tokens", "eval_loss", "train_loss", "bytes_sent", "peak_bytes_per_sync",
                 "compute_utilization", "wall_time_s", "tokens_per_s"):
         assert key in s, key
@@ -39,7 +39,8 @@ def test_local_eager_fp4_learns_and_writes_the_metrics_contract(tmp_path):
     assert s["eval_loss"] < s["eval_loss_initial"] - 0.5, (s["eval_loss_initial"], s["eval_loss"])
     syncs = [r for r in s["_records"] if r["event"] == "sync"]
     # 60 steps, H = 10, 2 fragments -> 6 rounds each launched; each lands the step after its launch
-    # (eager corrected on arrival) and the trainer's finish() lands the last: 6 consumed
+    # (the 'corrected' rule, which logs its estimate at each sync; the default 'merge' takes none)
+    # and the trainer's finish() lands the last: 6 consumed
     assert len(syncs) == 4 * 2 * 6
     assert all(r["ok"] and r["group_size"] == 4 for r in syncs)
     estimates = [r["estimate"] for r in s["_records"] if r["event"] == "outer_step"]
