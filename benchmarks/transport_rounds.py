@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace, topo, probe: Optional[dict], ranks: Optional[
             print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
     floors = {}
     if args.gloo:  # the codec work alone, spread over this machine's cores (codec_floor.py)
-        import codec_floor
+        from benchmarks import codec_floor
 
         chunk = resolve_chunk_bytes(args.chunk_bytes, topo.rate_mbit if topo is not None else args.loopback_mbit)
         for codec in args.codecs:

@@ -139,8 +139,11 @@ def test_two_key_holders_started_together_meet_in_blocking_mode(tmp_path):
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("mode", ["blocking", "overlap"])
 def test_three_peers_started_apart_meet_in_groups_of_three(tmp_path, mode):
+    """The third peer's start-up (imports, its DHT) takes from seconds to a minute on a loaded
+    2-core box: under load 13 it was in from the fourth round of 4 per fragment. From its first
+    round on, every round is a group of three; that is at least a fifth of the first peers' rounds."""
     records = _run_swarm(tmp_path, f"meet3-{mode}", MODES[mode], [0.0, 0.0, 5.0])
-    _assert_met(records, _first_rounds(mode))
+    _assert_met(records, _first_rounds(mode), min_share=0.2)
 
 
 @pytest.mark.timeout(300)

@@ -82,7 +82,7 @@ def test_two_peers_of_two_ranks_train_together_and_a_killed_rank_stops_only_its_
         stop_processes(procs, grace=10)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_shards(tmp_path):
     """``--sharding fsdp``: peer a's model, gradients and AdamW state are split over its 2 ranks. Its
     fragments go on the wire whole, so it averages with a one-process peer (bit-identical
