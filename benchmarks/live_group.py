@@ -1,6 +1,6 @@
 """Group size from the live peers: round times through deaths and a join (loopback, real peers).
 
-    .venv/bin/python benchmarks/live_group.py --out benchmarks/results/live-group.json
+    .venv/bin/python -m benchmarks.live_group --out benchmarks/results/live-group.json
 
 Six ``HivemindTransport`` peers (``benchmarks/harness/loopback.py``: one process each, own DHT,
 averager and p2p daemon), no ``target_group_size``, default timeouts (matchmaking 5 s, request 3 s,
@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from benchmarks.harness.results import command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import markdown_table, write_result
 from benchmarks.harness.loopback import LoopbackSwarm
 
 NUMEL = 1000
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                             for r in rows])
     print(table)
     if args.out:
-        write_json(args.out, dict(command=command_line(argv), environment=environment(), rows=rows, events=events,
-                                  table=table))
+        write_result(args.out, settings=vars(args), rows=rows, argv=argv, benchmark="live_group", events=events,
+                     table=table)
     return 0
 
 

@@ -1,12 +1,13 @@
 """The ``monitor --html`` page of a real swarm, rendered by headless Chromium: a screenshot check.
 
-    .venv/bin/python benchmarks/monitor_page.py [--peers 3] [--steps 100] [--out docs/img]
+    .venv/bin/python -m benchmarks.monitor_page [--peers 3] [--steps 100] [--out docs/img]
 
 Starts a bootstrap node and N real peers on 127.0.0.1 (tiny model, eager, fp4), runs
 ``monitor --html`` beside them while they train, stops it when they finish, then screenshots the
 page with headless Chromium (Debian package ``chromium``; offline: no network flags) and checks the
 picture: the size is right, the page is not blank, and every peer's curve colour is drawn in both
-charts. Writes ``<out>/monitor_page.png``, ``<out>/monitor_page.html`` and prints a JSON verdict;
+charts. Writes ``<out>/monitor_page.png``, ``<out>/monitor_page.html``, prints a JSON verdict and writes
+it in the result envelope (``--json``);
 exit 0 when the check passes, 1 when it fails, 2 when Chromium is not installed
 (``apt-get install chromium``). CI does not install Chromium; tests/test_monitor_page.py checks the
 page's content there.
@@ -23,8 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
+from benchmarks.harness.results import REPO_ROOT as ROOT, RESULTS_DIR, write_result
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 from opendiloco_stream.monitor_page import COLORS
 
@@ -113,7 +113,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "img"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "img"), help="where the PNG and HTML go")
+    ap.add_argument("--json", type=Path, default=RESULTS_DIR / "monitor-page.json",
+                    help="the verdict as JSON, one row per peer (default: %(default)s)")
     args = ap.parse_args()
     chromium = find_chromium()
     if chromium is None:
@@ -136,6 +138,8 @@ def main() -> int:
                        png=str(png), chromium=subprocess.run([chromium, "--version"], capture_output=True,
                                                               text=True).stdout.strip())
     print(json.dumps(verdict, indent=1))
+    rows = [{"peer": r, "eval_loss": loss} for r, loss in enumerate(verdict["eval_loss"])]
+    write_result(args.json, settings=vars(args), rows=rows, benchmark="monitor_page", verdict=verdict)
     return 0 if verdict["ok"] else 1
 
 

@@ -1,7 +1,7 @@
 """Host memory of real peers, process by process: the trainer, its averagers, its DHT and p2pd.
 
-    python benchmarks/peer_memory.py                     # 35M preset, 2 peers, P = 4, eager fp4 (~2 min)
-    python benchmarks/peer_memory.py --quick             # tiny preset: a smoke run (~40 s)
+    python -m benchmarks.peer_memory                     # 35M preset, 2 peers, P = 4, eager fp4 (~2 min)
+    python -m benchmarks.peer_memory --quick             # tiny preset: a smoke run (~40 s)
 
 ``benchmarks/memory.py`` measures what ``StreamingDiLoCo`` holds over a one-process ``LocalSwarm``. A
 real peer (``peer``, or ``local --transport hivemind``) also runs one forked averager process per
@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from opendiloco_stream.net.lifecycle import descendants
 
-from benchmarks.harness.results import RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import RESULTS_DIR, markdown_table, write_result
 
 MiB = 1 << 20
 FIELDS = ("Pss", "Pss_Shmem", "Private_Dirty", "Rss")
@@ -161,8 +161,8 @@ def main() -> None:
           f"(processes) at the run's peak, {result['peak_total_pss_mib']:.0f} MiB in all")
     print(markdown_table(["peer", *roles_order, "of which shared memory", "peer total"], table))
     out = args.out or RESULTS_DIR / f"peer-memory{'-quick' if args.quick else ''}.json"
-    write_json(out, {"command": command_line(), "environment": environment(), "settings": vars(args) | {"out": str(out)},
-                     **result})
+    peers = result.pop("peers")  # one row per peer: its processes' PSS by role
+    write_result(out, settings=vars(args) | {"out": out}, rows=peers, benchmark="peer_memory", **result)
     print(f"wrote {out}")
 
 

@@ -1,6 +1,6 @@
 """A real Prometheus server scrapes a 2-peer swarm; its HTTP API returns the peers' series.
 
-    .venv/bin/python benchmarks/prometheus_scrape.py [--steps 300] [--timeout 240]
+    .venv/bin/python -m benchmarks.prometheus_scrape [--steps 300] [--timeout 240]
 
 Starts a bootstrap node and 2 real peers on 127.0.0.1 (tiny model, eager, fp4, ``--metrics-port``),
 and a ``prometheus`` server (Debian package ``prometheus``; scripts/setup.sh installs it when it can)
@@ -8,7 +8,7 @@ with a scrape config naming both endpoints (1 s interval). Waits until the serve
 (``/api/v1/query``) answers ``sum by (peer) (ods_rounds_total{result="ok"})`` with both peers and at
 least 2 rounds each, checks ``ods_step`` and ``ods_info`` come back too and that the targets are up
 (``/api/v1/targets``), then stops every process it started (by PID, whole sessions). Prints a JSON
-verdict; exit 0 when the check passes, 1 when it fails, 2 when ``prometheus`` is not installed.
+verdict and writes it in the result envelope (``--out``); exit 0 when the check passes, 1 when it fails, 2 when ``prometheus`` is not installed.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes  # noqa: E402
+from benchmarks.harness.results import REPO_ROOT as ROOT, RESULTS_DIR, write_result
+from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 
 
 def free_port() -> int:
@@ -92,6 +90,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300, help="inner steps per peer (they are stopped once checked)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for the series")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "prometheus-scrape.json",
+                    help="the verdict as JSON, one row per peer (default: %(default)s)")
     args = ap.parse_args()
     binary = shutil.which("prometheus")
     if binary is None:
@@ -124,6 +124,8 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         verdict.pop("workdir")
     print(json.dumps(verdict, indent=1))
+    rows = [{"peer": peer, "step": step} for peer, step in sorted(verdict.get("steps", {}).items())]
+    write_result(args.out, settings=vars(args), rows=rows, benchmark="prometheus_scrape", verdict=verdict)
     return 0 if verdict["ok"] else 1
 
 
