@@ -24,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.harness.peers import TINY, PeerProcesses
 from benchmarks.harness.results import REPO_ROOT as ROOT, RESULTS_DIR, write_result
-from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from opendiloco_stream.commands.local_hivemind import stop_processes
 from opendiloco_stream.monitor_page import COLORS
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -75,38 +76,17 @@ def check_png(png: Path, n_peers: int, size=(960, 900)) -> dict:
 
 def run_swarm(workdir: Path, peers: int, steps: int, page: Path) -> list[dict]:
     """Train ``peers`` real peers to the end with a monitor writing ``page``; return their summaries."""
-    py = sys.executable
-    boot, addrs = start_bootstrap(workdir, "pagedemo")
-    procs = [boot]
-    try:
-        monitor = subprocess.Popen([py, "-m", "opendiloco_stream", "monitor", "--initial-peers", *addrs,
-                                    "--run-id", "pagedemo", "--interval", "2", "--html", str(page)],
-                                   stdout=open(workdir / "monitor.log", "w"), stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        procs.append(monitor)
-        workers = []
-        for r in range(peers):
-            cmd = [py, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", "pagedemo",
-                   "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
-                   "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10",
-                   "--steps", str(steps), "--shard", f"{r}/{peers}", "--no-join",
-                   "--metrics-file", str(workdir / f"peer{r}.jsonl")]
-            workers.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer{r}.log", "w"),
-                                            stderr=subprocess.STDOUT, start_new_session=True))
-        procs += workers
-        deadline = time.monotonic() + 60 + 4.0 * steps
-        for p in workers:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                log = (workdir / f"peer{workers.index(p)}.log").read_text()[-3000:]
-                raise RuntimeError(f"a peer exited with {p.returncode}:\n{log}")
+    with PeerProcesses(workdir) as run:
+        addrs = run.bootstrap("pagedemo")
+        monitor = run.start("monitor", ["monitor", "--initial-peers", *addrs, "--run-id", "pagedemo",
+                                        "--interval", "2", "--html", str(page)])
+        workers = [run.peer(f"peer{r}", "--run-id", "pagedemo", *TINY, "--mode", "eager", "--codec", "fp4-e3m0",
+                            "--fragments", "2", "--inner-steps", "10", "--steps", str(steps),
+                            "--shard", f"{r}/{peers}", "--no-join") for r in range(peers)]
+        run.wait(workers, timeout=60 + 4.0 * steps)
         time.sleep(4)  # one more monitor refresh with the final records
-        stop_processes([monitor], grace=20)  # SIGTERM: the monitor writes the page and exits
-        from opendiloco_stream.train.loop import read_metrics
-
-        return [read_metrics(workdir / f"peer{r}.jsonl")[-1] for r in range(peers)]
-    finally:
-        stop_processes(procs, grace=10)
+        run.stop([monitor], grace=20)  # SIGTERM: the monitor writes the page and exits
+        return [run.records(f"peer{r}")[-1] for r in range(peers)]
 
 
 def main() -> int:

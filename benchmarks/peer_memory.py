@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +35,7 @@ from typing import Any, Optional
 
 from opendiloco_stream.net.lifecycle import descendants
 
+from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.results import RESULTS_DIR, markdown_table, write_result
 
 MiB = 1 << 20
@@ -98,15 +96,14 @@ def roles(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[dict]]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="ods-peer-memory-"))
-    cmd = [sys.executable, "-m", "opendiloco_stream", "local", "--transport", "hivemind", "--workers",
-           str(args.peers), "--model", args.model, "--fragments", str(args.fragments), "--inner-steps",
-           str(args.inner_steps), "--steps", str(args.steps), "--mode", args.mode, "--codec", args.codec,
-           "--batch-size", "2", "--threads", "1", "--no-progress", "--metrics-file", str(workdir / "m.jsonl")]
-    log = open(workdir / "run.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    command = ["local", "--transport", "hivemind", "--workers", str(args.peers), "--model", args.model,
+               "--fragments", str(args.fragments), "--inner-steps", str(args.inner_steps), "--steps", str(args.steps),
+               "--mode", args.mode, "--codec", args.codec, "--batch-size", "2", "--threads", "1", "--no-progress",
+               "--metrics-file", str(workdir / "m.jsonl")]
     best: tuple[int, list] = (0, [])
     deadline = time.monotonic() + args.timeout
-    try:
+    with PeerProcesses(workdir, grace=5.0) as launched:  # stops the run's whole session on the way out
+        proc = launched.start("run", command)
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the run took over {args.timeout:.0f} s (log: {workdir / 'run.log'})")
@@ -115,11 +112,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if total > best[0]:
                 best = (total, snapshot)
             time.sleep(args.every)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-        proc.wait()
-        log.close()
     if proc.returncode != 0:
         raise RuntimeError(f"the run exited with {proc.returncode}: {(workdir / 'run.log').read_text()[-2000:]}")
     shutil.rmtree(workdir, ignore_errors=True)

@@ -25,8 +25,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from benchmarks.harness.results import REPO_ROOT as ROOT, RESULTS_DIR, write_result
-from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from benchmarks.harness.peers import PeerProcesses
+from benchmarks.harness.results import RESULTS_DIR, write_result
 
 
 def free_port() -> int:
@@ -35,14 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_peer(workdir: Path, r: int, addrs: list[str], port: int, steps: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", "promscrape",
-           "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--threads", "1", "--no-progress",
-           "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "6", "--steps", str(steps),
-           "--shard", f"{r}/2", "--no-join", "--target-group-size", "2", "--metrics-port", str(port),
-           "--metrics-file", str(workdir / f"peer-{r}.jsonl")]
-    return subprocess.Popen(cmd, stdout=open(workdir / f"peer-{r}.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=ROOT)
+def peer_flags(r: int, port: int, steps: int) -> list[str]:
+    """Peer ``r`` of 2: tiny, eager fp4, its Prometheus endpoint on ``port``."""
+    return ["--run-id", "promscrape", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--threads", "1",
+            "--no-progress", "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "6",
+            "--steps", str(steps), "--shard", f"{r}/2", "--no-join", "--target-group-size", "2",
+            "--metrics-port", str(port)]
 
 
 def start_prometheus(binary: str, workdir: Path, targets: list[str], port: int) -> subprocess.Popen:
@@ -86,6 +84,18 @@ def wait_for_rounds(port: int, procs: list[subprocess.Popen], timeout: float) ->
     raise RuntimeError(f"no 2 rounds per peer through the query API after {timeout:.0f} s: {rounds}")
 
 
+def check(prom_port: int, procs: list[subprocess.Popen], timeout: float) -> dict:
+    """What the server returns once both peers have 2 rounds: rounds, steps, info, targets, ok."""
+    rounds = wait_for_rounds(prom_port, procs, timeout)
+    steps = {row["metric"]["peer"]: float(row["value"][1]) for row in query(prom_port, "ods_step")}
+    info = query(prom_port, "ods_info")
+    targets = api(prom_port, "targets")["activeTargets"]
+    ok = (len(steps) == 2 and min(steps.values()) > 0 and len(info) == 2 and info[0]["metric"].get("mode") == "eager"
+          and sorted(t["health"] for t in targets) == ["up", "up"])
+    return dict(rounds_ok=rounds, steps=steps, info=[row["metric"] for row in info],
+                targets={t["scrapeUrl"]: t["health"] for t in targets}, ok=ok)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300, help="inner steps per peer (they are stopped once checked)")
@@ -98,28 +108,18 @@ def main() -> int:
         print(json.dumps({"ok": False, "error": "prometheus is not installed (apt-get install prometheus)"}))
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="ods-prometheus-"))
-    procs: list[subprocess.Popen] = []
     verdict: dict = {"ok": False, "workdir": str(workdir)}
     try:
-        boot, addrs = start_bootstrap(workdir, "promscrape")
-        procs.append(boot)
-        ports = [free_port(), free_port()]
-        procs += [start_peer(workdir, r, addrs, port, args.steps) for r, port in enumerate(ports)]
-        prom_port = free_port()
-        procs.append(start_prometheus(binary, workdir, [f"127.0.0.1:{p}" for p in ports], prom_port))
-        rounds = wait_for_rounds(prom_port, procs, args.timeout)
-        steps = {row["metric"]["peer"]: float(row["value"][1]) for row in query(prom_port, "ods_step")}
-        info = query(prom_port, "ods_info")
-        targets = api(prom_port, "targets")["activeTargets"]
-        verdict.update(rounds_ok=rounds, steps=steps, info=[row["metric"] for row in info],
-                       targets={t["scrapeUrl"]: t["health"] for t in targets})
-        verdict["ok"] = (len(steps) == 2 and min(steps.values()) > 0 and len(info) == 2
-                         and info[0]["metric"].get("mode") == "eager"
-                         and sorted(t["health"] for t in targets) == ["up", "up"])
+        with PeerProcesses(workdir) as run:  # stops the peers and the server on the way out
+            run.bootstrap("promscrape")
+            ports = [free_port(), free_port()]
+            for r, port in enumerate(ports):
+                run.peer(f"peer-{r}", *peer_flags(r, port, args.steps))
+            prom_port = free_port()
+            run.procs.append(start_prometheus(binary, workdir, [f"127.0.0.1:{p}" for p in ports], prom_port))
+            verdict.update(check(prom_port, run.procs, args.timeout))
     except (RuntimeError, OSError) as e:
         verdict["error"] = str(e)
-    finally:
-        stop_processes(procs, grace=10)
     if verdict["ok"]:  # a failed run's logs and config stay for a look
         shutil.rmtree(workdir, ignore_errors=True)
         verdict.pop("workdir")

@@ -35,7 +35,6 @@ rewritten after every run so an interrupted run keeps what it finished) and PNG 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -46,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from benchmarks._quality_report import OUTER_CHECKS, OUTER_MODES, report
-from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, command_line, environment, write_payload
+from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, command_line, environment, read_result, write_payload
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
 from opendiloco_stream.config import RunConfig, load_config
@@ -312,6 +311,23 @@ def _seeds(text: Optional[str], default: tuple[int, ...]) -> tuple[int, ...]:
         raise ValueError(f"seeds must be comma-separated integers, got {text!r}") from None
 
 
+def _take_previous(previous: dict[str, Any], payload: dict[str, Any], preset: Preset, command: str, *, check: bool,
+                   resume: bool) -> Preset:
+    """Carry an earlier result's runs, first command and environment into ``payload``; its preset.
+    ``check``: refuse (ValueError) a result made with another preset or other seeds."""
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in previous["settings"]["preset"].items()}
+    if check and saved != asdict(preset):
+        raise ValueError(f"made with other settings ({previous['command']}); resume needs the same preset and "
+                         "seeds")
+    # keep the first command and add this one: the docs must show every command that ran
+    commands = previous.get("commands", [previous["command"]])
+    payload["settings"]["preset"] = previous["settings"]["preset"]
+    payload.update(rows=previous["rows"], wall_time_s=previous.get("wall_time_s", 0.0),
+                   environment=previous["environment"], commit=previous["commit"], command=previous["command"],
+                   commands=commands + ([command] if resume and command not in commands else []))
+    return Preset(**saved)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     preset = PRESETS[args.preset]
@@ -342,24 +358,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                 "variants": [asdict(v) for v in variant_list]},
                                "rows": [], "wall_time_s": 0.0}
     if args.render_only or args.resume:
-        if not out.is_file():
-            if args.render_only:
-                print(f"error: --render-only needs an existing result file; {out} is missing", file=sys.stderr)
+        if not out.is_file() and args.render_only:
+            print(f"error: --render-only needs an existing result file; {out} is missing", file=sys.stderr)
+            return 2
+        if out.is_file():
+            try:
+                preset = _take_previous(read_result(out), payload, preset, command, check=not args.render_only,
+                                        resume=args.resume)
+            except ValueError as e:
+                print(f"error: {out}: {e}", file=sys.stderr)
                 return 2
-        else:
-            previous = json.loads(out.read_text())
-            saved = {k: tuple(v) if isinstance(v, list) else v for k, v in previous["settings"]["preset"].items()}
-            if not args.render_only and saved != asdict(preset):
-                print(f"error: {out} was made with other settings ({previous.get('command')}); "
-                      "resume needs the same preset and seeds", file=sys.stderr)
-                return 2
-            preset = Preset(**saved)
-            # keep the first command and add this one: the docs must show every command that ran
-            commands = previous.get("commands", [previous["command"]])
-            payload["settings"]["preset"] = previous["settings"]["preset"]
-            payload.update(rows=previous["rows"], wall_time_s=previous.get("wall_time_s", 0.0),
-                           environment=previous["environment"], commit=previous["commit"], command=previous["command"],
-                           commands=commands + ([command] if args.resume and command not in commands else []))
         if args.render_only:
             return report(payload, preset, variant_list, out, img_dir, args.no_plots)
 
