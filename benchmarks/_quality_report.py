@@ -1,6 +1,6 @@
 """Tables, plots and the printed report of ``benchmarks/quality.py`` (split out to keep it short).
 
-Works on the result JSON's structures: ``runs`` (one dict per trained run, with ``variant``,
+Works on the result JSON's structures: ``rows`` (one dict per trained run, with ``variant``,
 ``seed``, ``summary``, ``eval_curve``) and the variant list of ``quality.variants()``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.harness.results import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_json
+from benchmarks.harness.results import markdown_table, mean_spread, plot_bars, plot_lines, relative, write_payload
 
 #: the outer-optimizer checks: suffix -> (DiLoCoConfig overrides, words). Defaults: lr 0.7, momentum 0.9.
 #: lr 0.4 is the Streaming DiLoCo paper's value; momentum 0 removes the outer momentum entirely.
@@ -251,19 +251,19 @@ def report(payload: dict[str, Any], preset: Any, variant_list: list, out: Path, 
            no_plots: bool) -> int:
     """Aggregate the runs, print the tables, write the JSON and the plots."""
     command = payload["command"]
-    agg = aggregate(payload["runs"], variant_list)
+    agg = aggregate(payload["rows"], variant_list)
     payload["aggregate"] = agg
     groups = {a["group"] for a in agg.values()}
     tables = {"modes": mode_table(agg)} if "delay" not in groups else {
-        "delays": delay_table(payload["runs"], preset.inner_steps)}
+        "delays": delay_table(payload["rows"], preset.inner_steps)}
     if "codec" in groups:  # presets such as 'eager' run the mode table only
-        tables["codecs"] = codec_table(agg, payload["runs"])
+        tables["codecs"] = codec_table(agg, payload["rows"])
     if "outer" in groups:
-        tables["outer"] = outer_table(agg, payload["runs"])
+        tables["outer"] = outer_table(agg, payload["rows"])
     payload["tables_markdown"] = tables
     if not no_plots:
-        payload["plots"] = make_plots(payload["runs"], agg, variant_list, preset, img_dir, command)
-    write_json(out, payload)
+        payload["plots"] = make_plots(payload["rows"], agg, variant_list, preset, img_dir, command)
+    write_payload(out, payload)
     tokens = preset.workers * preset.steps * preset.batch_size * preset.seq_len
     print("\n" + "\n".join(payload.get("commands", [command])) + "\n")
     print(f"{preset.workers} workers x {preset.steps} steps x batch {preset.batch_size} x seq "

@@ -1,7 +1,7 @@
 """One worker on a CUDA device: the trainer's inner loop with StreamingDiLoCo, per model preset.
 
-    python benchmarks/gpu.py                                # tiny and 100M, 300 timed steps each
-    python benchmarks/gpu.py --presets 100M --steps 500 --outer-device cpu --out /tmp/gpu.json
+    python -m benchmarks.gpu                                # tiny and 100M, 300 timed steps each
+    python -m benchmarks.gpu --presets 100M --steps 500 --outer-device cpu --out /tmp/gpu.json
 
 For each preset: the model on ``cuda:0`` (fp32 parameters), AdamW, the forward under bf16 autocast
 (``train.precision`` 'auto' on CUDA, as the trainer runs it) and ``StreamingDiLoCo`` (eager, fp4-e3m0,
@@ -22,7 +22,8 @@ tokens/s and peak memory, measured in the same run. A codec check (``--codec-num
 encodes and decodes every codec on the GPU and on the CPU: bit-identical bytes and values, and
 GB/s next to the GPU -> pinned host copy. A table on stdout, JSON in ``--out``.
 
-Without a CUDA device it prints one line on stderr and exits with code 2.
+Without a CUDA device it prints one line on stderr and exits with code 2 (``--device cpu`` runs the
+same loop and codec check on the CPU: the tests do).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness.results import (RESULTS_DIR, command_line, environment, markdown_table, relative,
-                                       time_ops, write_json)
+from benchmarks.harness.results import RESULTS_DIR, markdown_table, relative, time_ops, write_result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--codec-repeats", type=int, default=5)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N functions with the most cumulative time inside diloco.step() (cProfile)")
+    p.add_argument("--device", default="cuda:0",
+                   help="where the model runs (default cuda:0; 'cpu' runs the same loop there, no memory figure)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu.json"), help="JSON results (default: %(default)s)")
     return p.parse_args(argv)
 
@@ -70,19 +72,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrapper: bool = True) -> dict[str, Any]:
-    """One preset's row. ``device``: the tests run the same loop on the CPU (no memory figure there).
-    ``wrapper=False``: the plain loop, the same inner steps with no ``StreamingDiLoCo`` (the reference)."""
-    import torch.nn.functional as F
+class _TimedTransport:
+    """Seconds spent inside a transport's ``all_reduce`` (the one-member LocalSwarm's encode, reduce,
+    decode: what a peer's averager process does in the background)."""
 
+    def __init__(self, transport: Any):
+        self.seconds = 0.0
+        self._all_reduce = transport.all_reduce
+        transport.all_reduce = self
+
+    def __call__(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self._all_reduce(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _build(name: str, args: argparse.Namespace, device: torch.device, wrapper: bool):
+    """The config, model, optimizer, timed transport and (``wrapper``) StreamingDiLoCo of one preset."""
     from opendiloco_stream.algorithm.diloco import wrap
     from opendiloco_stream.config import load_config
-    from opendiloco_stream.train.loop import use_bf16_autocast
     from opendiloco_stream.train.models import build_model, transformer_blocks
     from opendiloco_stream.transport.factory import local_swarm
 
-    device = torch.device(device)
-    cuda = device.type == "cuda"
     cfg = load_config(overrides={
         "diloco": {"mode": args.mode, "codec": args.codec, "num_fragments": args.fragments,
                    "inner_steps": args.inner_steps, "outer_device": args.outer_device},
@@ -93,19 +106,21 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                             weight_decay=cfg.train.weight_decay)
     transport = local_swarm(cfg, 1).transport(0)
-    in_transport = [0.0]  # seconds inside the one-member LocalSwarm's all_reduce (encode, reduce, decode, in-process)
-    all_reduce = transport.all_reduce
-
-    def timed_all_reduce(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return all_reduce(*a, **k)
-        finally:
-            in_transport[0] += time.perf_counter() - t0
-
-    transport.all_reduce = timed_all_reduce
+    timed = _TimedTransport(transport)
     diloco = (wrap(model, opt, transport=transport, config=cfg.diloco, blocks=transformer_blocks(model))
               if wrapper else None)
+    return cfg, model, opt, timed, diloco
+
+
+def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrapper: bool = True) -> dict[str, Any]:
+    """One preset's row. ``device``: ``--device cpu`` runs the same loop on the CPU (no memory figure
+    there). ``wrapper=False``: the plain loop, the same inner steps with no ``StreamingDiLoCo`` (the
+    reference). The inner step is the trainer's own (``train.loop.inner_step``)."""
+    from opendiloco_stream.train.loop import inner_step, use_bf16_autocast
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    cfg, model, opt, timed, diloco = _build(name, args, device, wrapper)
     bf16 = use_bf16_autocast(cfg.train.precision, device)
     gen = torch.Generator(device=device).manual_seed(0)
     _sync(device)
@@ -117,13 +132,7 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
         batch = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=gen)
         _sync(device)
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = inner_step(model, opt, batch, bf16=bf16, clip_grad_norm=cfg.train.clip_grad_norm)
         _sync(device)
         t1 = time.perf_counter()
         if diloco is not None:
@@ -134,7 +143,7 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             if profiler is not None:
                 profiler.disable()
         if step + 1 == args.warmup:
-            in_transport[0] = 0.0  # count the timed steps only
+            timed.seconds = 0.0  # count the timed steps only
         t2 = time.perf_counter() if diloco is not None else t1
         if step >= args.warmup:
             inner.append(t1 - t0)
@@ -147,9 +156,14 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     params = sum(p.numel() for p in model.parameters())
-    del model, opt, diloco, logits, loss
+    del model, opt, diloco, loss
     if cuda:
         torch.cuda.empty_cache()
+    return _row(name, args, wrapper, params, peak, inner, outer, losses, timed.seconds)
+
+
+def _row(name: str, args: argparse.Namespace, wrapper: bool, params: int, peak: int, inner: list[float],
+         outer: list[float], losses: list[float], in_transport: float) -> dict[str, Any]:
     total = sum(inner) + sum(outer)
     return {"preset": name, "wrapper": wrapper, "params": params, "steps": len(inner),
             "tokens_per_step": args.batch_size * args.seq_len,
@@ -158,8 +172,8 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
             "wrapper_step_ms_mean": 1e3 * sum(outer) / len(outer), "wrapper_step_ms_max": 1e3 * max(outer),
             "wrapper_share": sum(outer) / total,
             # what a peer does in the background (its averager process), here inline in diloco.step()
-            "transport_in_process_ms_mean": 1e3 * in_transport[0] / len(inner),
-            "wrapper_share_without_transport": (sum(outer) - in_transport[0]) / (total - in_transport[0]),
+            "transport_in_process_ms_mean": 1e3 * in_transport / len(inner),
+            "wrapper_share_without_transport": (sum(outer) - in_transport) / (total - in_transport),
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
@@ -193,17 +207,19 @@ def codec_rows(numel: int, repeats: int, device: str = "cuda:0") -> dict[str, An
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/gpu.py: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine",
-              file=sys.stderr)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine "
+              "(or pass --device cpu)", file=sys.stderr)
         return 2
+    device_name = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "cpu"
     rows, plain = [], {}
     for name in args.presets:
         if args.plain:
             print(f"{name}: the plain loop ...", file=sys.stderr, flush=True)
-            plain[name] = run_preset(name, args, wrapper=False)
+            plain[name] = run_preset(name, args, device=args.device, wrapper=False)
         print(f"{name}: with StreamingDiLoCo ...", file=sys.stderr, flush=True)
-        rows.append(run_preset(name, args))
+        rows.append(run_preset(name, args, device=args.device))
     for r in rows:
         ref = plain.get(r["preset"])
         r["plain_tokens_per_s"] = ref["tokens_per_s"] if ref else None
@@ -221,23 +237,22 @@ def main(argv=None) -> int:
           f"{r['inner_step_ms']:.1f}", f"{r['wrapper_step_ms_mean']:.2f}", f"{r['wrapper_step_ms_max']:.1f}",
           f"{100 * r['wrapper_share']:.2f}%", f"{r['transport_in_process_ms_mean']:.2f}",
           f"{100 * r['wrapper_share_without_transport']:.2f}%"] for r in rows])
-    print(f"{torch.cuda.get_device_name(0)}; {args.mode} {args.codec}, P={args.fragments}, H={args.inner_steps}, "
+    print(f"{device_name}; {args.mode} {args.codec}, P={args.fragments}, H={args.inner_steps}, "
           f"precision {args.precision}, outer device {args.outer_device}; batch {args.batch_size} x {args.seq_len}")
     print(table)
     codecs = None
     if args.codec_numel > 0:
         print(f"codecs on {args.codec_numel:,} elements ...", file=sys.stderr, flush=True)
-        codecs = codec_rows(args.codec_numel, args.codec_repeats)
-        print(f"\ncodecs, {codecs['numel']:,} fp32 elements on the GPU; memcpy reference (GPU -> pinned host): "
+        codecs = codec_rows(args.codec_numel, args.codec_repeats, device=args.device)
+        print(f"\ncodecs, {codecs['numel']:,} fp32 elements on {device_name}; memcpy reference (GPU -> pinned host): "
               f"{codecs['device_to_pinned_host_gb_per_s']:.1f} GB/s")
         print(markdown_table(
             ["codec", "wire bytes", "same bytes as CPU", "same values as CPU", "encode GB/s", "decode GB/s"],
             [[c["codec"], f"{c['wire_bytes']:,}", "yes" if c["same_bytes_as_cpu"] else "NO",
               "yes" if c["same_values_as_cpu"] else "NO", f"{c['encode_gb_per_s']:.2f}", f"{c['decode_gb_per_s']:.2f}"]
              for c in codecs["rows"]]))
-    out = write_json(args.out, {"command": command_line(argv), "environment": environment(),
-                                "device": torch.cuda.get_device_name(0), "settings": vars(args), "rows": rows,
-                                "plain_rows": list(plain.values()), "codecs": codecs})
+    out = write_result(args.out, settings=vars(args), rows=rows, argv=argv, benchmark="gpu", device=device_name,
+                       plain_rows=list(plain.values()), codecs=codecs)
     print(f"wrote {relative(out)}")
     return 0
 

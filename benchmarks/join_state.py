@@ -1,9 +1,9 @@
 """A late joiner's state download, for a real model preset: time, rate, the joiner's memory, and a
 download cut mid-way that resumes from another donor.
 
-    python benchmarks/join_state.py                 # the 100M preset (~2 min)
-    python benchmarks/join_state.py --quick         # the tiny preset (a smoke run)
-    python benchmarks/join_state.py --model 35M --out benchmarks/results/join-35M.json
+    python -m benchmarks.join_state                 # the 100M preset (~2 min)
+    python -m benchmarks.join_state --quick         # the tiny preset (a smoke run)
+    python -m benchmarks.join_state --model 35M --out benchmarks/results/join-35M.json
 
 Three loopback peers (benchmarks/harness/loopback.py: each its own DHT and p2p daemon, on 127.0.0.1).
 Peers 0 and 1 are donors: each builds the preset, wraps it in ``StreamingDiLoCo`` (blocking,
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness.results import RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import RESULTS_DIR, markdown_table, write_result
 from benchmarks.harness.loopback import LoopbackSwarm
 
 MiB = 1 << 20
@@ -164,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{r['peak_above_mib'] / r['state_mib']:.2f}" if r["state_mib"] else "-", round(r["largest_tensor_mib"])]
         for r in rows])
     print(table)
-    write_json(out, dict(command=command_line(argv), environment=environment(), settings=vars(args) | {"out": str(out)},
-                         rows=rows, table=table))
+    write_result(out, settings=vars(args) | {"out": out}, rows=rows, argv=argv, benchmark="join_state", table=table)
     print(f"wrote {out}")
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -1,13 +1,13 @@
 """Group size from the live peers: round times through deaths and a join (loopback, real peers).
 
-    .venv/bin/python benchmarks/live_group.py --out benchmarks/results/live-group.json
+    .venv/bin/python -m benchmarks.live_group --out benchmarks/results/live-group.json
 
 Six ``HivemindTransport`` peers (``benchmarks/harness/loopback.py``: one process each, own DHT,
 averager and p2p daemon), no ``target_group_size``, default timeouts (matchmaking 5 s, request 3 s,
 presence ttl 10 s), one fragment of 1000 fp32 elements, rounds driven by this script:
 
 1. rounds 0-2 with the 6 peers (round 0 is a cold start: no target yet);
-2. two peers SIGKILLed (whole process groups) right after round 2; rounds 3 and 4 launched at once
+2. two peers SIGKILLed (whole sessions: LoopbackPeer.kill) right after round 2; rounds 3 and 4 launched at once
    by the 4 survivors: the dead announced round 3 (when they launched round 2), not round 4;
 3. one more peer SIGKILLed right after round 4; the time until its announcement of round 5
    expires (the survivors' count drops to 3), then round 5;
@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from benchmarks.harness.results import command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import markdown_table, write_result
 from benchmarks.harness.loopback import LoopbackSwarm
 
 NUMEL = 1000
@@ -56,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in (0, 1, 2):
             rows.append(run_round(swarm, swarm.peers, rnd, "6 peers" + (" (cold start)" if rnd == 0 else "")))
         killed_at = time.monotonic()
-        for victim in swarm.peers[4:]:  # their process groups: DHT, averager and p2p daemon die too
-            os.killpg(victim.pid, 9)
+        for victim in swarm.peers[4:]:  # their sessions: DHT, averager and p2p daemon die too
+            victim.kill()
         survivors = swarm.peers[:4]
         rows.append(run_round(swarm, survivors, 3, "2 peers killed just before (they announced it)"))
         rows.append(run_round(swarm, survivors, 4, "the round after (not announced by the dead)"))
         killed_at = time.monotonic()
-        os.killpg(survivors[3].pid, 9)
+        survivors[3].kill()
         survivors = survivors[:3]
         while swarm.peers[0].call("call", "benchmarks.harness.loopback:live_ahead", fragment=0, round_index=5) != 3:
             time.sleep(0.2)
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                             for r in rows])
     print(table)
     if args.out:
-        write_json(args.out, dict(command=command_line(argv), environment=environment(), rows=rows, events=events,
-                                  table=table))
+        write_result(args.out, settings=vars(args), rows=rows, argv=argv, benchmark="live_group", events=events,
+                     table=table)
     return 0
 
 

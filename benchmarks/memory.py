@@ -1,7 +1,7 @@
 """Extra resident memory of StreamingDiLoCo over the plain training loop, on CPU.
 
-    python benchmarks/memory.py                     # 35M and 100M presets, 3 modes x 3 codecs (~15 min)
-    python benchmarks/memory.py --quick             # tiny model, 2 modes, fp32: a smoke run (~1 min)
+    python -m benchmarks.memory                     # 35M and 100M presets, 3 modes x 3 codecs (~15 min)
+    python -m benchmarks.memory --quick             # tiny model, 2 modes, fp32: a smoke run (~1 min)
 
 Every configuration runs in a fresh subprocess (this script with ``--child``): build the model
 and AdamW, take ``--warmup`` plain steps (the optimizer state exists), reset the peak-RSS mark
@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.harness.results import REPO_ROOT, RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.harness.procfs import reset_peak, status_kib
+from benchmarks.harness.results import REPO_ROOT, RESULTS_DIR, markdown_table, write_result
 
 MiB = 1 << 20
 MODES = ("blocking", "overlap", "eager")
@@ -47,23 +48,6 @@ CODECS = ("fp32", "fp4-e3m0", "topk-int2")
 
 
 # ---------------------------------------------------------------------------------------- child
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
 def held_bytes(diloco: Any) -> int:
     """Bytes of the distinct storages of the tensors the wrapper holds between steps."""
     import torch
@@ -99,6 +83,7 @@ def run_child(spec: dict) -> dict:
     from opendiloco_stream.algorithm import wrap
     from opendiloco_stream.compression import get_codec
     from opendiloco_stream.config import DiLoCoConfig
+    from opendiloco_stream.train.loop import inner_step
     from opendiloco_stream.train.models import build_model
     from opendiloco_stream.transport.local import LocalSwarm
 
@@ -109,17 +94,14 @@ def run_child(spec: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
 
-    def train_step() -> None:
-        x = torch.randint(vocab, (batch, seq), generator=gen)
-        model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def train_step() -> None:  # the trainer's inner step (fp32, no clipping)
+        inner_step(model, opt, torch.randint(vocab, (batch, seq + 1), generator=gen))
 
     for _ in range(spec["warmup"]):
         train_step()
     gc.collect()
-    rss_start = _status_kib("VmRSS")
-    peak_reset = _reset_peak()
+    rss_start = status_kib("VmRSS")
+    peak_reset = reset_peak()
     diloco = None
     if spec["mode"] != "plain":
         cfg = DiLoCoConfig(mode=spec["mode"], inner_steps=spec["inner_steps"], num_fragments=spec["fragments"],
@@ -130,14 +112,14 @@ def run_child(spec: dict) -> dict:
     for _ in range(spec["steps"]):
         train_step()
         if diloco is not None:
-            peak = max(peak, _status_kib("VmHWM"))
-            before = _status_kib("VmRSS")
-            _reset_peak()
+            peak = max(peak, status_kib("VmHWM"))
+            before = status_kib("VmRSS")
+            reset_peak()
             diloco.step(tokens=batch * seq)
-            sync_extra = max(sync_extra, _status_kib("VmHWM") - before)
+            sync_extra = max(sync_extra, status_kib("VmHWM") - before)
     gc.collect()
-    peak = max(peak, _status_kib("VmHWM"))
-    out = dict(spec, rss_start_mib=rss_start / 1024, rss_end_mib=_status_kib("VmRSS") / 1024,
+    peak = max(peak, status_kib("VmHWM"))
+    out = dict(spec, rss_start_mib=rss_start / 1024, rss_end_mib=status_kib("VmRSS") / 1024,
                peak_mib=peak / 1024, sync_extra_mib=sync_extra / 1024, peak_reset=peak_reset,
                seconds=time.perf_counter() - t0, params=sum(p.numel() for p in model.parameters()))
     if diloco is not None:
@@ -211,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          round(r["extra_end_mib"]), round(r["held_mib"]), round(r["sync_extra_mib"]), round(r["target_mib"]),
          round(r["extra_peak_mib"] / r["target_mib"], 2)]
         for r in rows if r["mode"] != "plain"])
-    write_json(out, dict(command=command_line(argv), environment=environment(), settings=base, rows=rows, table=table))
+    write_result(out, settings=base, rows=rows, argv=argv, benchmark="memory", table=table)
     print(f"wrote {out}")
     return 0
 

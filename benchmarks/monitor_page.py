@@ -1,12 +1,13 @@
 """The ``monitor --html`` page of a real swarm, rendered by headless Chromium: a screenshot check.
 
-    .venv/bin/python benchmarks/monitor_page.py [--peers 3] [--steps 100] [--out docs/img]
+    .venv/bin/python -m benchmarks.monitor_page [--peers 3] [--steps 100] [--out docs/img]
 
 Starts a bootstrap node and N real peers on 127.0.0.1 (tiny model, eager, fp4), runs
 ``monitor --html`` beside them while they train, stops it when they finish, then screenshots the
 page with headless Chromium (Debian package ``chromium``; offline: no network flags) and checks the
 picture: the size is right, the page is not blank, and every peer's curve colour is drawn in both
-charts. Writes ``<out>/monitor_page.png``, ``<out>/monitor_page.html`` and prints a JSON verdict;
+charts. Writes ``<out>/monitor_page.png``, ``<out>/monitor_page.html``, prints a JSON verdict and writes
+it in the result envelope (``--json``);
 exit 0 when the check passes, 1 when it fails, 2 when Chromium is not installed
 (``apt-get install chromium``). CI does not install Chromium; tests/test_monitor_page.py checks the
 page's content there.
@@ -23,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from benchmarks.harness.peers import TINY, PeerProcesses
+from benchmarks.harness.results import REPO_ROOT as ROOT, RESULTS_DIR, write_result
+from opendiloco_stream.commands.local_hivemind import stop_processes
 from opendiloco_stream.monitor_page import COLORS
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -75,45 +76,26 @@ def check_png(png: Path, n_peers: int, size=(960, 900)) -> dict:
 
 def run_swarm(workdir: Path, peers: int, steps: int, page: Path) -> list[dict]:
     """Train ``peers`` real peers to the end with a monitor writing ``page``; return their summaries."""
-    py = sys.executable
-    boot, addrs = start_bootstrap(workdir, "pagedemo")
-    procs = [boot]
-    try:
-        monitor = subprocess.Popen([py, "-m", "opendiloco_stream", "monitor", "--initial-peers", *addrs,
-                                    "--run-id", "pagedemo", "--interval", "2", "--html", str(page)],
-                                   stdout=open(workdir / "monitor.log", "w"), stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        procs.append(monitor)
-        workers = []
-        for r in range(peers):
-            cmd = [py, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", "pagedemo",
-                   "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
-                   "--mode", "eager", "--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10",
-                   "--steps", str(steps), "--shard", f"{r}/{peers}", "--no-join",
-                   "--metrics-file", str(workdir / f"peer{r}.jsonl")]
-            workers.append(subprocess.Popen(cmd, stdout=open(workdir / f"peer{r}.log", "w"),
-                                            stderr=subprocess.STDOUT, start_new_session=True))
-        procs += workers
-        deadline = time.monotonic() + 60 + 4.0 * steps
-        for p in workers:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                log = (workdir / f"peer{workers.index(p)}.log").read_text()[-3000:]
-                raise RuntimeError(f"a peer exited with {p.returncode}:\n{log}")
+    with PeerProcesses(workdir) as run:
+        addrs = run.bootstrap("pagedemo")
+        monitor = run.start("monitor", ["monitor", "--initial-peers", *addrs, "--run-id", "pagedemo",
+                                        "--interval", "2", "--html", str(page)])
+        workers = [run.peer(f"peer{r}", "--run-id", "pagedemo", *TINY, "--mode", "eager", "--codec", "fp4-e3m0",
+                            "--fragments", "2", "--inner-steps", "10", "--steps", str(steps),
+                            "--shard", f"{r}/{peers}", "--no-join") for r in range(peers)]
+        run.wait(workers, timeout=60 + 4.0 * steps)
         time.sleep(4)  # one more monitor refresh with the final records
-        stop_processes([monitor], grace=20)  # SIGTERM: the monitor writes the page and exits
-        from opendiloco_stream.train.loop import read_metrics
-
-        return [read_metrics(workdir / f"peer{r}.jsonl")[-1] for r in range(peers)]
-    finally:
-        stop_processes(procs, grace=10)
+        run.stop([monitor], grace=20)  # SIGTERM: the monitor writes the page and exits
+        return [run.records(f"peer{r}")[-1] for r in range(peers)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "img"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "img"), help="where the PNG and HTML go")
+    ap.add_argument("--json", type=Path, default=RESULTS_DIR / "monitor-page.json",
+                    help="the verdict as JSON, one row per peer (default: %(default)s)")
     args = ap.parse_args()
     chromium = find_chromium()
     if chromium is None:
@@ -136,6 +118,8 @@ def main() -> int:
                        png=str(png), chromium=subprocess.run([chromium, "--version"], capture_output=True,
                                                               text=True).stdout.strip())
     print(json.dumps(verdict, indent=1))
+    rows = [{"peer": r, "eval_loss": loss} for r, loss in enumerate(verdict["eval_loss"])]
+    write_result(args.json, settings=vars(args), rows=rows, benchmark="monitor_page", verdict=verdict)
     return 0 if verdict["ok"] else 1
 
 

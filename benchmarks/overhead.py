@@ -21,8 +21,8 @@ Everything runs on one torch thread by default (``--threads``).
 
 Usage (from the repository root)::
 
-    python benchmarks/overhead.py --preset full      # the numbers in docs/benchmarks-overhead.md
-    python benchmarks/overhead.py --smoke --out /tmp/o.json --img-dir /tmp   # seconds (tests)
+    python -m benchmarks.overhead --preset full      # the numbers in docs/benchmarks-overhead.md
+    python -m benchmarks.overhead --smoke --out /tmp/o.json --img-dir /tmp   # seconds (tests)
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.harness.results import (IMG_DIR, RESULTS_DIR, command_line, environment, markdown_table,
-                                       plot_bars, relative, time_ops, write_json)
+from benchmarks.harness.results import (IMG_DIR, RESULTS_DIR, command_line, markdown_table, plot_bars, relative,
+                                       time_ops, write_result)
 
 from opendiloco_stream.compression import CODEC_NAMES, get_codec, native
 from opendiloco_stream.config import RunConfig, load_config
@@ -91,11 +90,12 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
     """``train_worker``'s body (rank 0 of 1) as a generator, one inner step per ``next()``.
 
     ``wrapped``: with ``StreamingDiLoCo`` over a one-worker LocalSwarm, exactly as train_worker
-    builds it; otherwise the same loop without it. Keep in step with loop.py: ``mirror_check``
-    compares this loop's losses with train_worker's.
+    builds it; otherwise the same loop without it. The inner step is the trainer's own
+    (``train.loop.inner_step``); ``mirror_check`` compares this loop's losses with train_worker's,
+    so a change to how the trainer builds its parts shows here.
     """
     from opendiloco_stream.algorithm.diloco import wrap
-    from opendiloco_stream.train.loop import evaluate, lr_factor
+    from opendiloco_stream.train.loop import evaluate, inner_step, lr_factor, use_bf16_autocast
     from opendiloco_stream.train.models import build_model, transformer_blocks
     from opendiloco_stream.transport.factory import local_swarm
 
@@ -111,19 +111,13 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
     if wrapped:
         swarm = local_swarm(cfg, 1)
         diloco = wrap(model, opt, transport=swarm.transport(0), config=d, blocks=transformer_blocks(model))
-    evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device)
+    bf16 = use_bf16_autocast(tc.precision, device)
+    evaluate(model, val, tc.batch_size, cfg.data.max_val_batches, device, bf16)
     batches = train_source.batches(0, 1, tc.batch_size)
     for step in range(tc.steps):
         t0 = time.perf_counter()
         batch = next(batches).to(device)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
-        loss.backward()
-        if tc.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        loss = inner_step(model, opt, batch, bf16=bf16, clip_grad_norm=tc.clip_grad_norm, scheduler=sched)
         t1 = time.perf_counter()
         tokens = batch[:, 1:].numel()
         if diloco is not None:
@@ -307,14 +301,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     # One thread by default: with several, a busy machine stalls every OpenMP barrier and the
     # timings measure the scheduler instead of the code.
     torch.set_num_threads(args.threads)
-    command = command_line(argv)
+    command = command_line(argv, "benchmarks.overhead")
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    payload: dict[str, Any] = {"benchmark": "overhead", "command": command, "preset_name": args.preset,
-                               "preset": asdict(preset), "environment": environment()}
+    settings = {"preset_name": args.preset, "preset": asdict(preset), "threads": args.threads}
+    payload: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []  # the loops' runs: one per variant and repeat
     tables = {}
     if not args.skip_loop:
-        payload["loop"] = loop_benchmark(preset, progress)
-        tables["loop"] = loop_table(payload["loop"])
+        loop = loop_benchmark(preset, progress)
+        tables["loop"] = loop_table(loop)
+        rows = loop.pop("runs")
+        payload["loop"] = loop
     if not args.skip_codecs:
         payload["codecs"] = codec_benchmark(preset, progress)
         tables["codecs"] = codec_table(payload["codecs"])
@@ -328,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"{torch.get_num_threads()} CPU thread" + ("s" if torch.get_num_threads() > 1 else ""),
                 ylabel="GB/s of fp32 input (log)", note=command))]
     payload["tables_markdown"] = tables
-    write_json(out, payload)
+    write_result(out, settings=settings, rows=rows, argv=argv, benchmark="overhead", command=command, **payload)
     print(f"\n{command}\n")
     if "loop" in tables:
         print(f"tiny model, seq {preset.seq_len}, batch {preset.batch_size}, H={preset.inner_steps}, "

@@ -1,7 +1,7 @@
 """Host memory of real peers, process by process: the trainer, its averagers, its DHT and p2pd.
 
-    python benchmarks/peer_memory.py                     # 35M preset, 2 peers, P = 4, eager fp4 (~2 min)
-    python benchmarks/peer_memory.py --quick             # tiny preset: a smoke run (~40 s)
+    python -m benchmarks.peer_memory                     # 35M preset, 2 peers, P = 4, eager fp4 (~2 min)
+    python -m benchmarks.peer_memory --quick             # tiny preset: a smoke run (~40 s)
 
 ``benchmarks/memory.py`` measures what ``StreamingDiLoCo`` holds over a one-process ``LocalSwarm``. A
 real peer (``peer``, or ``local --transport hivemind``) also runs one forked averager process per
@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +35,8 @@ from typing import Any, Optional
 
 from opendiloco_stream.net.lifecycle import descendants
 
-from benchmarks.harness.results import RESULTS_DIR, command_line, environment, markdown_table, write_json
+from benchmarks.harness.peers import PeerProcesses
+from benchmarks.harness.results import RESULTS_DIR, markdown_table, write_result
 
 MiB = 1 << 20
 FIELDS = ("Pss", "Pss_Shmem", "Private_Dirty", "Rss")
@@ -98,15 +96,14 @@ def roles(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[dict]]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="ods-peer-memory-"))
-    cmd = [sys.executable, "-m", "opendiloco_stream", "local", "--transport", "hivemind", "--workers",
-           str(args.peers), "--model", args.model, "--fragments", str(args.fragments), "--inner-steps",
-           str(args.inner_steps), "--steps", str(args.steps), "--mode", args.mode, "--codec", args.codec,
-           "--batch-size", "2", "--threads", "1", "--no-progress", "--metrics-file", str(workdir / "m.jsonl")]
-    log = open(workdir / "run.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    command = ["local", "--transport", "hivemind", "--workers", str(args.peers), "--model", args.model,
+               "--fragments", str(args.fragments), "--inner-steps", str(args.inner_steps), "--steps", str(args.steps),
+               "--mode", args.mode, "--codec", args.codec, "--batch-size", "2", "--threads", "1", "--no-progress",
+               "--metrics-file", str(workdir / "m.jsonl")]
     best: tuple[int, list] = (0, [])
     deadline = time.monotonic() + args.timeout
-    try:
+    with PeerProcesses(workdir, grace=5.0) as launched:  # stops the run's whole session on the way out
+        proc = launched.start("run", command)
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the run took over {args.timeout:.0f} s (log: {workdir / 'run.log'})")
@@ -115,11 +112,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if total > best[0]:
                 best = (total, snapshot)
             time.sleep(args.every)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-        proc.wait()
-        log.close()
     if proc.returncode != 0:
         raise RuntimeError(f"the run exited with {proc.returncode}: {(workdir / 'run.log').read_text()[-2000:]}")
     shutil.rmtree(workdir, ignore_errors=True)
@@ -161,8 +153,8 @@ def main() -> None:
           f"(processes) at the run's peak, {result['peak_total_pss_mib']:.0f} MiB in all")
     print(markdown_table(["peer", *roles_order, "of which shared memory", "peer total"], table))
     out = args.out or RESULTS_DIR / f"peer-memory{'-quick' if args.quick else ''}.json"
-    write_json(out, {"command": command_line(), "environment": environment(), "settings": vars(args) | {"out": str(out)},
-                     **result})
+    peers = result.pop("peers")  # one row per peer: its processes' PSS by role
+    write_result(out, settings=vars(args) | {"out": out}, rows=peers, benchmark="peer_memory", **result)
     print(f"wrote {out}")
 
 

@@ -1,6 +1,6 @@
 """Groups formed ahead (``--prematch-steps K``) against groups formed at each round, in the trainer.
 
-    python benchmarks/prematch.py --out benchmarks/results/prematch-blocking-local.json
+    python -m benchmarks.prematch --out benchmarks/results/prematch-blocking-local.json
 
 Runs ``opendiloco-stream local --transport hivemind`` (real peers on 127.0.0.1, the built-in
 corpus) with ``--prematch-steps 0`` and ``--prematch-steps K``, alternating, ``--repeats`` times
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness.results import command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import markdown_table, write_result
 
 
 def run_once(k: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"{r['wait_s_median']:.3f}", f"{r['wait_s_per_peer']:.2f}", r["utilization"],
                            r["eval_loss"], f"{r['wall_s']:.1f}"] for r in runs]))
     if args.out:
-        write_json(args.out, dict(command=command_line(), environment=environment(), config=vars(args) | {
-            "out": str(args.out)}, runs=runs))
+        write_result(args.out, settings=vars(args), rows=runs, benchmark="prematch")
         print(f"wrote {args.out}")
     return 0
 

@@ -20,12 +20,12 @@ Three groups of runs (defaults otherwise: outer SGD lr 0.7, Nesterov momentum 0.
 
 Usage (from the repository root)::
 
-    python benchmarks/quality.py --preset full       # the numbers in docs/benchmarks-quality.md
-    python benchmarks/quality.py                     # --preset quick: 1 seed, 100 steps
-    python benchmarks/quality.py --smoke --out /tmp/q.json --img-dir /tmp   # seconds (tests)
-    python benchmarks/quality.py --only eager,naive-delayed --seeds 0,1,2
-    python benchmarks/quality.py --preset full --resume   # run only what --out does not hold yet
-    python benchmarks/quality.py --preset delays --img-dir docs/img   # modes at link delays D (issue 28)
+    python -m benchmarks.quality --preset full       # the numbers in docs/benchmarks-quality.md
+    python -m benchmarks.quality                     # --preset quick: 1 seed, 100 steps
+    python -m benchmarks.quality --smoke --out /tmp/q.json --img-dir /tmp   # seconds (tests)
+    python -m benchmarks.quality --only eager,naive-delayed --seeds 0,1,2
+    python -m benchmarks.quality --preset full --resume   # run only what --out does not hold yet
+    python -m benchmarks.quality --preset delays --img-dir docs/img   # modes at link delays D (issue 28)
 
 Prints markdown tables, writes JSON (``--out``, default ``benchmarks/results/quality-<preset>.json``,
 rewritten after every run so an interrupted run keeps what it finished) and PNG plots
@@ -35,7 +35,6 @@ rewritten after every run so an interrupted run keeps what it finished) and PNG 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -46,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from benchmarks._quality_report import OUTER_CHECKS, OUTER_MODES, report
-from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, command_line, environment, write_json
+from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, command_line, environment, read_result, write_payload
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at
 from opendiloco_stream.config import RunConfig, load_config
@@ -312,6 +311,23 @@ def _seeds(text: Optional[str], default: tuple[int, ...]) -> tuple[int, ...]:
         raise ValueError(f"seeds must be comma-separated integers, got {text!r}") from None
 
 
+def _take_previous(previous: dict[str, Any], payload: dict[str, Any], preset: Preset, command: str, *, check: bool,
+                   resume: bool) -> Preset:
+    """Carry an earlier result's runs, first command and environment into ``payload``; its preset.
+    ``check``: refuse (ValueError) a result made with another preset or other seeds."""
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in previous["settings"]["preset"].items()}
+    if check and saved != asdict(preset):
+        raise ValueError(f"made with other settings ({previous['command']}); resume needs the same preset and "
+                         "seeds")
+    # keep the first command and add this one: the docs must show every command that ran
+    commands = previous.get("commands", [previous["command"]])
+    payload["settings"]["preset"] = previous["settings"]["preset"]
+    payload.update(rows=previous["rows"], wall_time_s=previous.get("wall_time_s", 0.0),
+                   environment=previous["environment"], commit=previous["commit"], command=previous["command"],
+                   commands=commands + ([command] if resume and command not in commands else []))
+    return Preset(**saved)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     preset = PRESETS[args.preset]
@@ -332,38 +348,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         variant_list = [v for v in variant_list if v.name in wanted]
     out = args.out or RESULTS_DIR / f"quality-{args.preset}.json"
     img_dir = args.img_dir or (out.parent if args.preset == "smoke" else IMG_DIR)
-    command = command_line(argv)
+    command = command_line(argv, "benchmarks.quality")
     # workers are threads: split the cores between them as the ``local`` command does
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // preset.workers))
 
-    payload: dict[str, Any] = {"benchmark": "quality", "command": command, "preset_name": args.preset,
-                               "preset": asdict(preset), "environment": environment(),
-                               "variants": [asdict(v) for v in variant_list], "runs": [], "wall_time_s": 0.0}
+    env = environment()
+    payload: dict[str, Any] = {"benchmark": "quality", "command": command, "commit": env.get("git_commit"),
+                               "environment": env, "settings": {"preset_name": args.preset, "preset": asdict(preset),
+                                                                "variants": [asdict(v) for v in variant_list]},
+                               "rows": [], "wall_time_s": 0.0}
     if args.render_only or args.resume:
-        if not out.is_file():
-            if args.render_only:
-                print(f"error: --render-only needs an existing result file; {out} is missing", file=sys.stderr)
+        if not out.is_file() and args.render_only:
+            print(f"error: --render-only needs an existing result file; {out} is missing", file=sys.stderr)
+            return 2
+        if out.is_file():
+            try:
+                preset = _take_previous(read_result(out), payload, preset, command, check=not args.render_only,
+                                        resume=args.resume)
+            except ValueError as e:
+                print(f"error: {out}: {e}", file=sys.stderr)
                 return 2
-        else:
-            previous = json.loads(out.read_text())
-            saved = {k: tuple(v) if isinstance(v, list) else v for k, v in previous["preset"].items()}
-            if not args.render_only and saved != asdict(preset):
-                print(f"error: {out} was made with other settings ({previous.get('command')}); "
-                      "resume needs the same preset and seeds", file=sys.stderr)
-                return 2
-            preset = Preset(**saved)
-            # keep the first command and add this one: the docs must show every command that ran
-            commands = previous.get("commands", [previous["command"]])
-            payload.update(runs=previous["runs"], wall_time_s=previous.get("wall_time_s", 0.0),
-                           environment=previous["environment"], command=previous["command"],
-                           commands=commands + ([command] if args.resume and command not in commands else []))
         if args.render_only:
             return report(payload, preset, variant_list, out, img_dir, args.no_plots)
 
     # every seed-0 run first: an interrupted benchmark (JSON is rewritten after every run) then
     # still has the whole mode comparison and codec grid for one seed
     seeds = sorted(set(preset.mode_seeds) | set(preset.codec_seeds))
-    done = {(r["variant"], r["seed"]) for r in payload["runs"]}
+    done = {(r["variant"], r["seed"]) for r in payload["rows"]}
     jobs = [(v, s) for s in seeds for v in variant_list
             if s in (preset.mode_seeds if v.group == "mode" else preset.codec_seeds) and (v.name, s) not in done]
     data_cache: dict = {}
@@ -373,13 +384,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = make_config(preset, v, seed)
         result = train_run(cfg, preset.workers, data_cache, v.link_delay)
         s = result["summary"]
-        payload["runs"].append({"variant": v.name, "group": v.group, "seed": seed, "link_delay": v.link_delay,
+        payload["rows"].append({"variant": v.name, "group": v.group, "seed": seed, "link_delay": v.link_delay,
                                 "config": cfg.diloco.model_dump(mode="json"), **result})
         print(f"[{i}/{len(jobs)}] {v.name} seed {seed}: eval loss {s['eval_loss_initial']:.3f} -> "
               f"{s['eval_loss']:.4f}, outer parameters {s.get('eval_loss_global', float('nan')):.4f} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         payload["wall_time_s"] = time.perf_counter() - started
-        write_json(out, payload)  # after every run: an interrupted benchmark keeps what it finished
+        write_payload(out, payload)  # after every run: an interrupted benchmark keeps what it finished
     return report(payload, preset, variant_list, out, img_dir, args.no_plots)
 
 

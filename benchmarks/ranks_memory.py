@@ -1,7 +1,7 @@
 """Memory per rank of a multi-rank peer: DDP (whole model on every rank) against FSDP2 (``--sharding fsdp``).
 
-    python benchmarks/ranks_memory.py                        # 35M and 100M presets, 2 ranks (~3 min)
-    python benchmarks/ranks_memory.py --models tiny --ranks 2  # a smoke run
+    python -m benchmarks.ranks_memory                        # 35M and 100M presets, 2 ranks (~3 min)
+    python -m benchmarks.ranks_memory --models tiny --ranks 2  # a smoke run
 
 For each preset and each kind, K gloo ranks on 127.0.0.1 (one child process each, this script with
 ``--child``) build the model, wrap it (``DistributedDataParallel``, or ``fully_shard`` per block and
@@ -29,8 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.harness.results import REPO_ROOT, RESULTS_DIR, command_line, environment, markdown_table, write_json
-from benchmarks.memory import _status_kib as _rss_kib
+from benchmarks.harness.procfs import status_kib as _rss_kib
+from benchmarks.harness.results import REPO_ROOT, RESULTS_DIR, markdown_table, write_result
 
 MiB = 1 << 20
 
@@ -52,8 +52,8 @@ def _storage_bytes(tensors) -> int:
 def child(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
+    from opendiloco_stream.train.loop import inner_step
     from opendiloco_stream.train.models import build_model, transformer_blocks
 
     torch.set_num_threads(1)
@@ -71,10 +71,7 @@ def child(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(args.rank)
     for _ in range(args.steps):
         batch = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g)
-        logits = net(input_ids=batch[:, :-1]).logits
-        F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # gradients stay allocated, as between two steps of a run
+        inner_step(net, opt, batch, set_to_none=False)  # gradients stay allocated, as between two steps of a run
     params = list(model.parameters())
     moments = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     state = _storage_bytes(params) + _storage_bytes(p.grad for p in params) + _storage_bytes(moments)
@@ -148,7 +145,8 @@ def main() -> None:
     print(markdown_table(["model", "params", "DDP state MiB/rank", "FSDP2 state MiB/rank", "ratio",
                           "DDP peak extra MiB/rank", "FSDP2 peak extra MiB/rank"], table))
     out = args.out or RESULTS_DIR / "ranks-memory.json"
-    write_json(out, {"command": command_line(), "environment": environment(), "ranks": args.ranks, "rows": rows})
+    settings = {k: v for k, v in vars(args).items() if k in ("models", "ranks", "steps", "timeout", "out")}
+    write_result(out, settings=settings, rows=rows, benchmark="ranks_memory")
     print(f"wrote {out}")
 
 

@@ -1,8 +1,8 @@
 """Soak: 3 loopback peers doing all-reduce rounds continuously; does resident memory grow?
 
-    python benchmarks/soak.py              # 30 minutes
-    python benchmarks/soak.py --quick      # 3 minutes
-    python benchmarks/soak.py --minutes M [--numel N] [--sample-s S] [--out PATH]
+    python -m benchmarks.soak              # 30 minutes
+    python -m benchmarks.soak --quick      # 3 minutes
+    python -m benchmarks.soak --minutes M [--numel N] [--sample-s S] [--out PATH]
 
 Peers are ``LoopbackSwarm`` processes (benchmarks/harness/loopback.py: each its own session with its
 DHT, averager processes and p2pd). Rounds: one fragment of ``--numel`` fp32 values (default 1M,
@@ -18,17 +18,15 @@ to stdout, JSON to ``--out`` (default benchmarks/results/soak.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import threading
 import time
 from pathlib import Path
 
 from benchmarks.harness.loopback import LoopbackSwarm
+from benchmarks.harness.results import RESULTS_DIR, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _stat(pid: int):
@@ -112,7 +110,8 @@ class Sampler(threading.Thread):
             self.stop_event.wait(self.period)
 
 
-def run(minutes: float, numel: int, sample_s: float, out: Path) -> dict:
+def run(minutes: float, numel: int, sample_s: float) -> dict:
+    """Rounds among 3 loopback peers for ``minutes``, each process's RSS sampled: the report."""
     duration = minutes * 60
     swarm = LoopbackSwarm(3, run_id="soak", transport_kwargs=dict(
         codec="fp32", target_group_size=3, matchmaking_time=3.0, request_timeout=1.0))
@@ -169,16 +168,14 @@ def run(minutes: float, numel: int, sample_s: float, out: Path) -> dict:
                              growth_second_half_mb_per_hour=round(slope_per_hour(late), 2))
     failed = sum(failures.values())
     report = dict(
-        benchmark="soak", minutes=minutes, duration_s=round(elapsed, 1), startup_s=round(startup_s, 1),
+        minutes=minutes, duration_s=round(elapsed, 1), startup_s=round(startup_s, 1),
         peers=3, numel=numel, codec="fp32", sample_s=sample_s, warmup_s=round(warmup, 1),
         rounds=rounds, failed_rounds=failed, failures=failures,
         round_s=dict(mean=round(sum(round_s) / max(1, len(round_s)), 3),
                      max=round(max(round_s, default=0.0), 3)),
         per_peer=totals, processes=procs,
-        machine=dict(cpus=os.cpu_count(), python=platform.python_version(), load_1m=os.getloadavg()[0]),
+        load_1m_at_end=os.getloadavg()[0],
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
@@ -202,10 +199,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 minutes")
     ap.add_argument("--numel", type=int, default=1_000_000)
     ap.add_argument("--sample-s", type=float, default=3.0)
-    ap.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
     a = ap.parse_args(argv)
-    report = run(3.0 if a.quick else a.minutes, a.numel, a.sample_s, a.out)
+    report = run(3.0 if a.quick else a.minutes, a.numel, a.sample_s)
     print_table(report)
+    processes = report.pop("processes")
+    write_result(a.out, settings=vars(a), rows=processes, argv=argv, benchmark="soak", **report)
     print(f"wrote {a.out}")
     return 0
 

@@ -5,17 +5,19 @@ checked against what ``reduce_in_process`` counts (the bytes ``LocalSwarm`` repo
 of a 1M-element fragment at each M. No network: the WAN benchmark measures the same payloads plus
 framing (0.01-0.06 % at 1 MiB chunks, docs/architecture.md).
 
-    python benchmarks/sparse_bytes.py                      # markdown table (docs/sparse.md)
-    python benchmarks/sparse_bytes.py --numel 2000000 --inner-steps 100
+    python -m benchmarks.sparse_bytes                      # markdown table (docs/sparse.md)
+    python -m benchmarks.sparse_bytes --numel 2000000 --inner-steps 100
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
+from benchmarks.harness.results import RESULTS_DIR, write_result
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.transport.reduce import reduce_in_process
 
@@ -41,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=100, help="H (data-parallel syncs H times per outer round)")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     p.add_argument("--no-check", action="store_true", help="formula only (no in-process round)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "sparse-bytes.json", help="JSON results (default: %(default)s)")
     args = p.parse_args(argv)
     H, n = args.inner_steps, args.numel
     rows = [("fp32", 1.0), ("fp4-e3m0", 1.0), ("topk-int2", 0.01), ("topk-int2", 0.02), ("topk-int2", 0.05)]
     print(f"| codec | density | M | result | bits sent / value / peer / round | vs fp32 DiLoCo | "
           f"vs data-parallel fp32 (H={H}) |")
     print("|---|---:|---:|---|---:|---:|---:|")
+    table = []
     for M in args.workers:
         dp = None
         for name, density in rows:
@@ -57,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             how = "forwarded contributions" if result is None else f"mean in {result.name}"
             print(f"| {name} | {density if name.startswith('topk') else '—'} | {M} | {how} | {bits:.3f} | "
                   f"{dp / bits:.1f}x | {H * dp / bits:,.0f}x |")
+            table.append({"codec": name, "density": density, "workers": M, "result": how, "bits_per_value": bits,
+                          "vs_fp32_diloco": dp / bits, "vs_data_parallel_fp32": H * dp / bits})
+    write_result(args.out, settings=vars(args), rows=table, argv=argv, benchmark="sparse_bytes")
     return 0
 
 

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional
 
 from benchmarks.harness.peers import TINY, train_peers
 from opendiloco_stream.testing import faults
-from benchmarks.harness.results import command_line, environment, markdown_table, write_json
+from benchmarks.harness.results import markdown_table, write_result
 
 def run_scenario(workdir: Path, run_id: str, delays: list[float], *, steps: int, inner_steps: int, fragments: int,
                  codec: str = "fp32", matchmaking_time: float = 5.0, request_timeout: float = 3.0,
@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nstraggler step / fast step: {slowdown:.2f}x; fast peers' steady utilization: "
           + ", ".join(f"{r['scenario']} {100 * r['fast_steady_utilization']:.1f}%" for r in results))
     if args.out:
-        write_json(args.out, dict(command=command_line(argv), environment=environment(), bare_step_s=bare,
-                                  slowdown=slowdown, settings=vars(args), scenarios=results, table=table))
+        write_result(args.out, settings=vars(args), rows=results, argv=argv, benchmark="straggler", bare_step_s=bare,
+                     slowdown=slowdown, table=table)
         print(f"wrote {args.out}")
     return 0
 

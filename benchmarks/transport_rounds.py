@@ -1,7 +1,7 @@
 """Time and bytes per all-reduce round of the hivemind transport, 3 real peers on 127.0.0.1.
 
-    python benchmarks/transport_rounds.py --out runs/transport_rounds.json
-    python benchmarks/transport_rounds.py --codecs fp32 fp4-e3m0 --numels 1000000 --rounds 5
+    python -m benchmarks.transport_rounds --out runs/transport_rounds.json
+    python -m benchmarks.transport_rounds --codecs fp32 fp4-e3m0 --numels 1000000 --rounds 5
 
 For each codec: start 3 peers (``LoopbackSwarm``), declare one fragment per size, run one warm-up
 round and ``--rounds`` measured rounds per size. Every peer calls ``all_reduce`` at the same
@@ -27,7 +27,7 @@ run ``GLOO_BETWEEN`` rounds right after each of our timed rounds: ``ours_over_gl
 each of our rounds over the median of those, ``ours_over_gloo_between_median`` their median, a
 ratio taken in the machine's state of that very round. ``--numels 10000000 50000000`` gives the
 10M and 50M rows. With
-``--gloo``, each row also gets ``codec_floor_s`` (``codec_floor.py``): the codec work of the same
+``--gloo``, each row also gets ``codec_floor_s`` (``benchmarks/harness/codec_work.py``): the codec work of the same
 round alone (encode, checks, mean, decode, the host's copy), spread over this machine's cores,
 which no implementation of the round on these cores beats. With ``--prematch``, every size gets a
 second row from rounds that alternate with the plain ones in the same swarm: each peer forms the
@@ -35,7 +35,7 @@ group ahead (``Transport.prematch`` when the command arrives, ``START_AHEAD_S`` 
 so matchmaking is off the round's critical path, as with the trainer's ``--prematch-steps``.
 
 Loopback numbers measure CPU (encode, decode, reduce) and the p2p daemons, not a network. With
-``--link-mbit R`` (root; ``benchmarks/netns.py``) every peer, and every gloo rank, runs in its own
+``--link-mbit R`` (root; ``benchmarks/harness/netns.py``) every peer, and every gloo rank, runs in its own
 network namespace behind a link shaped to R Mbit/s each way by ``tc tbf``: a row then also
 reports ``link_floor_s``, the time the link needs for the bytes the busiest peer sent or received
 (the fastest any transport could move those bytes), and gloo runs over the same shaped links.
@@ -45,7 +45,6 @@ All peers share this machine's cores.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -54,6 +53,7 @@ from typing import Optional
 
 from benchmarks.harness.gloo import GlooRanks, time_gloo
 from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
+from benchmarks.harness.results import write_result
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
 
 PEERS = 3
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time a torch.distributed gloo fp32 all_reduce of each size (gloo_round_s per row)")
     p.add_argument("--link-mbit", type=float,
                    help="run every peer and gloo rank in its own network namespace behind a link shaped to this "
-                        "many Mbit/s each way (tc tbf; needs root, see benchmarks/netns.py)")
+                        "many Mbit/s each way (tc tbf; needs root, see benchmarks/harness/netns.py)")
     p.add_argument("--loopback-mbit", type=float, default=LOOPBACK_MBIT,
                    help="the link rate the transport is told on 127.0.0.1 (chunk size and timeouts derive from it; "
                         "100: the 1 MiB chunks of earlier runs)")
@@ -260,12 +260,12 @@ def _run(args: argparse.Namespace, topo, probe: Optional[dict], ranks: Optional[
             print(f"gloo fp32 all_reduce, {PEERS} processes, {numel:,} elements: {gloo[numel]:.3f} s", flush=True)
     floors = {}
     if args.gloo:  # the codec work alone, spread over this machine's cores (codec_floor.py)
-        from benchmarks import codec_floor
+        from benchmarks.harness.codec_work import measure
 
         chunk = resolve_chunk_bytes(args.chunk_bytes, topo.rate_mbit if topo is not None else args.loopback_mbit)
         for codec in args.codecs:
             for numel in args.numels:
-                floors[(codec, numel)] = codec_floor.measure(codec, numel, PEERS, repeats=3, chunk_bytes=chunk)["floor_s"]
+                floors[(codec, numel)] = measure(codec, numel, PEERS, repeats=3, chunk_bytes=chunk)["floor_s"]
                 print(f"codec floor {codec}, {numel:,} elements: {floors[(codec, numel)]:.3f} s", flush=True)
     extra = (" gloo s  | ours/gloo | floor s |", "---------|-----------|---------|") if gloo else ("", "")
     if topo is not None:
@@ -287,7 +287,7 @@ def _run(args: argparse.Namespace, topo, probe: Optional[dict], ranks: Optional[
                   + (f", {row['ours_over_gloo_between_median']:.1f}x gloo between rounds (median of "
                      f"{len(row['ours_over_gloo_between'])} ratios; gloo {row['gloo_between_s_median']:.3f} s)"
                      if "ours_over_gloo_between" in row else ""))
-    report = dict(peers=PEERS, rows=rows, gloo_round_s={str(n): t for n, t in gloo.items()},
+    report = dict(gloo_round_s={str(n): t for n, t in gloo.items()},
                   codec_floor_s={f"{c} {n}": t for (c, n), t in floors.items()}, start_ahead_s=START_AHEAD_S)
     if topo is not None:
         report.update(link_mbit=topo.rate_mbit, probe_mbit_s=probe["mbit_s"])
@@ -299,8 +299,8 @@ def _run(args: argparse.Namespace, topo, probe: Optional[dict], ranks: Optional[
               f"the kill; next round: group of {kill['next_round_group']} in {kill['next_round_s']:.2f}s "
               f"(includes matchmaking_time {kill['matchmaking_time']}s)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        write_result(args.out, settings=vars(args) | {"peers": PEERS}, rows=rows,
+                     benchmark="transport_rounds", **report)
         print(f"wrote {args.out}")
     return 0
 

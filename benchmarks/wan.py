@@ -1,12 +1,12 @@
 """WAN benchmark: real ``peer`` processes in network namespaces behind ``tc tbf`` links.
 
-    sudo .venv/bin/python benchmarks/wan.py --quick --out benchmarks/results/wan-quick.json
-    sudo .venv/bin/python benchmarks/wan.py --rates 5,20,100 --out benchmarks/results/wan-full.json
-    sudo .venv/bin/python benchmarks/wan.py --cleanup          # remove leftovers of killed runs
+    sudo .venv/bin/python -m benchmarks.wan --quick --out benchmarks/results/wan-quick.json
+    sudo .venv/bin/python -m benchmarks.wan --rates 5,20,100 --out benchmarks/results/wan-full.json
+    sudo .venv/bin/python -m benchmarks.wan --cleanup          # remove leftovers of killed runs
 
 For each link rate R and each mode (data-parallel, DiLoCo blocking P=1, streaming blocking,
 streaming tau=1, streaming eager) x codec, it starts a bootstrap node and M peers, each in its own
-namespace with an R Mbit/s link each way (``benchmarks/netns.py``), trains the tiny model for the
+namespace with an R Mbit/s link each way (``benchmarks/harness/netns.py``), trains the tiny model for the
 same number of inner steps (data-parallel: fewer, see ``--dp-budget``) and records, per run:
 compute utilization, tokens/s, bytes per peer from our accounting and from the interface
 counters, peak bytes per sync, time blocked on the network, and the final eval loss.
@@ -41,7 +41,7 @@ from benchmarks.harness import netns
 from benchmarks.wan_report import CODEC_BITS, wire_bits
 
 SPARSE = ("topk-int2", "topk-int4")  # at their defaults (2 %, 1024-value chunks)
-from benchmarks.harness.results import command_line, environment, write_json
+from benchmarks.harness.results import command_line, environment, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # the venv's python, by absolute path, also inside the namespaces
@@ -320,7 +320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"removed {len(stale)} namespaces left by earlier runs", file=sys.stderr)
     specs = plan(args)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="ods-wan-"))
-    env = {**environment(), "command": command_line(argv)}
+    env = {**environment(), "command": command_line(argv, "benchmarks.wan")}
     print(f"{len(specs)} runs, {args.peers} peers, rates {args.rates} Mbit/s; metrics and logs in {root}",
           file=sys.stderr)
     records: list[dict[str, Any]] = []
@@ -346,7 +346,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 records.append(rec)
                 print(wan_report.one_line(rec), file=sys.stderr, flush=True)
                 if args.out:
-                    write_json(args.out, records)  # after every run: an interrupted benchmark keeps its runs
+                    # after every run: an interrupted benchmark keeps its runs
+                    write_result(args.out, settings=vars(args), rows=records, argv=argv, benchmark="wan",
+                                 environment_info=env, command=env["command"])
     wan_report.finish(records, args.report, args.plots)
     return 0
 

@@ -1,6 +1,6 @@
 """The report of a wan.py results file: table, headline, bytes per token, wire accounting, simulator, plots.
 
-    python benchmarks/wan_report.py benchmarks/results/wan-quick.json --report out.md --plots docs/img/wan-quick
+    python -m benchmarks.wan_report benchmarks/results/wan-quick.json --report out.md --plots docs/img/wan-quick
 
 The simulator comparison runs ``opendiloco-stream simulate`` (in-process, same flags as the CLI)
 with each run's measured step time, link rate, H, P, payload bits and group size, once with no
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.harness.results import markdown_table, plot_bars
+from benchmarks.harness.results import markdown_table, plot_bars, read_result
 from benchmarks.wan_records import clean, mean, rounds_per_peer
 
 LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
@@ -309,11 +309,11 @@ def _nan(x: Any, key: str = "") -> Any:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Report of a wan.py results file")
-    p.add_argument("results", help="JSON written by wan.py --out")
+    p.add_argument("results", help="JSON written by benchmarks.wan --out (its rows: one record per run)")
     p.add_argument("--report", help="write the markdown here")
     p.add_argument("--plots", help="PNG path prefix, e.g. docs/img/wan-quick")
     args = p.parse_args(argv)
-    finish(_nan(json.loads(Path(args.results).read_text())), args.report, args.plots)
+    finish(_nan(read_result(args.results)["rows"]), args.report, args.plots)
     return 0
 
 

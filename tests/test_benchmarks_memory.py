@@ -51,8 +51,8 @@ def test_peer_memory_quick_finds_every_process_of_each_peer_and_the_averagers_bu
     r = json.loads(out.read_text())
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model("tiny", vocab_size=259, seq_len=128).parameters())
-    assert len(r["peers"]) == 2
-    for peer in r["peers"]:
+    assert len(r["rows"]) == 2  # one row per peer
+    for peer in r["rows"]:
         counts = {role: peer[role]["processes"] for role in ("trainer", "averagers", "dht", "p2pd")}
         assert counts == {"trainer": 1, "averagers": 4, "dht": 1, "p2pd": 1}, counts
         # the buffers at least, plus at most a few MiB of other shared pages: one run of the full suite
@@ -60,4 +60,4 @@ def test_peer_memory_quick_finds_every_process_of_each_peer_and_the_averagers_bu
         buffers = 2 * params * 4 / (1 << 20)
         assert buffers * 0.85 <= peer["shared_mib"] <= buffers * 1.15 + 4.0, (peer, params)
         assert peer["total_pss_mib"] == pytest.approx(sum(v["Pss"] for v in peer.values() if isinstance(v, dict)))
-    assert r["peak_total_pss_mib"] >= sum(peer["total_pss_mib"] for peer in r["peers"])
+    assert r["peak_total_pss_mib"] >= sum(peer["total_pss_mib"] for peer in r["rows"])

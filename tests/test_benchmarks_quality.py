@@ -34,19 +34,19 @@ def quality(tmp_path_factory) -> tuple[dict, str, Path]:
 
 def test_quality_smoke_runs_every_variant_at_equal_tokens(quality):
     result, stdout, _ = quality
-    names = {r["variant"] for r in result["runs"]}
+    names = {r["variant"] for r in result["rows"]}
     expected = {"data-parallel", "diloco", "streaming", "streaming-tau1", "eager", "naive-delayed"}
     expected |= {f"eager-{c}{ef}" for c in ("fp16", "int8", "fp4-e3m0", "fp4-e2m1") for ef in ("", "-ef")}
     expected |= {f"{m}-{c}" for m in ("streaming", "eager", "naive-delayed") for c in ("olr0.4", "mom0")}
     expected |= {"streaming-fp4-e3m0", "streaming-fp4-e2m1"}
     assert names == expected
-    tokens = {r["summary"]["tokens"] for r in result["runs"]}
+    tokens = {r["summary"]["tokens"] for r in result["rows"]}
     assert len(tokens) == 1, tokens  # equal tokens across modes is the point of the comparison
-    for r in result["runs"]:
+    for r in result["rows"]:
         s = r["summary"]
         assert s["eval_loss"] < s["eval_loss_initial"], (r["variant"], s["eval_loss_initial"], s["eval_loss"])
         steps = [step for step, _ in r["eval_curve"]]
-        assert steps[0] == 0 and steps[-1] == result["preset"]["steps"] and steps == sorted(steps)
+        assert steps[0] == 0 and steps[-1] == result["settings"]["preset"]["steps"] and steps == sorted(steps)
     assert result["command"].startswith("python -m benchmarks.quality --smoke")
     for label in ("naive-delayed", "streaming tau=1", "data-parallel", "fp4-e2m1"):
         assert label in stdout
@@ -74,17 +74,17 @@ def test_quality_smoke_writes_plots(quality):
 
 def test_quality_resume_runs_only_what_is_missing(quality, tmp_path):
     result, _, _ = quality
-    partial = dict(result, runs=[r for r in result["runs"] if r["variant"] != "eager-int8"])
+    partial = dict(result, rows=[r for r in result["rows"] if r["variant"] != "eager-int8"])
     out = tmp_path / "q.json"
     out.write_text(json.dumps(partial))
     proc = run_benchmark("quality", "--smoke", "--resume", "--no-plots", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("seed 0: eval loss") == 1 and "eager-int8 seed 0" in proc.stderr
     resumed = json.loads(out.read_text())
-    assert len(resumed["runs"]) == len(result["runs"])
+    assert len(resumed["rows"]) == len(result["rows"])
     # the local swarm is deterministic: the re-run reproduces the first run's numbers exactly
-    again = next(r for r in resumed["runs"] if r["variant"] == "eager-int8")["summary"]
-    first = next(r for r in result["runs"] if r["variant"] == "eager-int8")["summary"]
+    again = next(r for r in resumed["rows"] if r["variant"] == "eager-int8")["summary"]
+    first = next(r for r in result["rows"] if r["variant"] == "eager-int8")["summary"]
     assert again["eval_loss"] == first["eval_loss"] and again["bytes_sent"] == first["bytes_sent"]
 
 
@@ -107,8 +107,8 @@ def test_overhead_smoke_measures_loops_and_every_codec(tmp_path):
     # the benchmark's mirrored loop is train_worker's body: same losses, step for step
     check = result["loop"]["mirror_check"]
     assert check["same_length"] and check["max_abs_loss_diff"] == 0.0, check
-    runs = result["loop"]["runs"]
-    assert {r["timed_steps"] for r in runs} == {result["preset"]["steps"] - result["preset"]["warmup"]}
+    preset = result["settings"]["preset"]
+    assert {r["timed_steps"] for r in result["rows"]} == {preset["steps"] - preset["warmup"]}
     codecs = result["codecs"]["codecs"]
     from opendiloco_stream.compression.wire import CODEC_NAMES
 

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -245,32 +244,30 @@ def test_gpu_benchmark_says_in_one_line_that_it_needs_cuda():
     assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr
 
 
-def test_gpu_benchmark_loop_runs_on_cpu():
-    from benchmarks import gpu
+def test_gpu_benchmark_loop_and_codec_check_run_on_cpu(tmp_path):
+    from opendiloco_stream.compression import CODEC_NAMES
 
-    args = gpu.parse_args(["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--vocab-size",
-                           "256", "--fragments", "2", "--inner-steps", "2", "--precision", "fp32"])
-    assert isinstance(args, Namespace)
-    row = gpu.run_preset("tiny", args, device="cpu")
+    out = tmp_path / "gpu.json"
+    proc = run_benchmark("gpu", "--device", "cpu", "--presets", "tiny", "--steps", "4", "--warmup", "1",
+                         "--batch-size", "2", "--seq-len", "32", "--vocab-size", "256", "--fragments", "2",
+                         "--inner-steps", "2", "--precision", "fp32", "--codec-numel", "4096", "--codec-repeats", "2",
+                         "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "gpu" and result["command"].startswith("python -m benchmarks.gpu --device cpu")
+    (row,) = result["rows"]
     assert row["steps"] == 4 and row["tokens_per_s"] > 0 and row["peak_memory_gib"] == 0
     assert 0 < row["wrapper_share"] < 1 and row["wrapper_step_ms_max"] >= row["wrapper_step_ms_mean"]
     # the one-member LocalSwarm's rounds ran inside diloco.step(): counted apart, a part of the wrapper's time
     assert 0 < row["transport_in_process_ms_mean"] < row["wrapper_step_ms_mean"]
     assert 0 <= row["wrapper_share_without_transport"] < row["wrapper_share"]
-    plain = gpu.run_preset("tiny", args, device="cpu", wrapper=False)
+    (plain,) = result["plain_rows"]
     assert plain["steps"] == 4 and not plain["wrapper"] and plain["tokens_per_s"] > 0
     assert plain["wrapper_step_ms_max"] == 0 and plain["wrapper_share"] == 0  # no diloco.step() in the plain loop
-
-
-def test_gpu_benchmark_codec_check_runs_on_cpu():
-    from benchmarks import gpu
-
-    from opendiloco_stream.compression import CODEC_NAMES
-
-    res = gpu.codec_rows(4096, 2, device="cpu")
-    assert [r["codec"] for r in res["rows"]] == list(CODEC_NAMES)
-    for r in res["rows"]:  # the CPU against itself: every codec is deterministic without stochastic rounding
+    codecs = result["codecs"]["rows"]
+    assert [r["codec"] for r in codecs] == list(CODEC_NAMES)
+    for r in codecs:  # the CPU against itself: every codec is deterministic without stochastic rounding
         assert r["same_bytes_as_cpu"] and r["same_values_as_cpu"], r
         assert r["encode_gb_per_s"] > 0 and r["decode_gb_per_s"] > 0
-    by = {r["codec"]: r["wire_bytes"] for r in res["rows"]}
+    by = {r["codec"]: r["wire_bytes"] for r in codecs}
     assert by["fp4-e3m0"] < by["int8"] < by["fp16"] < by["fp32"]

@@ -6,55 +6,22 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opendiloco_stream.algorithm.fragments import partition
 from opendiloco_stream.cli import main
 from opendiloco_stream.config import RunConfig
 from opendiloco_stream.train.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
 from opendiloco_stream.train.export import byte_tokenizer
 from opendiloco_stream.train.loop import read_metrics
-from opendiloco_stream.train.models import transformer_blocks
+from tests.support.models import cli, theta_bar_by_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--workers", "2", "--fragments", "2", "--inner-steps", "5", "--steps", "12", "--model", "tiny",
          "--seq-len", "32", "--batch-size", "2", "--max-val-batches", "2", "--no-progress", "--threads", "1"]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opendiloco_stream", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-
-
-def _theta_bar_by_name(ckpt: dict, model) -> dict[str, torch.Tensor]:
-    """The checkpoint's outer parameters named as the run's fragments name them."""
-    cfg = RunConfig.model_validate(ckpt["config"])
-    frags = partition(model, transformer_blocks(model), cfg.diloco.num_fragments, cfg.diloco.fragment_pattern)
-    return {n: t for f, st in zip(frags, ckpt["diloco"]["fragments"]) for n, t in zip(f.names, st["outer_params"])}
-
-
-def assert_export_is_theta_bar(checkpoint_dir: Path, out: Path, rank: Optional[int] = None) -> None:
-    """``export`` of ``checkpoint_dir`` loads in transformers with the checkpoint's theta_bar, bit for
-    bit, and generates (the hivemind tests call this on a late joiner's and a sharded peer's files)."""
-    flags = [] if rank is None else ["--rank", str(rank)]
-    proc = _cli("export", "--checkpoint-dir", str(checkpoint_dir), "--out", str(out), "--no-eval", *flags)
-    assert proc.returncode == 0, proc.stderr
-    model = AutoModelForCausalLM.from_pretrained(out)
-    name = "worker-0.pt" if rank is None and (checkpoint_dir / "worker-0.pt").is_file() else f"worker-{rank}.pt"
-    expected = _theta_bar_by_name(torch.load(checkpoint_dir / name, weights_only=False), model)
-    params = dict(model.named_parameters())
-    assert set(expected) == set(params) and all(torch.equal(params[n], v) for n, v in expected.items())
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    ids = tokenizer("x = ", return_tensors="pt", add_special_tokens=False)["input_ids"]
-    assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                          pad_token_id=tokenizer.pad_token_id).shape[1] > ids.shape[1]
 
 
 def test_byte_tokenizer_has_the_projects_ids_and_survives_save_pretrained(tmp_path):
@@ -84,20 +51,20 @@ def eager_run(tmp_path_factory):
 
 def test_export_of_a_checkpoint_loads_bit_exact_in_transformers_and_generates(eager_run, tmp_path):
     out = tmp_path / "model"
-    proc = _cli("export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(out), "--max-shard-size", "500KB")
+    proc = cli("export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(out), "--max-shard-size", "500KB")
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded above --max-shard-size
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     ckpt = torch.load(eager_run / "ck" / "worker-0.pt", weights_only=False)
-    expected = _theta_bar_by_name(ckpt, model)
+    expected = theta_bar_by_name(ckpt, model)
     params = dict(model.named_parameters())
     assert set(expected) == set(params)
     for name, value in expected.items():
         assert params[name].dtype == torch.float32 and torch.equal(params[name], value), name
     # theta_bar is the same on every worker: worker 1's checkpoint holds the same bits
-    other = _theta_bar_by_name(torch.load(eager_run / "ck" / "worker-1.pt", weights_only=False), model)
+    other = theta_bar_by_name(torch.load(eager_run / "ck" / "worker-1.pt", weights_only=False), model)
     assert all(torch.equal(other[n], v) for n, v in expected.items())
     ids = tokenizer("def main(", return_tensors="pt", add_special_tokens=False)["input_ids"]
     generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
@@ -126,8 +93,8 @@ def test_save_model_at_the_end_holds_the_runs_final_theta_bar(eager_run):
 
 
 def test_sample_generates_the_same_text_from_the_export_and_from_the_checkpoint(eager_run, tmp_path):
-    _cli("export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(tmp_path / "m"), "--no-eval")
-    outs = [_cli("sample", "--model", str(src), "--prompt", "import ", "--max-new-tokens", "24", "--seed", "3")
+    cli("export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(tmp_path / "m"), "--no-eval")
+    outs = [cli("sample", "--model", str(src), "--prompt", "import ", "--max-new-tokens", "24", "--seed", "3")
             for src in (tmp_path / "m", eager_run / "ck")]
     assert all(p.returncode == 0 for p in outs), [p.stderr for p in outs]
     assert outs[0].stdout.startswith("import ") and len(outs[0].stdout) > len("import ") + 1
@@ -136,7 +103,7 @@ def test_sample_generates_the_same_text_from_the_export_and_from_the_checkpoint(
 
 def test_data_parallel_exports_the_model_itself(tmp_path):
     assert main(["local", *SMALL, "--mode", "data-parallel", "--checkpoint-dir", str(tmp_path / "ck")]) == 0
-    assert _cli("export", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "m"),
+    assert cli("export", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "m"),
                 "--no-eval").returncode == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     saved = torch.load(tmp_path / "ck" / "worker-0.pt", weights_only=False)["model"]
@@ -153,15 +120,15 @@ def test_export_errors_are_one_line_with_exit_2(eager_run, tmp_path):
              (["--checkpoint-dir", str(tmp_path / "old")], "pass --config with the run's settings"),
              (["--checkpoint-dir", str(eager_run / "ck"), "--rank", "7"], "no checkpoint")]
     for args, expected in cases:
-        proc = _cli("export", *args, "--out", str(tmp_path / "m"), "--no-eval")
+        proc = cli("export", *args, "--out", str(tmp_path / "m"), "--no-eval")
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
     # --config supplies the settings of such a checkpoint
     from opendiloco_stream.commands.local_hivemind import to_toml
 
     (tmp_path / "run.toml").write_text(to_toml(RunConfig.model_validate(config)))
-    proc = _cli("export", "--checkpoint-dir", str(tmp_path / "old"), "--out", str(tmp_path / "m"), "--no-eval",
+    proc = cli("export", "--checkpoint-dir", str(tmp_path / "old"), "--out", str(tmp_path / "m"), "--no-eval",
                 "--config", str(tmp_path / "run.toml"))
     assert proc.returncode == 0, proc.stderr
-    bad = _cli("sample", "--model", str(tmp_path), "--prompt", "x")
+    bad = cli("sample", "--model", str(tmp_path), "--prompt", "x")
     assert bad.returncode == 2 and "neither a model directory" in bad.stderr, bad.stderr

@@ -1,6 +1,8 @@
 """The package's shape: short, shallow functions (not a cap on modules: a module is split where
-the design says), no import cycles between commands, test support outside
-the installed package, docstrings that point at files that exist, a Python floor that matches."""
+the design says) in the package and the benchmarks, no import cycles between commands, test support
+outside the installed package, tests that import support and never each other or a benchmark,
+docstrings and docs/architecture.md's "where to change what" table that point at files that exist,
+a Python floor that matches."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "opendiloco_stream"
 MODULES = sorted(PACKAGE.rglob("*.py"))
+BENCHMARKS = sorted((ROOT / "benchmarks").rglob("*.py"))
+TESTS = sorted((ROOT / "tests").rglob("*.py"))
 
 
 MAX_FUNCTION_LINES = 80
@@ -22,7 +26,7 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
 
 def _functions():
-    for path in MODULES:
+    for path in MODULES + BENCHMARKS:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield f"{path.relative_to(ROOT)}::{node.name}", node
@@ -97,3 +101,58 @@ def test_requires_python_matches_what_the_code_imports():
     uses_tomllib = any("import tomllib" in p.read_text() for p in MODULES)
     assert not uses_tomllib or floor >= (3, 11), f"tomllib needs Python 3.11, pyproject says {spec}"
     assert sys.version_info[:2] >= floor
+
+
+def _imports(path: Path):
+    """Every module ``path`` imports (lazy imports inside functions too), as written."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            if node.module == "benchmarks":  # from benchmarks import gpu
+                yield from (f"benchmarks.{a.name}" for a in node.names)
+
+
+def test_tests_import_support_never_another_test_or_a_benchmark():
+    test_modules = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    bad = {}
+    for path in TESTS:
+        for name in _imports(path):
+            parts = name.split(".")
+            another_test = parts[-1] in test_modules or (parts[0] == "tests" and parts[1:2] != ["support"])
+            a_benchmark = parts[0] == "benchmarks" and len(parts) > 1 and parts[1] != "harness"
+            if another_test or a_benchmark:
+                bad.setdefault(str(path.relative_to(ROOT)), []).append(name)
+    assert not bad, ("shared test code goes to tests/support/ or benchmarks/harness/; a benchmark runs as "
+                     f"python -m benchmarks.NAME (tests/support/peers.py::run_benchmark): {bad}")
+
+
+def test_conftest_leaves_sys_path_alone():
+    for path in (ROOT / "tests").rglob("conftest.py"):
+        assert "sys.path" not in path.read_text(), f"{path.relative_to(ROOT)}: import from the repository root instead"
+
+
+def _change_table() -> list[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Where to change what", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| to add")]
+
+
+def test_the_where_to_change_what_table_names_files_and_names_that_exist():
+    rows = _change_table()
+    assert len(rows) >= 8, rows
+    missing = []
+    for row in rows:
+        for ref in re.findall(r"`([^`]+)`", row):
+            path, _, name = ref.partition("::")
+            if not re.fullmatch(r"[\w./-]+\.(py|md|toml|sh)", path):
+                continue  # a name, a flag or an expression, not a file
+            where = [ROOT / path, PACKAGE / path]
+            found = next((w for w in where if w.is_file()), None)
+            if found is None:
+                missing.append(ref)
+            elif name and not re.search(rf"^\s*(def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]",
+                                        found.read_text(), re.M):
+                missing.append(ref)
+    assert not missing, f"docs/architecture.md names what is not there: {missing}"

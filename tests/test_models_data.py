@@ -32,6 +32,7 @@ from opendiloco_stream.train.models import (
     model_flops_per_token,
     transformer_blocks,
 )
+from tests.support.models import save_tiny_hf_tokenizer
 
 SEQ = 32
 
@@ -176,20 +177,8 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert tok.decode(ids + [tok.eos_id]) == text  # specials decode to nothing
 
 
-def _save_tiny_hf_tokenizer(path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["the quick brown fox jumps over the lazy dog", "def main(): return 42"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(path)
-
-
 def test_local_hf_tokenizer_end_to_end(tmp_path):
-    _save_tiny_hf_tokenizer(tmp_path / "tok")
+    save_tiny_hf_tokenizer(tmp_path / "tok")
     docs = [{"text": f"the quick brown fox {i} jumps over the lazy dog"} for i in range(200)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     tok = load_tokenizer(str(tmp_path / "tok"))

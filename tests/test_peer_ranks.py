@@ -125,7 +125,7 @@ def test_a_sharded_peer_trains_with_a_single_process_peer_and_resumes_from_its_s
         assert files == ["worker-0.pt", "worker-0.rank-0.pt", "worker-0.rank-1.pt"], files
 
         # a restart resumes from rank 0's file and the shards (and trains on with b)
-        from test_export import assert_export_is_theta_bar
+        from tests.support.models import assert_export_is_theta_bar
 
         assert_export_is_theta_bar(ckpt, tmp_path / "exported")  # theta_bar whole in rank 0's file
         a2 = start_peer(tmp_path, "a2", addrs, *common, *sharded, "--steps", "56", "--shard", "0/2", "--resume",

@@ -136,7 +136,7 @@ def test_late_joiner_downloads_state_converges_and_contributes(tmp_path):
         for frag in range(2):
             for a, b in zip(outer[2][frag], outer[donor][frag]):
                 assert torch.allclose(a, b, atol=1e-5), ((a - b).abs().max(), joined, rounds)
-        from test_export import assert_export_is_theta_bar
+        from tests.support.models import assert_export_is_theta_bar
 
         assert_export_is_theta_bar(tmp_path / "ck2", tmp_path / "joiner-model", rank=2)  # a late joiner's file
     finally:

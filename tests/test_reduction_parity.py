@@ -76,12 +76,12 @@ def test_local_swarm_and_hivemind_peers_give_bit_identical_averages(peers, round
 
 @pytest.mark.parametrize("codec", ["fp32", "fp4-e3m0", "int8", "topk-int2"])
 def test_the_codec_floor_does_each_peers_work_and_gets_the_round_average(codec):
-    """benchmarks/codec_floor.py times one peer's codec work of a round, mirroring the runner. Each
+    """benchmarks/harness/codec_work.py times one peer's codec work of a round, mirroring the runner. Each
     peer's average, from its own part reduced and the others' parts decoded, must be the in-process
     round's bit for bit (``measure`` raises otherwise), and the floor is the peers' work over the cores."""
-    from benchmarks import codec_floor
+    from benchmarks.harness import codec_work
 
-    row = codec_floor.measure(codec, N, peers=3, repeats=1, chunk_bytes=CHUNK_BYTES, keep_freed_memory=False)
+    row = codec_work.measure(codec, N, peers=3, repeats=1, chunk_bytes=CHUNK_BYTES, keep_freed_memory=False)
     assert len(row["peer_work_s"]) == 3 and all(t > 0 for t in row["peer_work_s"])
     assert row["cores"] == min(3, os.cpu_count() or 1)
     assert row["floor_s"] == pytest.approx(sum(row["peer_work_s"]) / row["cores"])
@@ -89,17 +89,17 @@ def test_the_codec_floor_does_each_peers_work_and_gets_the_round_average(codec):
 
 def test_the_codec_floor_notices_a_wrong_average(monkeypatch):
     """The check behind the floor can fail: a decoder that zeroes the other parts gives another average."""
-    from benchmarks import codec_floor
+    from benchmarks.harness import codec_work
 
-    real = codec_floor.decode_result
+    real = codec_work.decode_result
 
     def zero_the_parts_of_others(codec, payload, final, weights, numel, out=None):
         result = real(codec, payload, final, weights, numel, out=out)
         return result if out is None else out.zero_()
 
-    monkeypatch.setattr(codec_floor, "decode_result", zero_the_parts_of_others)
+    monkeypatch.setattr(codec_work, "decode_result", zero_the_parts_of_others)
     with pytest.raises(AssertionError, match="differs from the in-process round"):
-        codec_floor.measure("fp32", N, peers=3, repeats=1, chunk_bytes=CHUNK_BYTES, keep_freed_memory=False)
+        codec_work.measure("fp32", N, peers=3, repeats=1, chunk_bytes=CHUNK_BYTES, keep_freed_memory=False)
 
 
 @pytest.mark.network

@@ -17,11 +17,11 @@ def test_soak_runs_briefly_and_writes_its_report(tmp_path):
                          timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for key in ("duration_s", "rounds", "failed_rounds", "failures", "round_s", "per_peer", "processes"):
+    for key in ("duration_s", "rounds", "failed_rounds", "failures", "round_s", "per_peer", "rows"):
         assert key in r, key
     assert r["rounds"] >= 1 and set(r["per_peer"]) >= {"peer0", "peer1", "peer2", "parent"}
-    for p in r["processes"]:
+    for p in r["rows"]:  # one per process
         assert {"pid", "owner", "name", "rss_first_mb", "rss_last_mb", "growth_mb_per_hour",
                 "growth_second_half_mb_per_hour", "samples"} <= set(p)
-    assert any(p["name"] == "p2pd" for p in r["processes"]), [p["name"] for p in r["processes"]]
+    assert any(p["name"] == "p2pd" for p in r["rows"]), [p["name"] for p in r["rows"]]
     assert "MB/hour" in proc.stdout

@@ -105,9 +105,9 @@ def test_parquet_with_the_models_hf_tokenizer(tmp_path):
     import pyarrow as pa  # a dependency of datasets
     import pyarrow.parquet as pq
 
-    from tests.test_models_data import _save_tiny_hf_tokenizer
+    from tests.support.models import save_tiny_hf_tokenizer
 
-    _save_tiny_hf_tokenizer(tmp_path / "tok")
+    save_tiny_hf_tokenizer(tmp_path / "tok")
     tok = load_tokenizer(str(tmp_path / "tok"))
     docs = _docs(200, seed=2)
     pq.write_table(pa.table({"content": docs}), tmp_path / "d.parquet", row_group_size=50)

@@ -5,5 +5,11 @@
 - :mod:`~benchmarks.harness.loopback`: transports in loopback processes driven over a pipe.
 - :mod:`~benchmarks.harness.netns`: network namespaces with shaped links (root and ``ip netns``).
 - :mod:`~benchmarks.harness.gloo`: the ``torch.distributed`` gloo reference ranks.
-- :mod:`~benchmarks.harness.results`: the result envelope, markdown tables and plots.
+- :mod:`~benchmarks.harness.results`: the result envelope (``write_result``, the one writer;
+  ``read_result``), markdown tables and plots.
+- :mod:`~benchmarks.harness.codec_work`: one peer's codec work of a round (the codec floor).
+- :mod:`~benchmarks.harness.procfs`: this process's memory from ``/proc/self``.
+
+Benchmarks and tests import from here; a benchmark never imports another benchmark, and a test
+runs a benchmark as ``python -m benchmarks.NAME`` (benchmarks/README.md).
 """

@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -79,21 +79,53 @@ def write_json(path: str | Path, payload: Any) -> Path:
     """Write ``payload`` as indented JSON (parents created); NaN/Inf become null."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(payload), indent=2, default=float) + "\n")
+    path.write_text(json.dumps(_finite(payload), indent=2, default=_plain) + "\n")
     return path
 
 
+def _plain(x: Any) -> Any:
+    # settings are often ``vars(args)``: paths as text, numbers (numpy, tensors) as floats
+    return str(x) if isinstance(x, PurePath) else float(x)
+
+
+ENVELOPE = ("benchmark", "command", "commit", "environment", "settings", "rows")
+
+
 def write_result(path: str | Path, *, settings: Any, rows: Any, argv: Optional[Sequence[str]] = None,
-                 benchmark: Optional[str] = None, environment_info: Optional[dict] = None, **extra: Any) -> Path:
-    """Write one benchmark's result in the shared envelope (see the module docstring)."""
+                 benchmark: Optional[str] = None, environment_info: Optional[dict] = None,
+                 command: Optional[str] = None, **extra: Any) -> Path:
+    """Write one benchmark's result in the shared envelope (see the module docstring).
+
+    ``benchmark``: the module's name under ``benchmarks`` (pass it: a benchmark run in-process by
+    a test has pytest as ``sys.argv[0]``); ``argv``: the arguments of the run (default
+    ``sys.argv[1:]``); ``environment_info``, ``command``: a resumed run's first ones (default: this
+    run's); ``extra``: keys of the benchmark's own beside the envelope's."""
     module = module_name() if benchmark is None else f"benchmarks.{benchmark}"
     env = environment() if environment_info is None else environment_info
-    payload = {"benchmark": module.rsplit(".", 1)[-1], "command": command_line(argv, module),
+    payload = {"benchmark": module.rsplit(".", 1)[-1], "command": command or command_line(argv, module),
                "commit": env.get("git_commit"), "environment": env, "settings": settings, "rows": rows}
     clash = sorted(set(extra) & set(payload))
     if clash:
         raise ValueError(f"extra keys {clash} would replace the envelope's own")
     return write_json(path, {**payload, **extra})
+
+
+def write_payload(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write again a result that already holds the envelope (read back or added to by a report)."""
+    missing = [k for k in ENVELOPE if k not in payload]
+    if missing:
+        raise ValueError(f"{path}: the payload lacks the envelope's {missing}")
+    rest = {k: v for k, v in payload.items() if k not in ENVELOPE}
+    return write_result(path, settings=payload["settings"], rows=payload["rows"], benchmark=payload["benchmark"],
+                        environment_info=payload["environment"], command=payload["command"], **rest)
+
+
+def read_result(path: str | Path) -> dict[str, Any]:
+    """A result file written by :func:`write_result` (an error naming the file when it is not one)."""
+    payload = json.loads(Path(path).read_text())
+    if not isinstance(payload, dict) or any(k not in payload for k in ENVELOPE):
+        raise ValueError(f"{path} is not a benchmark result (it lacks the envelope: {', '.join(ENVELOPE)})")
+    return payload
 
 
 def _finite(x: Any) -> Any:

@@ -1,7 +1,7 @@
 """The networked Transport: hivemind DHT + one background averager per fragment.
 
     dht = hivemind.DHT(initial_peers=[...], start=True)
-    transport = HivemindTransport(dht, "my-run", codec="fp4-e3m0", window_s=H * step_time)
+    transport = HivemindTransport(dht, hivemind_settings(cfg))  # transport/factory.py, from NetConfig
     transport.prepare({0: numel_0, 1: numel_1})       # forks one averager per fragment
     handle = transport.all_reduce((fragment, round), outer_gradient, weight=tokens)  # returns in ~ms
     result = handle.wait()                             # bounded: never past the round's bound
@@ -34,13 +34,13 @@ import logging
 import multiprocessing as mp
 import re
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
 from hivemind.dht import DHT
 
 from opendiloco_stream.compression import get_codec
-from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.net.dht import unstick_hivemind_locks
 from opendiloco_stream.net.routes import keep_routes
 from opendiloco_stream.transport.base import Transport
@@ -50,7 +50,6 @@ from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presenc
 from opendiloco_stream.transport.hivemind.state import StateSharing
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
-from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +61,17 @@ def _check_weight(weight: float) -> None:
         raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
 
 
-class HivemindTransport(Transport):
-    """One peer of a run over hivemind (see the module docstring for the design).
+@dataclass(frozen=True)
+class HivemindSettings:
+    """What one peer's transport is set to; built from ``NetConfig`` (and the codec fields of
+    ``DiLoCoConfig``) by ``transport.factory.hivemind_settings``, which is where the defaults come from.
 
-    Args:
-        dht: a running ``hivemind.DHT`` (the caller owns it; ``close`` leaves it running).
+    Fields:
         run_id: the run's name ([A-Za-z0-9_-]); peers group only within a run.
         codec, block_size, scale_dtype, stochastic, density: the wire codec (``compression.get_codec``;
             ``block_size`` None: the codec's default, ``density``: sparse codecs only).
         target_group_size: start every round as soon as this many peers are there (an override);
             ``None``: as soon as the run's live peers are there (``presence.py``).
-        presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
-            counted, and costs a round ``matchmaking_time``, for at most this long).
         matchmaking_time, request_timeout, allreduce_timeout, next_chunk_timeout, window_s,
             link_mbit: the timeout hierarchy, see ``timeouts.py``.
         client_mode: for peers that cannot accept connections: they send and receive but reduce
@@ -82,52 +80,88 @@ class HivemindTransport(Transport):
             1-8 MiB (``layout.chunk_bytes_for_link``); a group cuts the smallest its members announce.
         norm_bound: reject contributions whose norm exceeds this multiple of the group median
             (with 3+ contributions); ``None`` disables the check.
-        state_timeout: the longest silence tolerated inside a state download.
         direct: stream a round's bytes over direct TCP connections between groupmates (each
             reducing peer listens on one port per fragment, next to the DHT's address), with the
             p2p daemon as fallback; ``False``: p2p daemon only (encrypted, slower). See ``direct.py``.
         direct_port: fragment ``p``'s data port is ``direct_port + p`` (ports to open in a firewall);
             ``None``: random free ports.
+        presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
+            counted, and costs a round ``matchmaking_time``, for at most this long).
+        state_timeout: the longest silence tolerated inside a state download.
+        startup_timeout: bound on starting one fragment's averager process.
+
+    The last three are no config fields: their defaults live here.
+    """
+
+    run_id: str
+    codec: str
+    block_size: Optional[int]
+    scale_dtype: str
+    stochastic: bool
+    density: float
+    target_group_size: Optional[int]
+    matchmaking_time: float
+    request_timeout: float
+    allreduce_timeout: Optional[float]
+    next_chunk_timeout: Optional[float]
+    link_mbit: float
+    client_mode: bool
+    window_s: Optional[float]
+    chunk_bytes: Optional[int]
+    norm_bound: Optional[float]
+    direct: bool
+    direct_port: Optional[int]
+    presence_ttl: float = DEFAULT_TTL_S
+    state_timeout: float = 30.0
+    startup_timeout: float = 60.0
+
+
+class HivemindTransport(Transport):
+    """One peer of a run over hivemind (see the module docstring for the design).
+
+    Args:
+        dht: a running ``hivemind.DHT`` (the caller owns it; ``close`` leaves it running).
+        settings: :class:`HivemindSettings` (``transport.factory.hivemind_settings(cfg)``); ``None``:
+            the configuration's defaults.
         admission: what groupmates, state donors and joiners must prove (``net/auth.py``: the run
             key, the run fingerprint); ``None`` admits every peer of the run.
+        **overrides: fields of :class:`HivemindSettings` to change (tests and benchmarks:
+            ``HivemindTransport(dht, run_id="r", codec="fp4-e3m0")``).
     """
 
     averager_cls = FragmentAverager
 
-    def __init__(self, dht: DHT, run_id: str, *, codec: str = "fp32", block_size: Optional[int] = None,
-                 scale_dtype: str = "fp16", stochastic: bool = False, density: float = DEFAULT_DENSITY,
-                 target_group_size: Optional[int] = None, presence_ttl: float = DEFAULT_TTL_S,
-                 matchmaking_time: float = 5.0, request_timeout: float = 3.0, allreduce_timeout: Optional[float] = None,
-                 next_chunk_timeout: Optional[float] = None, link_mbit: float = 100.0, client_mode: bool = False,
-                 window_s: Optional[float] = None, chunk_bytes: Optional[int] = None,
-                 norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
-                 state_timeout: float = 30.0, startup_timeout: float = 60.0, admission: Any = None,
-                 direct: bool = True, direct_port: Optional[int] = None):
-        if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-            raise ValueError(f"run_id {run_id!r}: use letters, digits, '_' and '-' only")
-        if target_group_size is not None and target_group_size < 2:
-            raise ValueError(f"target_group_size must be >= 2 (or None), got {target_group_size}")
-        if norm_bound is not None and not norm_bound > 1:
-            raise ValueError(f"norm_bound must be > 1 (or None), got {norm_bound}")
-        self.codec = get_codec(codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic,
-                               density=density)
-        self.dht, self.run_id, self.client_mode = dht, run_id, client_mode
-        self.chunk_bytes = resolve_chunk_bytes(chunk_bytes, link_mbit)
-        self.target_group_size, self.norm_bound = target_group_size, norm_bound
-        self.link_mbit, self.window_s, self.startup_timeout = link_mbit, window_s, startup_timeout
-        self.timeout_args = dict(matchmaking_time=matchmaking_time, request_timeout=request_timeout,
-                                 allreduce_timeout=allreduce_timeout, next_chunk_timeout=next_chunk_timeout)
-        derive_timeouts(encoded_bytes=0, numel=0, chunk_bytes=self.chunk_bytes, link_mbit=link_mbit,
-                        window_s=window_s, **self.timeout_args)  # fail on a broken hierarchy now, not in prepare
-        if direct_port is not None and not 1 <= direct_port <= 65535:
-            raise ValueError(f"direct_port must be in 1..65535 (or None), got {direct_port}")
-        self.state_timeout, self.admission, self.direct = state_timeout, admission, direct
-        self.direct_port = direct_port
+    def __init__(self, dht: DHT, settings: Optional[HivemindSettings] = None, *, admission: Any = None,
+                 **overrides: Any):
+        from opendiloco_stream.transport.factory import default_hivemind_settings
+
+        s = default_hivemind_settings(**overrides) if settings is None else replace(settings, **overrides)
+        if not isinstance(s.run_id, str) or not _RUN_ID.fullmatch(s.run_id):
+            raise ValueError(f"run_id {s.run_id!r}: use letters, digits, '_' and '-' only")
+        if s.target_group_size is not None and s.target_group_size < 2:
+            raise ValueError(f"target_group_size must be >= 2 (or None), got {s.target_group_size}")
+        if s.norm_bound is not None and not s.norm_bound > 1:
+            raise ValueError(f"norm_bound must be > 1 (or None), got {s.norm_bound}")
+        self.settings = s
+        self.codec = get_codec(s.codec, block_size=s.block_size, scale_dtype=s.scale_dtype, stochastic=s.stochastic,
+                               density=s.density)
+        self.dht, self.run_id, self.client_mode = dht, s.run_id, s.client_mode
+        self.chunk_bytes = resolve_chunk_bytes(s.chunk_bytes, s.link_mbit)
+        self.target_group_size, self.norm_bound = s.target_group_size, s.norm_bound
+        self.link_mbit, self.window_s, self.startup_timeout = s.link_mbit, s.window_s, s.startup_timeout
+        self.timeout_args = dict(matchmaking_time=s.matchmaking_time, request_timeout=s.request_timeout,
+                                 allreduce_timeout=s.allreduce_timeout, next_chunk_timeout=s.next_chunk_timeout)
+        derive_timeouts(encoded_bytes=0, numel=0, chunk_bytes=self.chunk_bytes, link_mbit=s.link_mbit,
+                        window_s=s.window_s, **self.timeout_args)  # fail on a broken hierarchy now, not in prepare
+        if s.direct_port is not None and not 1 <= s.direct_port <= 65535:
+            raise ValueError(f"direct_port must be in 1..65535 (or None), got {s.direct_port}")
+        self.state_timeout, self.admission, self.direct = s.state_timeout, admission, s.direct
+        self.direct_port = s.direct_port
         self.peer_id = str(dht.peer_id)
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
         self._state: Optional[StateSharing] = None
-        self.presence_ttl, self._presence = presence_ttl, None
+        self.presence_ttl, self._presence = s.presence_ttl, None
         self._closed = False
         keep_routes(dht)  # a healed partition must not leave the run split in two (net/routes.py)
 
