@@ -84,8 +84,11 @@ class HivemindTransport(Transport):
             (with 3+ contributions); ``None`` disables the check.
         state_timeout: the longest silence tolerated inside a state download.
         direct: stream a round's bytes over direct TCP connections between groupmates (each
-            reducing peer listens on one port per fragment, next to the DHT's address), with the
-            p2p daemon as fallback; ``False``: p2p daemon only (encrypted, slower). See ``direct.py``.
+            reducing peer listens on one port per fragment, next to the DHT's address; every message
+            sealed with AES-256-GCM, ``seal.py``), with the p2p daemon as fallback; ``False``: p2p
+            daemon only (encrypted, slower). See ``direct.py``.
+        direct_plaintext: do not seal the direct path's messages (only to measure what sealing
+            costs; every peer of the run must set it the same).
         direct_port: fragment ``p``'s data port is ``direct_port + p`` (ports to open in a firewall);
             ``None``: random free ports.
         admission: what groupmates, state donors and joiners must prove (``net/auth.py``: the run
@@ -102,7 +105,7 @@ class HivemindTransport(Transport):
                  window_s: Optional[float] = None, chunk_bytes: Optional[int] = None,
                  norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
                  state_timeout: float = 30.0, startup_timeout: float = 60.0, admission: Any = None,
-                 direct: bool = True, direct_port: Optional[int] = None):
+                 direct: bool = True, direct_port: Optional[int] = None, direct_plaintext: bool = False):
         if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
             raise ValueError(f"run_id {run_id!r}: use letters, digits, '_' and '-' only")
         if target_group_size is not None and target_group_size < 2:
@@ -122,7 +125,7 @@ class HivemindTransport(Transport):
         if direct_port is not None and not 1 <= direct_port <= 65535:
             raise ValueError(f"direct_port must be in 1..65535 (or None), got {direct_port}")
         self.state_timeout, self.admission, self.direct = state_timeout, admission, direct
-        self.direct_port = direct_port
+        self.direct_port, self.direct_plaintext = direct_port, direct_plaintext
         self.peer_id = str(dht.peer_id)
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
@@ -159,7 +162,8 @@ class HivemindTransport(Transport):
                     n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
                     client_mode=self.client_mode, startup_timeout=self.startup_timeout, admission=self.admission,
-                    direct=self.direct, direct_port=0 if self.direct_port is None else self.direct_port + p))
+                    direct=self.direct, direct_port=0 if self.direct_port is None else self.direct_port + p,
+                    direct_plaintext=self.direct_plaintext))
         except BaseException:
             for _, averager in averagers.values():
                 averager.close()
