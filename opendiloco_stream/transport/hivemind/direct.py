@@ -3,7 +3,7 @@
 The p2p daemon (libp2p: encryption, multiplexing, a unix socket to each Python process and a
 protobuf copy at each end) moved a 10M-element fp32 round at ~1/20 of what loopback carries and
 cost more CPU than the reduction itself (docs/benchmarks.md, "Data plane"). So each reducing peer
-also listens on a plain TCP port, advertised in the metadata gathered at matchmaking
+also listens on a TCP port of its own, advertised in the metadata gathered at matchmaking
 (``direct: [[ip, port], ...]``), and a sender streams its contributions there; the results come
 back on the same connection. Discovery, matchmaking and peer authentication stay on hivemind.
 
@@ -21,7 +21,8 @@ back on the same connection. Discovery, matchmaking and peer authentication stay
   unsealed, flagged in the length's top bit; it can fail an exchange, never carry data.
 - *Closing.* The sender shuts down its writing side after its last message; the reducer reads that
   end, writes its results and DONE and closes. TCP delivers what was written before a close, so
-  the linger of the p2p path is not needed.
+  the linger of the p2p path is not needed. An end of stream is not sealed, but each side knows
+  how many messages to expect: one cut short reads as a broken exchange, never as a shorter one.
 - *Fallback.* A sender that cannot open the connection within ``request_timeout`` (a peer behind
   NAT, a firewall) uses the p2p daemon for that exchange, and for later rounds to that address
   until a back-off ends (``FailedAddresses``: 30 s, doubling to 10 min); then it tries direct
