@@ -57,6 +57,7 @@ HELLO_MAGIC, HELLO_VERSION = b"ODDT", 2  # 2: sealed messages (seal.py); 1 sent 
 FLAG_PLAINTEXT = 1
 _LENGTH = struct.Struct("<I")
 NOTICE = 1 << 31  # in a length: an unsealed error notice follows (see the module docstring)
+OFF_LOOP_BYTES = 256 << 10  # messages from this size on are sealed and opened on a thread
 
 
 # ---------------------------------------------------------------------------------------- hello
@@ -225,7 +226,19 @@ async def read_message(sock: socket.socket, max_bytes: int, channel: Optional[Ch
     if n > max_bytes + TAG_BYTES:
         raise ProtocolError(f"direct message of {n} bytes (at most {max_bytes} expected)")
     body = await _recv_exactly(sock, n)
-    return parse_message(body if channel is None else channel.opener.open(body, bytes(head)))
+    if channel is not None:
+        body = await _off_loop(n, channel.opener.open, body, bytes(head))
+    return parse_message(body)
+
+
+async def _off_loop(nbytes: int, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``: sealing or opening a large message on an executor thread (AES-GCM releases
+    the GIL), so the loop goes on reading and writing the round's other streams meanwhile; a
+    small one here, where a thread hop would cost more than the work. One connection's messages
+    are still sealed and opened one at a time, in order: each call is awaited before the next."""
+    if nbytes < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.get_event_loop().run_in_executor(None, fn, *args)
 
 
 def _notice(body: bytes) -> Message:
@@ -251,7 +264,7 @@ async def write_message(sock: socket.socket, msg: Any, channel: Optional[Channel
     n = len(prefix) + sum(len(p) for p in parts)
     if channel is not None:
         head = _LENGTH.pack(n + TAG_BYTES)
-        parts = channel.sealer.seal([prefix, *parts], head)
+        parts = await _off_loop(n, channel.sealer.seal, [prefix, *parts], head)
         prefix = b""
     else:
         head = _LENGTH.pack(n)
