@@ -126,6 +126,9 @@ class HivemindTransport(Transport):
             raise ValueError(f"direct_port must be in 1..65535 (or None), got {direct_port}")
         self.state_timeout, self.admission, self.direct = state_timeout, admission, direct
         self.direct_port, self.direct_plaintext = direct_port, direct_plaintext
+        if direct and direct_plaintext:
+            logger.warning("--direct-plaintext: the direct data path is not sealed; anyone on the network path "
+                           "can read and alter contributions (use it only to measure what sealing costs)")
         self.peer_id = str(dht.peer_id)
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
