@@ -265,8 +265,11 @@ class NetConfig(_Strict):
                                        "transport cuts parts the same way); default: what link_mbit carries in "
                                        "40 ms, 1-8 MiB (a group cuts the smallest its members announce)")
     direct: bool = Field(True, description="stream rounds' bulk bytes over direct TCP between groupmates "
-                         "(fast, NOT encrypted), the p2p daemon as fallback; --no-direct: p2p daemon only "
-                         "(encrypted, slower)")
+                         "(fast; every message sealed with AES-256-GCM under per-group keys), the p2p daemon as "
+                         "fallback; --no-direct: p2p daemon only (encrypted, slower)")
+    direct_plaintext: bool = Field(False, description="send the direct path's messages unsealed: readable and "
+                                   "alterable by anyone on the network path; only to measure what sealing costs "
+                                   "(every peer of the run must set it the same)")
     data_port: Optional[int] = Field(None, ge=1, le=65535, description="direct data path: fragment p listens on "
                                      "TCP port data_port + p (open them in the firewall); default: random ports "
                                      "(senders a firewall drops fall back to the p2p daemon)",

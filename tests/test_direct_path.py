@@ -27,6 +27,7 @@ from opendiloco_stream.transport.hivemind.protocol import (
     CONTRIB, DONE, Message, ProtocolError, frame_parts, pack_frame, parse_message, unpack_frame,
 )
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
+from opendiloco_stream.transport.hivemind.seal import DirectSecurity
 
 MODULE = __name__
 
@@ -74,14 +75,19 @@ def test_a_failed_direct_address_is_retried_after_a_doubling_back_off():
 
 
 def test_hello_authenticates_one_sender_of_one_group():
-    group, other = os.urandom(32), os.urandom(32)
-    tag, sender, mac = read_hello(make_hello(group, "run_f0", 2, 1))
-    assert (tag, sender) == (group_tag(group), 2) and tag != group_tag(other)
-    assert hello_is_valid(group, "run_f0", 2, 1, mac)
-    for args in ((other, "run_f0", 2, 1), (group, "run_f1", 2, 1), (group, "run_f0", 0, 1), (group, "run_f0", 2, 0)):
-        assert not hello_is_valid(*args, mac)
+    group, other, salt = os.urandom(32), os.urandom(32), os.urandom(16)
+    security = DirectSecurity()
+    hello = read_hello(make_hello(security, group, "run_f0", 2, 1, salt))
+    assert (hello.tag, hello.sender, hello.salt, hello.plaintext) == (group_tag(group), 2, salt, False)
+    assert hello.tag != group_tag(other)
+    assert hello_is_valid(security, group, "run_f0", 1, hello)
+    for g, prefix, reducer, h in ((other, "run_f0", 1, hello), (group, "run_f1", 1, hello), (group, "run_f0", 0, hello),
+                                  (group, "run_f0", 1, hello._replace(sender=0)),
+                                  (group, "run_f0", 1, hello._replace(salt=bytes(16))),
+                                  (group, "run_f0", 1, hello._replace(flags=1))):
+        assert not hello_is_valid(security, g, prefix, reducer, h)
     with pytest.raises(ProtocolError):
-        read_hello(b"GET / HTTP/1.1\r\n" + bytes(39))
+        read_hello(b"GET / HTTP/1.1\r\n" + bytes(71))
 
 
 def test_advertised_addresses_are_validated():

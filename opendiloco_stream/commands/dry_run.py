@@ -184,6 +184,8 @@ def check_ports(cfg: RunConfig) -> str:
         done.append(f"data {first}-{last} tcp free" if last > first else f"data {first} tcp free")
     elif not cfg.net.client_mode:
         done.append("data ports: random free ones" if cfg.net.direct else "data path: p2p daemon only (--no-direct)")
+    if cfg.net.direct and cfg.net.direct_plaintext:
+        done.append("data path NOT sealed (--direct-plaintext: for measuring only)")
     if cfg.net.metrics_port:
         why = _port_free(cfg.net.metrics_port, socket.SOCK_STREAM)
         if why:

@@ -18,7 +18,7 @@ fragment: 2 x model fp32 of host memory over all fragments.
 
 Data path: a round's streams go over direct TCP connections between groupmates where they can
 be opened (``direct.py``; each reducing averager listens on a port advertised in its gathered
-metadata), else through the p2p daemon.
+metadata; every message sealed with AES-256-GCM, ``seal.py``), else through the p2p daemon.
 
 These overrides touch hivemind internals, hence the exact pin ``hivemind==1.1.12`` and
 ``tests/test_hivemind_transport.py``.
@@ -52,6 +52,7 @@ from opendiloco_stream.transport.hivemind.direct import DirectListener, FailedAd
 from opendiloco_stream.transport.hivemind.forked import renew_torch_thread_pool
 from opendiloco_stream.transport.hivemind.protocol import as_protobufs
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
+from opendiloco_stream.transport.hivemind.seal import DirectSecurity
 from opendiloco_stream.transport.hivemind.timeouts import BACKSTOP_S, RoundTimeouts
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class FragmentAverager(DecentralizedAverager):
     def __init__(self, numel: int, dht: DHT, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
                  chunk_bytes: int, norm_bound: Optional[float], target_group_size: Optional[int],
                  client_mode: bool, startup_timeout: float = 60.0, admission: Optional[Any] = None,
-                 direct: bool = True, direct_port: int = 0):
+                 direct: bool = True, direct_port: int = 0, direct_plaintext: bool = False):
         self.admission = admission  # net/auth.py Admission: what groupmates must prove (None: nothing)
         self.input_buffer = torch.zeros(numel, dtype=torch.float32)
         super().__init__(
@@ -133,6 +134,7 @@ class FragmentAverager(DecentralizedAverager):
         self.chunk_bytes, self.norm_bound = chunk_bytes, norm_bound
         # direct TCP data path (direct.py): a listener if we reduce; addresses that failed us
         self.direct, self.direct_failed, self._direct_task = direct, FailedAddresses(), None
+        self.direct_security = DirectSecurity(direct_plaintext, getattr(admission, "auth", None))  # seal.py
         self._direct = DirectListener.for_dht(dht, direct_port) if direct and not client_mode else None
         self._groups = RunningGroups(self._running_groups)  # (the same dict, in the averager process after the fork)
         native.available()  # build/load the codec kernels here: the averager inherits them loaded
@@ -195,7 +197,8 @@ class FragmentAverager(DecentralizedAverager):
         await super().add_p2p_handlers(p2p, *args, **kwargs)
         if self._direct is not None and self._direct_task is None:
             self._direct_task = asyncio.ensure_future(
-                serve_connections(self._direct, self._groups, self.prefix, self.timeouts.next_chunk))
+                serve_connections(self._direct, self._groups, self.prefix, self.timeouts.next_chunk,
+                                  self.direct_security))
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
         if self._direct_task is not None:
@@ -280,7 +283,8 @@ class FragmentAverager(DecentralizedAverager):
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_info=group_info,
                 tensor=self.input_buffer, codec=self.codec, timeouts=self.timeouts,
                 norm_bound=self.norm_bound, direct_failed=self.direct_failed if self.direct else None,
-                result=self.output_buffer, sent=self.input_buffer)  # sent: in place of what it encoded
+                result=self.output_buffer, sent=self.input_buffer,  # sent: in place of what it encoded
+                direct_security=self.direct_security)
         except RoundError as e:
             registered.set_exception(e)
             registered.exception()  # retrieved: a late sender's handler may never look at it

@@ -3,21 +3,26 @@
 The p2p daemon (libp2p: encryption, multiplexing, a unix socket to each Python process and a
 protobuf copy at each end) moved a 10M-element fp32 round at ~1/20 of what loopback carries and
 cost more CPU than the reduction itself (docs/benchmarks.md, "Data plane"). So each reducing peer
-also listens on a plain TCP port, advertised in the metadata gathered at matchmaking
+also listens on a TCP port of its own, advertised in the metadata gathered at matchmaking
 (``direct: [[ip, port], ...]``), and a sender streams its contributions there; the results come
 back on the same connection. Discovery, matchmaking and peer authentication stay on hivemind.
 
 - *Who may connect.* The group id is drawn by the leader and reaches members only over hivemind's
   authenticated streams. A connection opens with a hello: a tag of the group (a hash of its id),
-  the sender's index and HMAC-SHA256(group id; prefix, sender, reducer). The reducer serves it only
+  the sender's index, whether it seals, a random salt and an HMAC of all that under the group
+  secret (the group id, and the run key when there is one: ``seal.py``). The reducer serves it only
   if the MAC checks for that sender of that group (and the runner refuses a second stream of the
-  same sender). The bytes are NOT encrypted on this path (p2pd's are): run with ``direct=False``
-  where contributions must not be readable on the network.
-- *Messages.* A little-endian uint32 length, then the ``AveragingData`` encoding of the message
-  (``protocol.Message``): the frames, codes and byte counts of the p2p path.
+  same sender). A sealing peer and a ``--direct-plaintext`` one refuse each other.
+- *Messages.* Sealed (the default, ``seal.py``): a little-endian uint32 length, then the AES-256-GCM
+  ciphertext of the ``AveragingData`` encoding of the message (``protocol.Message``: the frames,
+  codes and byte counts of the p2p path) and its tag; a message that does not open fails the
+  exchange (``SealError``). Plaintext: the length, then the encoding itself. Before a connection
+  has keys (no such group, a bad hello), a reducer can only answer with a *notice*: an error code,
+  unsealed, flagged in the length's top bit; it can fail an exchange, never carry data.
 - *Closing.* The sender shuts down its writing side after its last message; the reducer reads that
   end, writes its results and DONE and closes. TCP delivers what was written before a close, so
-  the linger of the p2p path is not needed.
+  the linger of the p2p path is not needed. An end of stream is not sealed, but each side knows
+  how many messages to expect: one cut short reads as a broken exchange, never as a shorter one.
 - *Fallback.* A sender that cannot open the connection within ``request_timeout`` (a peer behind
   NAT, a firewall) uses the p2p daemon for that exchange, and for later rounds to that address
   until a back-off ends (``FailedAddresses``: 30 s, doubling to 10 min); then it tries direct
@@ -36,47 +41,76 @@ import logging
 import socket
 import struct
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence
 
 from hivemind.proto import averaging_pb2
 
 from opendiloco_stream.net.dht import NetError, ip4_of
 from opendiloco_stream.transport.hivemind.protocol import DONE, Message, ProtocolError, frame_kind, parse_message
+from opendiloco_stream.transport.hivemind.seal import TAG_BYTES, Channel, DirectSecurity
 
 logger = logging.getLogger(__name__)
 
-_HELLO = struct.Struct("<4sBH16s32s")  # magic, version, sender index, group tag, MAC
-HELLO_MAGIC, HELLO_VERSION = b"ODDT", 1
+_HELLO = struct.Struct("<4sBBH16s16s32s")  # magic, version, flags, sender index, group tag, salt, MAC
+_HELLO_HEAD = struct.Struct("<4sB")  # magic, version: read first, so another version is named as such
+HELLO_MAGIC, HELLO_VERSION = b"ODDT", 2  # 2: sealed messages (seal.py); 1 sent everything in the clear
+FLAG_PLAINTEXT = 1
 _LENGTH = struct.Struct("<I")
+NOTICE = 1 << 31  # in a length: an unsealed error notice follows (see the module docstring)
+OFF_LOOP_BYTES = 256 << 10  # messages from this size on are sealed and opened on a thread
 
 
 # ---------------------------------------------------------------------------------------- hello
+class HelloVersionError(ProtocolError):
+    """A hello of another version of the direct path: peers of different releases in one run."""
+
+
+class Hello(NamedTuple):
+    tag: bytes
+    sender: int
+    flags: int
+    salt: bytes
+    mac: bytes
+
+    @property
+    def plaintext(self) -> bool:
+        return bool(self.flags & FLAG_PLAINTEXT)
+
+
 def group_tag(group_id: bytes) -> bytes:
     """What a hello says about its group: a hash, so the id itself never travels in the clear."""
     return hashlib.sha256(b"ods-direct-tag\0" + group_id).digest()[:16]
 
 
-def hello_mac(group_id: bytes, prefix: str, sender: int, reducer: int) -> bytes:
-    msg = b"ods-direct-v1\0" + prefix.encode() + b"\0" + struct.pack("<HH", sender, reducer)
-    return hmac.new(group_id, msg, hashlib.sha256).digest()
+def make_hello(security: DirectSecurity, group_id: bytes, prefix: str, sender: int, reducer: int,
+               salt: bytes) -> bytes:
+    flags = FLAG_PLAINTEXT if security.plaintext else 0
+    return _HELLO.pack(HELLO_MAGIC, HELLO_VERSION, flags, sender, group_tag(group_id), salt,
+                       security.hello_mac(group_id, prefix, sender, reducer, flags, salt))
 
 
-def make_hello(group_id: bytes, prefix: str, sender: int, reducer: int) -> bytes:
-    return _HELLO.pack(HELLO_MAGIC, HELLO_VERSION, sender, group_tag(group_id), hello_mac(group_id, prefix, sender, reducer))
+def check_hello_head(data: bytes) -> None:
+    """``ProtocolError`` unless ``data`` (the hello's first bytes) opens a hello of our version."""
+    magic, version = _HELLO_HEAD.unpack(data[:_HELLO_HEAD.size])
+    if magic != HELLO_MAGIC:
+        raise ProtocolError(f"not a direct hello (magic {magic!r})")
+    if version != HELLO_VERSION:
+        raise HelloVersionError(f"a v{version} direct hello; this peer speaks v{HELLO_VERSION}: run the same "
+                            f"opendiloco-stream version on every peer")
 
 
-def read_hello(data: bytes) -> tuple[bytes, int, bytes]:
-    """``(group tag, sender index, MAC)``; ``ProtocolError`` for anything else."""
+def read_hello(data: bytes) -> Hello:
+    """The fields of a hello; ``ProtocolError`` for anything else."""
     if len(data) != _HELLO.size:
         raise ProtocolError(f"direct hello of {len(data)} bytes")
-    magic, version, sender, tag, mac = _HELLO.unpack(data)
-    if magic != HELLO_MAGIC or version != HELLO_VERSION:
-        raise ProtocolError(f"not a v{HELLO_VERSION} direct hello (magic {magic!r}, version {version})")
-    return tag, sender, mac
+    check_hello_head(data)
+    _magic, _version, flags, sender, tag, salt, mac = _HELLO.unpack(data)
+    return Hello(tag, sender, flags, salt, mac)
 
 
-def hello_is_valid(group_id: bytes, prefix: str, sender: int, reducer: int, mac: bytes) -> bool:
-    return hmac.compare_digest(mac, hello_mac(group_id, prefix, sender, reducer))
+def hello_is_valid(security: DirectSecurity, group_id: bytes, prefix: str, reducer: int, hello: Hello) -> bool:
+    expected = security.hello_mac(group_id, prefix, hello.sender, reducer, hello.flags, hello.salt)
+    return hmac.compare_digest(hello.mac, expected)
 
 
 # ---------------------------------------------------------------------------------------- addresses
@@ -178,30 +212,68 @@ async def _recv_exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> Op
     return buf
 
 
-async def read_message(sock: socket.socket, max_bytes: int) -> Optional[Message]:
-    """The next message, or None at a clean end of stream."""
+async def read_message(sock: socket.socket, max_bytes: int, channel: Optional[Channel] = None) -> Optional[Message]:
+    """The next message, or None at a clean end of stream; ``channel``: open it (sealed path)."""
     head = await _recv_exactly(sock, _LENGTH.size, eof_ok=True)
     if head is None:
         return None
     (n,) = _LENGTH.unpack(head)
-    if n > max_bytes:
+    if n & NOTICE:
+        size = n & ~NOTICE
+        if size > 64:
+            raise ProtocolError(f"an unsealed notice of {size} bytes")
+        return _notice(bytes(await _recv_exactly(sock, size)))
+    if n > max_bytes + TAG_BYTES:
         raise ProtocolError(f"direct message of {n} bytes (at most {max_bytes} expected)")
-    return parse_message(await _recv_exactly(sock, n))
+    body = await _recv_exactly(sock, n)
+    if channel is not None:
+        body = await _off_loop(n, channel.opener.open, body, bytes(head))
+    return parse_message(body)
 
 
-async def write_message(sock: socket.socket, msg: Any) -> None:
+async def _off_loop(nbytes: int, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``: sealing or opening a large message on an executor thread (AES-GCM releases
+    the GIL), so the loop goes on reading and writing the round's other streams meanwhile; a
+    small one here, where a thread hop would cost more than the work. One connection's messages
+    are still sealed and opened one at a time, in order: each call is awaited before the next."""
+    if nbytes < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.get_event_loop().run_in_executor(None, fn, *args)
+
+
+def _notice(body: bytes) -> Message:
+    msg = parse_message(body) if body else Message(0, has_part=False)
+    if msg.has_part or msg.code in (averaging_pb2.PART_FOR_AVERAGING, averaging_pb2.AVERAGED_PART):
+        raise ProtocolError("an unsealed notice that is not an error code")
+    return msg
+
+
+async def write_notice(sock: socket.socket, code: int) -> None:
+    """An error code, unsealed: what a reducer answers before the connection has keys."""
+    body = Message(code, has_part=False).pb_prefix()
+    await asyncio.get_event_loop().sock_sendall(sock, _LENGTH.pack(NOTICE | len(body)) + body)
+
+
+async def write_message(sock: socket.socket, msg: Any, channel: Optional[Channel] = None) -> None:
+    """Write one message; ``channel``: sealed (the frame's parts encrypted one by one, not joined)."""
     loop = asyncio.get_event_loop()
     if isinstance(msg, Message):
-        prefix = msg.pb_prefix()
-        head, parts = _LENGTH.pack(len(prefix) + msg.nbytes) + prefix, list(msg.parts)
-        while parts and len(parts[0]) <= 4096:  # small parts (a frame's head) go in one send with it
-            head += bytes(parts.pop(0))
-        await loop.sock_sendall(sock, head)
-        for part in parts:  # a chunk's bytes, as they are
-            await loop.sock_sendall(sock, part)
+        prefix, parts = msg.pb_prefix(), list(msg.parts)
     else:  # a protobuf (test doubles may yield them)
-        data = msg.SerializeToString()
-        await loop.sock_sendall(sock, _LENGTH.pack(len(data)) + data)
+        prefix, parts = msg.SerializeToString(), []
+    n = len(prefix) + sum(len(p) for p in parts)
+    if channel is not None:
+        head = _LENGTH.pack(n + TAG_BYTES)
+        parts = await _off_loop(n, channel.sealer.seal, [prefix, *parts], head)
+        prefix = b""
+    else:
+        head = _LENGTH.pack(n)
+    head += prefix
+    while parts and len(parts[0]) <= 4096:  # small parts (a frame's head) go in one send with it
+        head += bytes(parts.pop(0))
+    await loop.sock_sendall(sock, head)
+    for part in parts:  # a chunk's bytes, as they are (or as sealed)
+        await loop.sock_sendall(sock, part)
 
 
 def _configure(sock: socket.socket) -> None:
@@ -214,15 +286,16 @@ class DirectStream:
     """The sender's end of one exchange: writes ``outgoing`` in the background, yields the replies
     (the same interface as a hivemind stream: async iteration and ``aclose``)."""
 
-    def __init__(self, sock: socket.socket, outgoing: AsyncIterator, max_bytes: int):
-        self.sock, self.max_bytes = sock, max_bytes
+    def __init__(self, sock: socket.socket, outgoing: AsyncIterator, max_bytes: int, channel: Optional[Channel] = None):
+        self.sock, self.max_bytes, self.channel = sock, max_bytes, channel
         self._writer = asyncio.ensure_future(self._write(outgoing))
 
     @classmethod
     async def open(cls, address: tuple[str, int], hello: bytes, outgoing: Callable[[], AsyncIterator],
-                   timeout: float, max_bytes: int) -> "DirectStream":
+                   timeout: float, max_bytes: int, channel: Optional[Channel] = None) -> "DirectStream":
         """Connect and say hello; ``OSError`` or ``asyncio.TimeoutError`` if that cannot be done
-        within ``timeout`` (the caller falls back to the p2p daemon)."""
+        within ``timeout`` (the caller falls back to the p2p daemon). ``channel``: the sender's end
+        of the sealed connection the hello announces (None: plaintext)."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             _configure(sock)
@@ -232,12 +305,12 @@ class DirectStream:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, outgoing(), max_bytes)
+        return cls(sock, outgoing(), max_bytes, channel)
 
     async def _write(self, outgoing: AsyncIterator) -> None:
         try:
             async for msg in outgoing:
-                await write_message(self.sock, msg)
+                await write_message(self.sock, msg, self.channel)
         except (OSError, ProtocolError) as e:  # the reading side will see the broken connection
             logger.debug("direct stream: writing failed: %r", e)
         finally:
@@ -251,7 +324,7 @@ class DirectStream:
         return self
 
     async def __anext__(self) -> Message:
-        msg = await read_message(self.sock, self.max_bytes)
+        msg = await read_message(self.sock, self.max_bytes, self.channel)
         if msg is None:
             raise StopAsyncIteration
         return msg
@@ -269,14 +342,14 @@ class DirectStream:
 class _Incoming:
     """A sender's messages on an accepted connection, as the async iterator ``runner.serve`` reads."""
 
-    def __init__(self, sock: socket.socket, max_bytes: int):
-        self.sock, self.max_bytes = sock, max_bytes
+    def __init__(self, sock: socket.socket, max_bytes: int, channel: Optional[Channel]):
+        self.sock, self.max_bytes, self.channel = sock, max_bytes, channel
 
     def __aiter__(self) -> "_Incoming":
         return self
 
     async def __anext__(self) -> Message:
-        msg = await read_message(self.sock, self.max_bytes)
+        msg = await read_message(self.sock, self.max_bytes, self.channel)
         if msg is None:
             raise StopAsyncIteration
         return msg
@@ -315,18 +388,21 @@ class RunningGroups:
                 pass
 
 
-async def serve_connections(listener: DirectListener, groups: RunningGroups, prefix: str, wait_s: float) -> None:
+async def serve_connections(listener: DirectListener, groups: RunningGroups, prefix: str, wait_s: float,
+                             security: Optional[DirectSecurity] = None) -> None:
     """Accept direct connections forever (the averager's task; cancel it to stop).
 
     A sender may connect before our own round is registered in ``groups``, so a hello waits for
-    its group up to ``wait_s`` (the longest silence tolerated before a first contribution)."""
+    its group up to ``wait_s`` (the longest silence tolerated before a first contribution).
+    ``security``: how connections are protected (default: sealed, no run key)."""
     loop = asyncio.get_event_loop()
+    security = security or DirectSecurity()
     tasks: set = set()
     try:
         while True:
             sock, _ = await loop.sock_accept(listener.sock)
             _configure(sock)
-            task = asyncio.ensure_future(_serve_connection(sock, groups, prefix, wait_s))
+            task = asyncio.ensure_future(_serve_connection(sock, groups, prefix, wait_s, security))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
     finally:
@@ -334,35 +410,67 @@ async def serve_connections(listener: DirectListener, groups: RunningGroups, pre
             task.cancel()
 
 
-async def _serve_connection(sock: socket.socket, groups: RunningGroups, prefix: str, wait_s: float) -> None:
+async def _read_hello(sock: socket.socket, wait_s: float) -> Hello:
+    head = bytes(await asyncio.wait_for(_recv_exactly(sock, _HELLO_HEAD.size), wait_s))
+    check_hello_head(head)  # another version is named before we wait for bytes it may never send
+    return read_hello(head + bytes(await asyncio.wait_for(_recv_exactly(sock, _HELLO.size - len(head)), wait_s)))
+
+
+async def _runner_for(sock: socket.socket, groups: RunningGroups, hello: Hello, deadline: float) -> tuple:
+    """``(group id, runner)`` of the group the hello names, or None after answering why not."""
+    loop = asyncio.get_event_loop()
+    group_id = await groups.find(lambda g: group_tag(g) == hello.tag, deadline)
+    future = None if group_id is None else groups.groups.get(group_id)
+    if future is None:
+        await write_notice(sock, averaging_pb2.BAD_GROUP_ID)
+        return None
+    try:
+        runner = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - loop.time()))
+    except Exception:  # no runner (mismatching peers, shutting down): the sender fails too
+        await write_notice(sock, averaging_pb2.INTERNAL_ERROR)
+        return None
+    return group_id, runner
+
+
+async def _serve_connection(sock: socket.socket, groups: RunningGroups, prefix: str, wait_s: float,
+                            security: DirectSecurity) -> None:
     loop = asyncio.get_event_loop()
     deadline = loop.time() + wait_s
     try:
-        tag, sender, mac = read_hello(bytes(await asyncio.wait_for(_recv_exactly(sock, _HELLO.size), wait_s)))
-        group_id = await groups.find(lambda g: group_tag(g) == tag, deadline)
-        future = None if group_id is None else groups.groups.get(group_id)
-        if future is None:
-            await write_message(sock, Message(averaging_pb2.BAD_GROUP_ID, has_part=False))
+        hello = await _read_hello(sock, wait_s)
+        found = await _runner_for(sock, groups, hello, deadline)
+        if found is None:
             return
-        try:
-            runner = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - loop.time()))
-        except Exception:  # no runner (mismatching peers, shutting down): the sender fails too
-            await write_message(sock, Message(averaging_pb2.INTERNAL_ERROR, has_part=False))
+        group_id, runner = found
+        if not (0 <= hello.sender < len(runner.peer_ids)) or not hello_is_valid(security, group_id, prefix,
+                                                                                 runner.me, hello):
+            logger.info("%s: refusing a direct connection with a bad hello (sender %d)", prefix, hello.sender)
+            await write_notice(sock, averaging_pb2.PROTOCOL_VIOLATION)
             return
-        if not (0 <= sender < len(runner.peer_ids)) or not hello_is_valid(group_id, prefix, sender, runner.me, mac):
-            logger.info("%s: refusing a direct connection with a bad hello (sender %d)", prefix, sender)
-            await write_message(sock, Message(averaging_pb2.PROTOCOL_VIOLATION, has_part=False))
+        if hello.plaintext != security.plaintext:
+            logger.warning("%s: refusing a direct connection from %s: it %s and this peer %s; set "
+                           "--direct-plaintext on every peer or on none", prefix, runner.peer_ids[hello.sender],
+                           *(("sends in plaintext", "seals") if hello.plaintext else ("seals", "sends in plaintext")))
+            await write_notice(sock, averaging_pb2.PROTOCOL_VIOLATION)
             return
-        replies = runner.serve(_Incoming(sock, runner.max_message_bytes), runner.peer_ids[sender])
-        try:
-            async for msg in replies:
-                await write_message(sock, msg)
-                head = msg.parts[0] if isinstance(msg, Message) and msg.parts else msg.tensor_part.buffer
-                if msg.code != averaging_pb2.AVERAGED_PART or frame_kind(head) == DONE:
-                    break  # our last message: no linger on TCP (see the module docstring)
-        finally:
-            await replies.aclose()
+        channel = security.channel(group_id, prefix, hello.sender, runner.me, hello.salt, "reducer")
+        await _serve_sender(sock, runner, hello.sender, channel)
+    except HelloVersionError as e:
+        logger.warning("%s: refusing a direct connection: %s", prefix, e)
     except (OSError, ProtocolError, asyncio.TimeoutError) as e:
         logger.info("%s: direct connection failed: %r", prefix, e)
     finally:
         sock.close()
+
+
+async def _serve_sender(sock: socket.socket, runner: Any, sender: int, channel: Optional[Channel]) -> None:
+    """Hand the sender's messages to the runner, write its replies back."""
+    replies = runner.serve(_Incoming(sock, runner.max_message_bytes, channel), runner.peer_ids[sender])
+    try:
+        async for msg in replies:
+            await write_message(sock, msg, channel)
+            head = msg.parts[0] if isinstance(msg, Message) and msg.parts else msg.tensor_part.buffer
+            if msg.code != averaging_pb2.AVERAGED_PART or frame_kind(head) == DONE:
+                break  # our last message: no linger on TCP (see the module docstring)
+    finally:
+        await replies.aclose()

@@ -27,6 +27,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddresses, make_hello, parse_address
+from opendiloco_stream.transport.hivemind.seal import DirectSecurity, new_salt
 from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
@@ -55,7 +56,7 @@ class HvAllReduceRunner:
     def __init__(self, *, p2p: P2P, servicer_type: type, prefix: str, group_info: GroupInfo, tensor: torch.Tensor,
                  codec: Codec, timeouts: RoundTimeouts, norm_bound: Optional[float],
                  direct_failed: Optional[FailedAddresses] = None, result: Optional[torch.Tensor] = None,
-                 sent: Optional[torch.Tensor] = None):
+                 sent: Optional[torch.Tensor] = None, direct_security: Optional[DirectSecurity] = None):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_info.group_id, tuple(group_info.peer_ids)
         self.me = self.peer_ids.index(p2p.peer_id)
@@ -75,8 +76,9 @@ class HvAllReduceRunner:
         self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
         # chunks of the smallest size a member announced (sizes derive from each one's link rate)
         self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, group_chunk_bytes(users))
-        # direct TCP streams (direct.py): None where disabled; addresses whose connection failed
-        self.direct_failed = direct_failed
+        # direct TCP streams (direct.py): None where disabled; addresses whose connection failed;
+        # how they are sealed (seal.py; default: sealed, no run key)
+        self.direct_failed, self.direct_security = direct_failed, direct_security or DirectSecurity()
         self.direct = [parse_address(u.get("direct")) if isinstance(u, dict) else None for u in users]
         largest = max((hi - lo for chunks in self.layout.chunks for lo, hi in chunks), default=0)
         self.max_message_bytes = n * codec.encoded_size(largest) + 65536  # a result bundles <= n contributions
@@ -307,10 +309,12 @@ class HvAllReduceRunner:
         address is in its back-off, ``direct.FailedAddresses``) the p2p daemon."""
         address = self.direct[q] if self.direct_failed is not None else None
         if address is not None and not self.direct_failed.blocked(address):
+            security, salt = self.direct_security, new_salt()  # a fresh salt: fresh keys for each connection
+            hello = make_hello(security, self.group_id, self.prefix, self.me, q, salt)
             try:
-                stream = await DirectStream.open(address, make_hello(self.group_id, self.prefix, self.me, q),
-                                                 lambda: self._contributions_for(q), min(self.t.request, self._remaining()),
-                                                 self.max_message_bytes)
+                stream = await DirectStream.open(address, hello, lambda: self._contributions_for(q),
+                                                 min(self.t.request, self._remaining()), self.max_message_bytes,
+                                                 security.channel(self.group_id, self.prefix, self.me, q, salt, "sender"))
                 self.direct_failed.succeeded(address)
                 return stream
             except (OSError, asyncio.TimeoutError) as e:

@@ -81,8 +81,11 @@ class HivemindSettings:
         norm_bound: reject contributions whose norm exceeds this multiple of the group median
             (with 3+ contributions); ``None`` disables the check.
         direct: stream a round's bytes over direct TCP connections between groupmates (each
-            reducing peer listens on one port per fragment, next to the DHT's address), with the
-            p2p daemon as fallback; ``False``: p2p daemon only (encrypted, slower). See ``direct.py``.
+            reducing peer listens on one port per fragment, next to the DHT's address; every message
+            sealed with AES-256-GCM, ``seal.py``), with the p2p daemon as fallback; ``False``: p2p
+            daemon only (encrypted, slower). See ``direct.py``.
+        direct_plaintext: do not seal the direct path's messages (only to measure what sealing
+            costs; every peer of the run must set it the same).
         direct_port: fragment ``p``'s data port is ``direct_port + p`` (ports to open in a firewall);
             ``None``: random free ports.
         presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
@@ -111,6 +114,7 @@ class HivemindSettings:
     norm_bound: Optional[float]
     direct: bool
     direct_port: Optional[int]
+    direct_plaintext: bool
     presence_ttl: float = DEFAULT_TTL_S
     state_timeout: float = 30.0
     startup_timeout: float = 60.0
@@ -156,7 +160,10 @@ class HivemindTransport(Transport):
         if s.direct_port is not None and not 1 <= s.direct_port <= 65535:
             raise ValueError(f"direct_port must be in 1..65535 (or None), got {s.direct_port}")
         self.state_timeout, self.admission, self.direct = s.state_timeout, admission, s.direct
-        self.direct_port = s.direct_port
+        self.direct_port, self.direct_plaintext = s.direct_port, s.direct_plaintext
+        if s.direct and s.direct_plaintext:
+            logger.warning("--direct-plaintext: the direct data path is not sealed; anyone on the network path "
+                           "can read and alter contributions (use it only to measure what sealing costs)")
         self.peer_id = str(dht.peer_id)
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
@@ -193,7 +200,8 @@ class HivemindTransport(Transport):
                     n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
                     client_mode=self.client_mode, startup_timeout=self.startup_timeout, admission=self.admission,
-                    direct=self.direct, direct_port=0 if self.direct_port is None else self.direct_port + p))
+                    direct=self.direct, direct_port=0 if self.direct_port is None else self.direct_port + p,
+                    direct_plaintext=self.direct_plaintext))
         except BaseException:
             for _, averager in averagers.values():
                 averager.close()
