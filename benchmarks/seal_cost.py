@@ -5,7 +5,7 @@
 
 For each link, codec and mode, a fresh swarm of ``--peers`` real peers (``LoopbackSwarm``; every
 round goes over the direct TCP path) runs one warm-up round and ``--rounds`` measured rounds of
-each size, every peer starting at a common moment (``transport_rounds.reduce_staged``); a round's
+each size, every peer starting at a common moment (``harness.loopback.reduce_staged``); a round's
 time runs from that moment to the last peer's result. Averages are checked bit-identical across
 peers every round. The two modes of a codec run one after the other (``--passes 2``: sealed,
 plaintext, then plaintext, sealed), so the ratio sealed/plaintext of a row compares rounds taken
@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.harness.loopback import LoopbackSwarm
+from benchmarks.harness.loopback import LOOPBACK_MBIT, START_AHEAD_S, LoopbackSwarm
 from benchmarks.harness.results import RESULTS_DIR, markdown_table, relative, write_result
-from benchmarks.transport_rounds import LOOPBACK_MBIT, START_AHEAD_S
 
 MODES = ("sealed", "plaintext")
 
@@ -37,10 +36,10 @@ def time_rounds(swarm: LoopbackSwarm, fragment: int, numel: int, rounds: int, la
     """Round times of ``rounds`` measured rounds of one fragment (after one warm-up round)."""
     times = []
     for rnd in range(rounds + 1):
-        swarm.call_all("call", function="benchmarks.transport_rounds:stage_tensor", numel=numel, timeout=300,
+        swarm.call_all("call", function="benchmarks.harness.loopback:stage_tensor", numel=numel, timeout=300,
                        per_peer=[dict(seed=1000 * rnd + i) for i in range(swarm.n)])
         start_at = time.time() + START_AHEAD_S
-        results = swarm.call_all("call", function="benchmarks.transport_rounds:reduce_staged", key=(fragment, rnd),
+        results = swarm.call_all("call", function="benchmarks.harness.loopback:reduce_staged", key=(fragment, rnd),
                                  start_at=start_at, weight=1.0, timeout=600)
         failed = [f"peer {i}: {r['reason']}: {r['message']}" for i, r in enumerate(results) if not r["ok"]]
         if failed:

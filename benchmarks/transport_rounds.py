@@ -52,34 +52,12 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.harness.gloo import GlooRanks, time_gloo
-from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
+from benchmarks.harness.loopback import LOOPBACK_MBIT, START_AHEAD_S, LoopbackSwarm
 from benchmarks.harness.results import write_result
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
 
 PEERS = 3
-# What the transport is told 127.0.0.1 carries (one TCP stream moves ~28 Gbit/s here): it derives
-# the chunk size (8 MiB) and the timeouts from it. ``--loopback-mbit 100`` gives the 1 MiB chunks
-# of the rows measured before the chunk size was derived from the link.
-LOOPBACK_MBIT = 10_000.0
-START_AHEAD_S = 0.3  # a round's common start, this far after its command is sent
 GLOO_BETWEEN = 3  # gloo rounds timed after each of our timed rounds (--gloo, on loopback)
-
-
-def stage_tensor(peer, seed: int, numel: int) -> None:
-    """Inside a peer (``LoopbackPeer.call``): draw the tensor of the next round."""
-    peer.staged = make_tensor(seed, numel)
-
-
-def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bool = False) -> dict:
-    """Inside a peer: the round, on the staged tensor, started at ``start_at`` (``time.time()``,
-    the same for every peer: a common start, as gloo's barrier). ``prematch``: the group forms
-    ahead, from the command's arrival (``Transport.prematch``, as the trainer's ``prematch_steps``)."""
-    if prematch:
-        peer.transport.prematch(tuple(key), weight)
-    time.sleep(max(0.0, start_at - time.time()))
-    started = time.time()
-    out = peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False, digest_later=True)
-    return dict(out, started_late_s=started - start_at)
 
 
 def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: float,
@@ -108,10 +86,10 @@ def measure_codec(codec: str, numels: list[int], rounds: int, matchmaking_time: 
                     key = (fragment, rnd * len(modes) + m)
                     # tensors first, on every peer, then the round: as gloo's barrier, so that no peer's
                     # round time includes waiting for another one still drawing its random tensor
-                    swarm.call_all("call", function="benchmarks.transport_rounds:stage_tensor", numel=numel, timeout=300,
+                    swarm.call_all("call", function="benchmarks.harness.loopback:stage_tensor", numel=numel, timeout=300,
                                    per_peer=[dict(seed=1000 * rnd + i) for i in range(PEERS)])
                     start_at = time.time() + START_AHEAD_S  # every peer's command arrives before this moment
-                    results = swarm.call_all("call", function="benchmarks.transport_rounds:reduce_staged", key=key,
+                    results = swarm.call_all("call", function="benchmarks.harness.loopback:reduce_staged", key=key,
                                              start_at=start_at, prematch=early,
                                              per_peer=[dict(weight=1.0 + i) for i in range(PEERS)], timeout=600)
                     failed = [r for r in results if not r["ok"]]

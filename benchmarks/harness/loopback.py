@@ -29,6 +29,12 @@ import torch
 
 from opendiloco_stream.net.lifecycle import kill_session
 
+# What the transport is told 127.0.0.1 carries (one TCP stream moves ~28 Gbit/s here): it derives
+# the chunk size (8 MiB) and the timeouts from it. ``--loopback-mbit 100`` gives the 1 MiB chunks
+# of the rows measured before the chunk size was derived from the link.
+LOOPBACK_MBIT = 10_000.0
+START_AHEAD_S = 0.3  # a round's common start, this far after its command is sent
+
 _SIGNAL = None  # the swarm's shared event, inside a peer process
 
 
@@ -327,3 +333,20 @@ class LoopbackSwarm:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def stage_tensor(peer, seed: int, numel: int) -> None:
+    """Inside a peer (``LoopbackPeer.call``): draw the tensor of the next round."""
+    peer.staged = make_tensor(seed, numel)
+
+
+def reduce_staged(peer, key: tuple, weight: float, start_at: float, prematch: bool = False) -> dict:
+    """Inside a peer: the round, on the staged tensor, started at ``start_at`` (``time.time()``,
+    the same for every peer: a common start, as gloo's barrier). ``prematch``: the group forms
+    ahead, from the command's arrival (``Transport.prematch``, as the trainer's ``prematch_steps``)."""
+    if prematch:
+        peer.transport.prematch(tuple(key), weight)
+    time.sleep(max(0.0, start_at - time.time()))
+    started = time.time()
+    out = peer.all_reduce(tuple(key), peer.staged, weight=weight, return_tensors=False, digest_later=True)
+    return dict(out, started_late_s=started - start_at)
