@@ -1,0 +1,64 @@
+"""Peers behind a masquerading router (tests/support/nat.py): they find the swarm, train and
+average with it, and ``doctor`` tells them they are behind NAT.
+
+Needs root, ``ip netns`` and ``nft``; skipped with the reason otherwise. Each test builds its own
+namespaces and removes them (and every process inside) even when it fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.harness.peers import PeerProcesses
+from tests.support.nat import NatTopology, listen_flags, start_bootstrap, unavailable_reason
+
+REASON = unavailable_reason()
+pytestmark = [pytest.mark.network, pytest.mark.slow,
+              pytest.mark.skipif(REASON is not None, reason=f"NAT topology unavailable: {REASON}")]
+
+H, P, STEPS = 10, 2, 40
+TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
+        "--mode", "blocking", "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS)]
+DIGESTS = {"ODS_DILOCO__RECORD_DIGESTS": "true"}
+
+
+def _train(tmp, topo: NatTopology, run_id: str, nodes: list[str], flags: dict[str, list[str]],
+           timeout: float = 300) -> dict[str, list[dict]]:
+    """One ``peer`` per node (``flags[node]`` added), all started together; each one's records."""
+    with PeerProcesses(tmp, topology=topo) as run:
+        start_bootstrap(run, topo, run_id)
+        procs = [run.peer(node, "--run-id", run_id, *TINY, *listen_flags(topo, node), *flags.get(node, []),
+                          "--shard", f"{i}/{len(nodes)}", node=node, env=DIGESTS) for i, node in enumerate(nodes)]
+        run.wait(procs, timeout)
+        return {node: run.records(node) for node in nodes}
+
+
+def _syncs(records: list[dict]) -> dict[tuple, dict]:
+    return {(r["fragment"], r["round"]): r for r in records if r["event"] == "sync"}
+
+
+@pytest.fixture
+def one_natted(tmp_path):
+    with NatTopology(public=2, natted=1) as topo:
+        yield topo
+
+
+@pytest.mark.timeout(420)
+def test_a_client_mode_peer_behind_nat_is_in_every_group_after_the_first_round(tmp_path, one_natted):
+    """3 peers: two public, one behind a masquerading router that drops inbound connections, in
+    client mode (it reduces no part). After the first round of each fragment, every round on every
+    peer averaged all three with the same result: the public peers reduced the NATed peer's parts."""
+    topo = one_natted
+    records = _train(tmp_path, topo, "nat1", ["p0", "p1", "n0"], {"n0": ["--client-mode"]})
+    syncs = {node: _syncs(recs) for node, recs in records.items()}
+    common = set.intersection(*(set(s) for s in syncs.values()))
+    first = {min(k for k in common if k[0] == f) for f in range(P)}
+    later = sorted(common - first)
+    assert len(later) >= STEPS // H - 2, {n: sorted(s) for n, s in syncs.items()}
+    for key in later:
+        rows = {node: s[key] for node, s in syncs.items()}
+        assert all(r["ok"] and r["group_size"] == 3 for r in rows.values()), (key, rows)
+        assert len({r["digest"] for r in rows.values()}) == 1, (key, rows)
+        # the NATed peer's contribution went out and the average came back through its router
+        assert rows["n0"]["included_self"] and rows["n0"]["bytes_sent"] > 0 and rows["n0"]["bytes_received"] > 0
+    assert records["n0"][-1]["event"] == "summary" and records["n0"][-1]["current_alone_streak"] == 0
