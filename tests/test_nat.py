@@ -62,3 +62,30 @@ def test_a_client_mode_peer_behind_nat_is_in_every_group_after_the_first_round(t
         # the NATed peer's contribution went out and the average came back through its router
         assert rows["n0"]["included_self"] and rows["n0"]["bytes_sent"] > 0 and rows["n0"]["bytes_received"] > 0
     assert records["n0"][-1]["event"] == "summary" and records["n0"][-1]["current_alone_streak"] == 0
+
+
+def _doctor(run: PeerProcesses, name: str, *flags: str) -> tuple[int, str]:
+    proc = run.start(name, ["doctor", "--initial-peers", *run.addrs, "--run-id", "natdoc", "--timeout", "8", *flags],
+                     node="n0")
+    code = proc.wait(120)
+    return code, (run.workdir / f"{name}.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_doctor_on_a_peer_behind_nat_says_so_and_what_to_do(tmp_path):
+    """doctor inside the NATed namespace: the bootstrap sees the router's address, not the peer's
+    own, so it reports NAT; without client mode that fails with the fixes, in client mode it passes."""
+    with NatTopology(public=0, natted=1) as topo, PeerProcesses(tmp_path, topology=topo) as run:
+        start_bootstrap(run, topo, "natdoc")
+        code, out = _doctor(run, "doctor")
+        nat = [line for line in out.splitlines() if line.startswith("[FAIL] nat:")]
+        assert code == 1 and "[FAIL] dial-back" in out, out
+        assert nat == [f"[FAIL] nat: behind NAT: this machine announces {topo.ip('n0')} but the bootstrap sees it "
+                       f"as {topo.public_ip('n0')} (a router translates its address); nobody can open a connection "
+                       f"to it"], out
+        assert "fix: train as a client (--client-mode" in out and f"--public-ip {topo.public_ip('n0')}" in out, out
+
+        code, out = _doctor(run, "doctor-client", "--client-mode")
+        assert "[warn] dial-back" in out and "client mode: fine, this peer only connects out" in out, out
+        assert "[ok] nat: behind NAT" in out and "client mode: it connects out only" in out, out
+        assert code == 0 and "all checks passed" in out, out
