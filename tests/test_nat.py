@@ -44,12 +44,18 @@ def one_natted(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_a_client_mode_peer_behind_nat_is_in_every_group_after_the_first_round(tmp_path, one_natted):
+@pytest.mark.parametrize("client", ["--client-mode", "detected"])
+def test_a_peer_behind_nat_is_a_client_in_every_group_after_the_first_round(tmp_path, one_natted, client):
     """3 peers: two public, one behind a masquerading router that drops inbound connections, in
-    client mode (it reduces no part). After the first round of each fragment, every round on every
-    peer averaged all three with the same result: the public peers reduced the NATed peer's parts."""
+    client mode (it reduces no part): given, or chosen by the peer itself when the bootstrap
+    could not dial it back. After the first round of each fragment, every round on every peer
+    averaged all three with the same result: the public peers reduced the NATed peer's parts."""
     topo = one_natted
-    records = _train(tmp_path, topo, "nat1", ["p0", "p1", "n0"], {"n0": ["--client-mode"]})
+    flags = ["--client-mode"] if client == "--client-mode" else []
+    records = _train(tmp_path, topo, "nat1", ["p0", "p1", "n0"], {"n0": flags})
+    detected = "nobody can open a connection to this peer"
+    assert (detected in (tmp_path / "n0.log").read_text()) == (client == "detected")
+    assert not any(detected in (tmp_path / f"{p}.log").read_text() for p in ("p0", "p1"))
     syncs = {node: _syncs(recs) for node, recs in records.items()}
     common = set.intersection(*(set(s) for s in syncs.values()))
     first = {min(k for k in common if k[0] == f) for f in range(P)}
@@ -62,6 +68,24 @@ def test_a_client_mode_peer_behind_nat_is_in_every_group_after_the_first_round(t
         # the NATed peer's contribution went out and the average came back through its router
         assert rows["n0"]["included_self"] and rows["n0"]["bytes_sent"] > 0 and rows["n0"]["bytes_received"] > 0
     assert records["n0"][-1]["event"] == "summary" and records["n0"][-1]["current_alone_streak"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_two_peers_behind_nat_without_a_relay_train_alone_and_say_why(tmp_path):
+    """Both behind NAT, only the bootstrap public: each finds the bootstrap cannot dial it, becomes
+    a client, and no group ever forms (hivemind's matchmaking needs a peer that accepts
+    connections). Every round fails for "matchmaking" after one matchmaking window (about 8 s
+    measured), the peers train alone to the end, and say so: no round hangs, none averages."""
+    with NatTopology(public=0, natted=2) as topo:
+        records = _train(tmp_path, topo, "nat2", ["n0", "n1"], {}, timeout=240)
+    for node, recs in records.items():
+        assert "nobody can open a connection to this peer" in (tmp_path / f"{node}.log").read_text()
+        syncs = [r for r in recs if r["event"] == "sync"]
+        assert len(syncs) == STEPS // H * P and all(not r["ok"] and r["reason"] == "matchmaking" for r in syncs), syncs
+        assert all(r["wait_s"] < 20 for r in syncs), [r["wait_s"] for r in syncs]
+        [alone] = [r for r in recs if r["event"] == "warning" and r["kind"] == "alone"]
+        assert "all clients: a group needs one peer that accepts connections" in alone["message"]
+        assert recs[-1]["event"] == "summary" and recs[-1]["failed_syncs"] == len(syncs)
 
 
 def _doctor(run: PeerProcesses, name: str, *flags: str) -> tuple[int, str]:

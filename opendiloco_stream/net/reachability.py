@@ -258,3 +258,45 @@ async def request_observed(p2p: Any, helper: Any, timeout: float) -> list[str]:
     if "observed" not in answer:
         raise LookupError(f"{helper} does not report observed addresses (an older bootstrap)")
     return [str(m) for m in answer["observed"]]
+
+
+async def _dialback_of_self(_dht: Any, node: Any, helpers: Sequence[str], timeout: float) -> tuple[Optional[bool], str]:
+    """In the DHT process: ask the first of ``helpers`` that answers to dial this node's announced
+    addresses (loopback and wildcard ones left out). ``(True/False, detail)``; ``(None, why)`` when
+    no helper could say."""
+    import ipaddress
+
+    from hivemind.p2p import PeerID
+
+    maddrs = []
+    for m in await node.p2p.get_visible_maddrs(latest=True):
+        ip = ip4_of(m)
+        if ip and not ipaddress.ip_address(ip).is_loopback and not ipaddress.ip_address(ip).is_unspecified:
+            maddrs.append(str(m))
+    if not maddrs:
+        return False, "it announces no address others could dial"
+    why = "no initial peer to ask"
+    for helper in helpers:
+        try:
+            results = await request_dialback(node.p2p, PeerID.from_base58(helper), maddrs, timeout)
+        except (LookupError, TimeoutError) as e:
+            why = str(e)
+            continue
+        reached = [m for m, err in results.items() if err is None]
+        if reached:
+            return True, f"the bootstrap dialed {' '.join(reached)}"
+        return False, "; ".join(f"{m}: {err}" for m, err in results.items())
+    return None, why
+
+
+def reachable(dht: Any, initial_peers: Sequence[str], timeout: float = 30.0) -> tuple[Optional[bool], str]:
+    """Can others open a connection to ``dht``'s node? Asked of the initial peers' dial-back
+    service (``opendiloco-stream bootstrap`` offers one), the way ``doctor`` asks. ``(True, ...)``,
+    ``(False, what failed)``, or ``(None, why nobody could say)`` (no initial peer offers the
+    service, or it did not answer within ``timeout``)."""
+    import functools
+
+    from opendiloco_stream.net.dht import parse_maddr
+
+    helpers = list(dict.fromkeys(parse_maddr(m)["p2p"] for m in initial_peers))
+    return dht.run_coroutine(functools.partial(_dialback_of_self, helpers=helpers, timeout=timeout))
