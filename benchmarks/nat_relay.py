@@ -5,7 +5,8 @@
 Builds :class:`benchmarks.harness.nat.NatTopology` with no public peer and two NATed ones, starts
 a relay node in ``boot`` (a hivemind DHT with ``use_relay=True`` and ``force_reachability="public"``:
 its p2pd serves circuit relay v2) and one hivemind DHT node per NATed namespace with
-``use_auto_relay=True`` and ``force_reachability="private"`` (``--no-relay``: both off). Each NATed
+``use_auto_relay=True`` and ``force_reachability="private"`` (``--no-relay``: both off;
+``--announce-circuit``: each also announces ``<relay address>/p2p-circuit`` itself). Each NATed
 node pings the other by peer id (a hivemind DHT ping, what matchmaking's first request needs)
 every 5 s for ``--seconds``, and notes when its p2pd reserved a relay slot (p2pd's autorelay log)
 and whether it ever announced a ``/p2p-circuit`` address. The report says, per node, the first
@@ -58,6 +59,8 @@ other = "n1" if role == "n0" else "n0"
 while not os.path.exists(os.path.join(workdir, "boot.addrs")):
     time.sleep(0.2)
 initial = open(os.path.join(workdir, "boot.addrs")).read().split()
+if opts.pop("announce_circuit", False):  # announce "reach me through the relay" ourselves
+    opts["announce_maddrs"] = [f"{initial[0]}/p2p-circuit"]
 dht = hivemind.DHT(initial_peers=initial, host_maddrs=["/ip4/0.0.0.0/tcp/0"], start=True, **opts)
 tmp = os.path.join(workdir, role + ".tmp")
 open(tmp, "w").write(str(dht.peer_id))
@@ -87,10 +90,11 @@ def _summary(path: Path) -> dict:
             "circuit_addr_announced_s": circuit, "last_t": pings[-1]["t"] if pings else None}
 
 
-def run(seconds: float, relay: bool) -> dict:
+def run(seconds: float, relay: bool, announce_circuit: bool = False) -> dict:
     """One trial: the relay node and the two NATed nodes; per node, when (if ever) a ping got through."""
     boot_opts = {"use_relay": relay, **({"force_reachability": "public"} if relay else {})}
-    peer_opts = {"use_relay": relay, "use_auto_relay": relay, **({"force_reachability": "private"} if relay else {})}
+    peer_opts = {"use_relay": relay, "use_auto_relay": relay, **({"force_reachability": "private"} if relay else {}),
+                 "announce_circuit": announce_circuit}
     env = {**os.environ, "GOLOG_LOG_LEVEL": "warn,autorelay=debug", "HIVEMIND_LOGLEVEL": "DEBUG"}
     with tempfile.TemporaryDirectory(prefix="ods-nat-relay-") as workdir, NatTopology(public=0, natted=2) as topo:
         boot_opts["ip"] = topo.ip("boot")
@@ -106,7 +110,7 @@ def run(seconds: float, relay: bool) -> dict:
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
-        report = {"relay": relay, "seconds": seconds, **{n: _summary(Path(workdir) / f"{n}.jsonl") for n in ("n0", "n1")}}
+        report = {"relay": relay, "announce_circuit": announce_circuit, "seconds": seconds, **{n: _summary(Path(workdir) / f"{n}.jsonl") for n in ("n0", "n1")}}
         for node, p in zip(("boot", "n0", "n1"), procs):
             if p.returncode not in (0, None, -9):
                 report.setdefault("errors", {})[node] = (Path(workdir) / f"{node}.log").read_text()[-600:]
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=240.0, help="how long each NATed node keeps pinging")
     ap.add_argument("--no-relay", action="store_true", help="relay off on every node (the baseline)")
+    ap.add_argument("--announce-circuit", action="store_true",
+                    help="each NATed node announces the relay's circuit address itself (announce_maddrs)")
     ap.add_argument("--out", type=Path, help="write the report (JSON) here")
     args = ap.parse_args(argv)
     reason = unavailable_reason()
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nat_relay: {reason}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    report = run(args.seconds, relay=not args.no_relay)
+    report = run(args.seconds, relay=not args.no_relay, announce_circuit=args.announce_circuit)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     text = json.dumps(report, indent=2)
     print(text)

@@ -21,6 +21,7 @@ outer steps, every rank reads its share of the peer's data shard (docs/multi-gpu
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import sys
 import time
@@ -34,6 +35,7 @@ from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
 
 logger = logging.getLogger(__name__)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peer", help="join a run and train", description=__doc__,
@@ -216,8 +218,8 @@ def _client_if_unreachable(cfg, dht) -> tuple[Any, Any]:
     from opendiloco_stream.net.reachability import reachable
 
     net = cfg.net
-    if net.client_mode or not net.auto_client or not any(
-            ip4_of(m) and not ip4_of(m).startswith("127.") for m in net.initial_peers):
+    remote = [m for m in net.initial_peers if not (ip4_of(m) and ipaddress.ip_address(ip4_of(m)).is_loopback)]
+    if net.client_mode or not net.auto_client or not remote:  # a local run: everyone can dial everyone
         return cfg, dht
     ok, detail = reachable(dht, net.initial_peers)
     if ok is not False:
