@@ -219,7 +219,8 @@ def _client_if_unreachable(cfg, dht) -> tuple[Any, Any]:
 
     net = cfg.net
     remote = [m for m in net.initial_peers if not (ip4_of(m) and ipaddress.ip_address(ip4_of(m)).is_loopback)]
-    if net.client_mode or not net.auto_client or not remote:  # a local run: everyone can dial everyone
+    # a local run: everyone can dial everyone; a relayed peer is dialed through the relay, not directly
+    if net.client_mode or net.relay or not net.auto_client or not remote:
         return cfg, dht
     ok, detail = reachable(dht, net.initial_peers)
     if ok is not False:

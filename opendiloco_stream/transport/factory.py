@@ -64,4 +64,4 @@ def hivemind_transport(cfg: RunConfig, dht: Any, admission: Any = None) -> "Hive
         matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
         allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout, link_mbit=n.link_mbit,
         client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=chunk_bytes(cfg), norm_bound=n.norm_bound,
-        admission=admission, direct=n.direct, direct_port=n.data_port)
+        admission=admission, direct=n.direct and not n.relay, direct_port=n.data_port)

@@ -8,12 +8,12 @@ from benchmarks.harness.nat import NatTopology, unavailable_reason  # noqa: F401
 from benchmarks.harness.peers import PeerProcesses
 
 
-def start_bootstrap(run: PeerProcesses, topo: NatTopology, run_id: str, timeout: float = 60.0) -> list[str]:
+def start_bootstrap(run: PeerProcesses, topo: NatTopology, run_id: str, *flags: str, timeout: float = 60.0) -> list[str]:
     """A ``bootstrap`` node in ``boot`` (listening on its public address) started through ``run``;
     the multiaddrs it wrote to its address file, which ``run.peer`` then passes as initial peers."""
     addr_file = run.workdir / "bootstrap.addrs"
     proc = run.start("bootstrap", ["bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
-                                   "--host-maddrs", f"/ip4/{topo.ip('boot')}/tcp/0"], node="boot")
+                                   "--host-maddrs", f"/ip4/{topo.ip('boot')}/tcp/0", *flags], node="boot")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if addr_file.exists() and addr_file.read_text().strip():  # written atomically by the bootstrap
