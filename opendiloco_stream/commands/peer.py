@@ -228,7 +228,7 @@ def _client_if_unreachable(cfg, dht) -> tuple[Any, Any]:
         return cfg, dht
     print(f"peer: nobody can open a connection to this peer ({detail}): it trains as a client and reduces no "
           f"part; to reduce, open/forward a port (--port P --public-ip IP; `opendiloco-stream doctor` checks); "
-          f"--client-mode skips this check", file=sys.stderr, flush=True)
+          f"--client-mode skips this check; if no peer of the run can accept connections, see --relay", file=sys.stderr, flush=True)
     cfg = cfg.model_copy(update={"net": net.model_copy(update={"client_mode": True})})
     stop_dht(dht)
     return cfg, start_dht(cfg.net)

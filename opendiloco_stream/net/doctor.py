@@ -14,7 +14,7 @@ In order, each check printed as it completes:
 5. ``nat``       the bootstrap says which address this machine's connections come from; when
                  it is none of this machine's own, the peer is behind NAT, and the check says
                  whether that is a problem (nobody can dial it and it is not a client) and what
-                 to do: client mode, a forwarded port with ``--public-ip``, or a relay.
+                 to do: client mode, a forwarded port with ``--public-ip``, or ``--relay``.
 6. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
                  TCP D, and the bootstrap opens a TCP connection to D at each address that passed
                  check 4 (skipped for random data ports, ``--no-direct`` and client mode).
@@ -95,8 +95,8 @@ def _nat_fix(net: NetConfig, public: str) -> str:
     port = net.port or 31337
     return (f"train as a client (--client-mode / net.client_mode = true: it connects out, others reduce "
             f"its parts); or forward TCP and UDP {port} on the router to this machine and run with --port "
-            f"{port} --public-ip {public}; two peers both behind NAT need one of them reachable "
-            f"(docs/networking.md, \"Behind NAT\")")
+            f"{port} --public-ip {public}; where no peer of the run can open a port: --relay here and on "
+            f"the bootstrap (its rounds then cross the bootstrap; docs/networking.md, \"Behind NAT\")")
 
 
 class _Doctor:
