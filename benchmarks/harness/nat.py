@@ -112,8 +112,3 @@ class NatTopology(Topology):
                              verdict=self.inbound)
         subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
                        capture_output=True, timeout=20)
-
-    def nat_table(self, router: str) -> str:
-        """The router's connection-tracking NAT entries (``conntrack``-free: nft's own listing)."""
-        return subprocess.run(["ip", "netns", "exec", self.ns(router), "nft", "list", "table", "ip", "ods_nat"],
-                              capture_output=True, text=True, timeout=20).stdout
