@@ -35,4 +35,16 @@ if ! command -v promtool >/dev/null 2>&1; then
     echo "[setup] promtool is missing: install Prometheus (Debian/Ubuntu: apt-get install prometheus)" >&2
   fi
 fi
+# nft (Debian's nftables) for the NAT topology of tests/test_nat.py (routers that masquerade):
+# installed when missing and we may, like prometheus above
+if ! command -v nft >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Debian's nftables package (nft)" >&2
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables \
+      || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables; }; } \
+      >"$VENV/apt-nftables.log" 2>&1 || { cat "$VENV/apt-nftables.log" >&2; echo "[setup] nftables install failed" >&2; exit 1; }
+  else
+    echo "[setup] nft is missing (tests/test_nat.py is skipped): apt-get install nftables" >&2
+  fi
+fi
 echo "[setup] ready: $("$V" -c 'import torch, hivemind; print("torch", torch.__version__, "/ hivemind", hivemind.__version__)')" >&2

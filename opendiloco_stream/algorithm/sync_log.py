@@ -102,7 +102,8 @@ class AloneWatch:
     #: failure reasons that mean "no other peer was there", and what the user reads for them
     CAUSES = {
         "matchmaking": "no other peer of the run reached the same round in its matchmaking window "
-                       "(none running, or all out of reach: check --initial-peers and `doctor`)",
+                       "(none running, all out of reach, or all clients: a group needs one peer that "
+                       "accepts connections; check --initial-peers and `doctor`)",
         "joining": "this peer sits out its first rounds in a running swarm",
         "timeout": "rounds time out before a group forms (a slow or unreachable swarm)",
         "alone": "a group of one: no other peer of the run joined its rounds",

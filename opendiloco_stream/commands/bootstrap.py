@@ -32,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_network_flags(p)
     p.add_argument("--addr-file", metavar="F", help="write this node's multiaddrs to F, one per line (atomically)")
     p.add_argument("--no-dialback", action="store_true", help="do not answer doctor's dial-back requests")
+    p.add_argument("--relay", action="store_true", help="serve as a circuit relay for peers behind NAT that "
+                   "run with --relay (every byte of their rounds crosses this node)")
     p.set_defaults(func=run)
 
 
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     existing = daemons()
     quiet_hivemind(args.verbose)
     with GracefulShutdown() as stop:
-        dht = start_dht(net)
+        # p2pd serves relay reservations only once it believes it is public; on a bare subnet nothing tells it
+        dht = start_dht(net, **({"use_relay": True, "force_reachability": "public"} if args.relay else {}))
         service = None
         try:
             # this node stores the run's metrics records: without the validators it would accept forged ones

@@ -21,6 +21,7 @@ outer steps, every rank reads its share of the peer's data shard (docs/multi-gpu
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import sys
 import time
@@ -32,6 +33,9 @@ from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-
     SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, require_device,
 )
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
+
+logger = logging.getLogger(__name__)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peer", help="join a run and train", description=__doc__,
@@ -187,6 +191,7 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
         dht = start_dht(cfg.net)
         transport = gate = None
         try:
+            cfg, dht = _client_if_unreachable(cfg, dht)
             gate = RunGate(dht, cfg.net.run_id, auth)
             gate.check_key()  # a peer with another key (or none) stops here, having stored nothing
             shards = _announce(cfg, dht, ranks, exporter)
@@ -203,6 +208,30 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
                 gate.close()
             stop_dht(dht)
     return 0  # a signal-requested stop at a safe point is a clean exit
+
+
+def _client_if_unreachable(cfg, dht) -> tuple[Any, Any]:
+    """A peer nobody can dial (behind NAT, a firewall) would stall every group that gave it a part
+    to reduce: when the bootstrap cannot dial it back, it restarts its DHT node as a client and
+    trains as one (it sends and receives; the peers that accept connections reduce its parts)."""
+    from opendiloco_stream.net.dht import ip4_of, start_dht, stop_dht
+    from opendiloco_stream.net.reachability import reachable
+
+    net = cfg.net
+    remote = [m for m in net.initial_peers if not (ip4_of(m) and ipaddress.ip_address(ip4_of(m)).is_loopback)]
+    # a local run: everyone can dial everyone; a relayed peer is dialed through the relay, not directly
+    if net.client_mode or net.relay or not net.auto_client or not remote:
+        return cfg, dht
+    ok, detail = reachable(dht, net.initial_peers)
+    if ok is not False:
+        logger.info("reachability: %s", detail if ok else f"not checked ({detail})")
+        return cfg, dht
+    print(f"peer: nobody can open a connection to this peer ({detail}): it trains as a client and reduces no "
+          f"part; to reduce, open/forward a port (--port P --public-ip IP; `opendiloco-stream doctor` checks); "
+          f"--client-mode skips this check; if no peer of the run can accept connections, see --relay", file=sys.stderr, flush=True)
+    cfg = cfg.model_copy(update={"net": net.model_copy(update={"client_mode": True})})
+    stop_dht(dht)
+    return cfg, start_dht(cfg.net)
 
 
 def _announce(cfg, dht, ranks, exporter) -> tuple[tuple[int, int], tuple[int, int]]:

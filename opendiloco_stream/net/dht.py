@@ -122,6 +122,8 @@ def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
     if net.announce_maddrs:
         announce = [str(parse_maddr(m, what="announce multiaddr", example="/ip4/203.0.113.7/tcp/31337"))
                     for m in net.announce_maddrs]
+    elif net.relay:  # "reach me through this relay": the initial peers' circuit addresses
+        announce = [f"{m}/p2p-circuit" for m in net.initial_peers if not _is_loopback(parse_maddr(m))]
     elif net.public_ip is not None:
         try:
             ip = ipaddress.ip_address(net.public_ip.strip())
@@ -269,6 +271,8 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
     timeout = start_timeout if start_timeout is not None else 2 * net.daemon_startup_timeout + 10
     unstick_hivemind_locks()  # a DHT killed earlier in this process may have left one held
 
+    if net.relay:  # a reservation on a relay, found among the initial peers (p2pd's trusted relays)
+        dht_kwargs = {"use_relay": True, "use_auto_relay": True, "force_reachability": "private", **dht_kwargs}
     dht = hivemind.DHT(
         initial_peers=list(net.initial_peers) or None, start=False, host_maddrs=host,
         announce_maddrs=announce or None, identity_path=identity, client_mode=net.client_mode,

@@ -11,11 +11,15 @@ In order, each check printed as it completes:
                  of check 2 (see :mod:`opendiloco_stream.net.reachability`). If it offers no such
                  service, this machine dials them instead, and the result says that only this was
                  checked.
-5. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
+5. ``nat``       the bootstrap says which address this machine's connections come from; when
+                 it is none of this machine's own, the peer is behind NAT, and the check says
+                 whether that is a problem (nobody can dial it and it is not a client) and what
+                 to do: client mode, a forwarded port with ``--public-ip``, or ``--relay``.
+6. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
                  TCP D, and the bootstrap opens a TCP connection to D at each address that passed
                  check 4 (skipped for random data ports, ``--no-direct`` and client mode).
-6. ``share``     the address others should pass as ``--initial-peers``.
-7. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
+7. ``share``     the address others should pass as ``--initial-peers``.
+8. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
                  them the codecs run in torch, several times slower on the CPU (warn).
 
 Status: ``ok``, ``FAIL`` (the peer will not work as configured), ``warn`` (it may), ``skip``.
@@ -38,8 +42,8 @@ from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_st
                                        rank_maddrs, run_key)
 from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.metrics import metrics_validators
-from opendiloco_stream.net.reachability import (probe_dial, probe_tcp, request_dialback, request_tcp_dialback,
-                                                 short_error)
+from opendiloco_stream.net.reachability import (probe_dial, probe_tcp, request_dialback, request_observed,
+                                                 request_tcp_dialback, short_error)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,14 @@ def _reach_fix(net: NetConfig) -> str:
     return ("open/forward the listening port (TCP and UDP) to this machine and make sure the announced IP is "
             "this machine's public one (--public-ip / --announce-maddrs); or train as a client "
             "(net.client_mode = true)")
+
+
+def _nat_fix(net: NetConfig, public: str) -> str:
+    port = net.port or 31337
+    return (f"train as a client (--client-mode / net.client_mode = true: it connects out, others reduce "
+            f"its parts); or forward TCP and UDP {port} on the router to this machine and run with --port "
+            f"{port} --public-ip {public}; where no peer of the run can open a port: --relay here and on "
+            f"the bootstrap (its rounds then cross the bootstrap; docs/networking.md, \"Behind NAT\")")
 
 
 class _Doctor:
@@ -201,6 +213,9 @@ class _Doctor:
         local_only = why_local is not None
         self.reached = [m for m, err in results.items() if err is None]
         failed = "; ".join(f"{m}: {err}" for m, err in results.items() if err is not None)
+        if not self.reached and self.net.client_mode:
+            return Check("dial-back", "warn", f"no announced address could be dialed ({failed}); client mode: "
+                         "fine, this peer only connects out")
         if not self.reached:
             return Check("dial-back", "FAIL", f"no announced address could be dialed ({failed})", _reach_fix(self.net))
         if local_only:
@@ -211,6 +226,29 @@ class _Doctor:
         extra = f" (not: {failed})" if failed else ""
         return Check("dial-back", "ok", f"the bootstrap ({self.helper}) opened a new connection to "
                      f"{' '.join(self.reached)}{extra}")
+
+    async def nat(self) -> Check:
+        """Behind NAT or not, from the address the bootstrap sees (see the module docstring)."""
+        if self.helper is None:
+            return Check("nat", "skip", "no bootstrap to ask")
+        try:
+            observed = await request_observed(self.node.p2p, self.helper, self.timeout)
+        except (LookupError, TimeoutError) as e:
+            return Check("nat", "skip", f"the bootstrap does not say where it sees this machine from ({e})")
+        seen = sorted({ip4_of(m) for m in observed} - {""})
+        own = sorted({ip for ip in map(ip4_of, [*self.ours_maddrs, *self.host])
+                      if ip and not ipaddress.ip_address(ip).is_loopback} - {"0.0.0.0"})
+        if not seen:
+            return Check("nat", "skip", "the bootstrap sees no IPv4 connection from this machine")
+        if set(seen) & set(own) or not own:
+            return Check("nat", "ok", f"not behind NAT: the bootstrap sees this machine as {' '.join(seen)}")
+        detail = (f"behind NAT: this machine announces {' '.join(own)} but the bootstrap sees it as "
+                  f"{' '.join(seen)} (a router translates its address)")
+        if self.reached:
+            return Check("nat", "ok", f"{detail}; reachable anyway at {' '.join(self.reached)} (a forwarded port)")
+        if self.net.client_mode:
+            return Check("nat", "ok", f"{detail}; client mode: it connects out only, which works behind NAT")
+        return Check("nat", "FAIL", f"{detail}; nobody can open a connection to it", _nat_fix(self.net, seen[0]))
 
     async def data_port(self) -> Check:
         net, name = self.net, "data port"
@@ -296,13 +334,14 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
 
     try:
         if add(await doctor.p2pd()).status == "FAIL":
-            for name in ("listen", "bootstrap", "dial-back", "data port", "share"):
+            for name in ("listen", "bootstrap", "dial-back", "nat", "data port", "share"):
                 add(Check(name, "skip", "needs p2pd"))
             add(doctor.kernels())
             return checks
         add(await doctor.listen())
         add(await doctor.bootstrap())
         add(await doctor.dial_back())
+        add(await doctor.nat())
         add(await doctor.data_port())
         add(doctor.share())
         add(doctor.kernels())

@@ -15,6 +15,9 @@ to know is to be dialed from the outside:
   rounds, ``net.data_port``) when asked with ``"tcp": [[ip, port], ...]`` (:func:`request_tcp_dialback`,
   :func:`probe_tcp`). Only IPs of the caller's own announced multiaddrs are dialed, so the service
   cannot be used to scan other hosts.
+* Asked with ``{"observe": true}`` (:func:`request_observed`), the service dials nothing and answers
+  with the address it sees the caller's connection come from. Behind NAT that is the router's
+  public address, not one of the caller's own: how ``doctor`` tells a peer it is behind NAT.
 
 Abuse bound: one request at a time per caller, at most ``max_addrs`` addresses (and TCP targets),
 all of one peer id, and at most two dials in flight per service.
@@ -130,7 +133,7 @@ class DialbackService:
         self._dials = asyncio.Semaphore(self.max_concurrent)
         self._busy_callers: set[str] = set()
         try:
-            p2p = await self.dht.replicate_p2p()
+            p2p = self._p2p = await self.dht.replicate_p2p()
             await p2p.add_protobuf_handler(DIALBACK_HANDLER, self._handle, BytesValue)
         except BaseException as e:
             self._error = e
@@ -153,11 +156,17 @@ class DialbackService:
             return BytesValue(value=json.dumps({"error": "a dial-back for this peer is already running"}).encode())
         self._busy_callers.add(caller)
         try:
-            reply = await self._dial_all(request.value)
+            reply = await self._observed(context.remote_id) if _is_observe(request.value) else \
+                await self._dial_all(request.value)
         finally:
             self._busy_callers.discard(caller)
         self.served += 1
         return BytesValue(value=json.dumps(reply).encode())
+
+    async def _observed(self, caller: Any) -> dict[str, Any]:
+        """The remote addresses of this daemon's connections to ``caller`` (what it sees them come from)."""
+        peers = await self._p2p.list_peers()
+        return {"observed": sorted({str(a) for p in peers if p.peer_id == caller for a in p.addrs})}
 
     async def _dial_all(self, payload: bytes) -> dict[str, Any]:
         from hivemind.utils.multiaddr import Multiaddr
@@ -192,6 +201,14 @@ class DialbackService:
 
         results = await asyncio.gather(*(dial(m) for m in maddrs))
         return {"results": dict(zip(maddrs, results))}
+
+
+def _is_observe(payload: bytes) -> bool:
+    try:
+        request = json.loads(payload)
+    except ValueError:
+        return False
+    return isinstance(request, dict) and request.get("observe") is True
 
 
 async def _ask(p2p: Any, helper: Any, body: dict, timeout: float) -> dict[str, Any]:
@@ -231,3 +248,55 @@ async def request_tcp_dialback(p2p: Any, helper: Any, maddrs: Sequence[str], tar
     if "tcp" not in answer:
         raise LookupError(f"{helper} does not check data ports (an older bootstrap)")
     return {f"{ip}:{port}": answer["tcp"].get(f"{ip}:{port}", "not dialed") for ip, port in targets}
+
+
+async def request_observed(p2p: Any, helper: Any, timeout: float) -> list[str]:
+    """The multiaddrs ``helper`` sees this node's connections to it come from (the address after
+    any NAT on the way). Raises ``LookupError`` if the helper does not offer this (an older
+    bootstrap), ``TimeoutError``."""
+    answer = await _ask(p2p, helper, {"observe": True}, timeout)
+    if "observed" not in answer:
+        raise LookupError(f"{helper} does not report observed addresses (an older bootstrap)")
+    return [str(m) for m in answer["observed"]]
+
+
+async def _dialback_of_self(_dht: Any, node: Any, helpers: Sequence[str], timeout: float) -> tuple[Optional[bool], str]:
+    """In the DHT process: ask the first of ``helpers`` that answers to dial this node's announced
+    addresses (loopback and wildcard ones left out). ``(True/False, detail)``; ``(None, why)`` when
+    no helper could say."""
+    import ipaddress
+
+    from hivemind.p2p import PeerID
+
+    maddrs = []
+    for m in await node.p2p.get_visible_maddrs(latest=True):
+        ip = ip4_of(m)
+        if ip and not ipaddress.ip_address(ip).is_loopback and not ipaddress.ip_address(ip).is_unspecified:
+            maddrs.append(str(m))
+    if not maddrs:
+        return False, "it announces no address others could dial"
+    why = "no initial peer to ask"
+    for helper in helpers:
+        try:
+            results = await request_dialback(node.p2p, PeerID.from_base58(helper), maddrs, timeout)
+        except (LookupError, TimeoutError) as e:
+            why = str(e)
+            continue
+        reached = [m for m, err in results.items() if err is None]
+        if reached:
+            return True, f"the bootstrap dialed {' '.join(reached)}"
+        return False, "; ".join(f"{m}: {err}" for m, err in results.items())
+    return None, why
+
+
+def reachable(dht: Any, initial_peers: Sequence[str], timeout: float = 30.0) -> tuple[Optional[bool], str]:
+    """Can others open a connection to ``dht``'s node? Asked of the initial peers' dial-back
+    service (``opendiloco-stream bootstrap`` offers one), the way ``doctor`` asks. ``(True, ...)``,
+    ``(False, what failed)``, or ``(None, why nobody could say)`` (no initial peer offers the
+    service, or it did not answer within ``timeout``)."""
+    import functools
+
+    from opendiloco_stream.net.dht import parse_maddr
+
+    helpers = list(dict.fromkeys(parse_maddr(m)["p2p"] for m in initial_peers))
+    return dht.run_coroutine(functools.partial(_dialback_of_self, helpers=helpers, timeout=timeout))

@@ -19,6 +19,7 @@ import hivemind
 
 from benchmarks.harness.gloo import GlooRanks
 from benchmarks.harness.loopback import LoopbackSwarm
+from benchmarks.harness.nat import NatTopology
 from benchmarks.harness.netns import Topology
 from benchmarks.harness.peers import PeerProcesses, train_peers
 from opendiloco_stream.commands.local_hivemind import start_bootstrap
@@ -28,7 +29,7 @@ from tests.support.markers import launches_peers
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
 
-for _launcher in (hivemind.DHT, start_dht, start_bootstrap, LoopbackSwarm, Topology, GlooRanks, PeerProcesses,
+for _launcher in (hivemind.DHT, start_dht, start_bootstrap, LoopbackSwarm, Topology, NatTopology, GlooRanks, PeerProcesses,
                   train_peers):
     launches_peers(_launcher)
 

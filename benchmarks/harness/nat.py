@@ -1,0 +1,114 @@
+"""Peers behind NAT on one machine (tests/test_nat.py, benchmarks/nat_relay.py): the namespaces of :class:`benchmarks.harness.netns.Topology`
+plus router namespaces that masquerade (nftables) for one private peer each.
+
+    with NatTopology(public=2, natted=1) as topo:   # boot, p0, p1 public; n0 behind router r0
+        subprocess.Popen(topo.exec_argv("n0", [...]))
+
+Layout: the public segment is the bridge of ``Topology`` (``10.77.0.0/24``: the bootstrap, the
+public peers ``p<i>`` and each router's ``wan0``). Router ``r<i>`` has a second interface
+``lan0`` (``192.168.<10+i>.1/24``) wired to the private peer ``n<i>`` (``wan0``,
+``192.168.<10+i>.2/24``, default route via its router). The router forwards, masquerades what
+leaves ``wan0`` and drops every connection that starts on the public side (``inbound="drop"``, a
+home router's default; ``"reject"`` answers with a reset instead). Public nodes have no route to
+the private subnets: an address a private peer announces is unreachable from outside, as on the
+Internet. ``symmetric=True`` masquerades with a random port per connection (an endpoint-dependent
+mapping: a "symmetric" NAT, through which hole punching cannot work).
+
+Every name carries ``odsw<pid>`` like ``Topology``'s, so teardown, ``cleanup_leftovers`` and the
+process kill on teardown apply unchanged. Needs root, ``ip``, and ``nft`` (Debian's nftables).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Optional
+
+from benchmarks.harness import netns
+from benchmarks.harness.netns import Topology
+
+RULES = """
+table ip ods_nat {{
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "wan0" masquerade{random}
+    }}
+    chain forward {{
+        type filter hook forward priority filter; policy drop;
+        iifname "lan0" oifname "wan0" accept
+        ct state established,related accept
+    }}
+    chain input {{
+        type filter hook input priority filter; policy accept;
+        iifname "wan0" ct state new {verdict}
+    }}
+}}
+"""
+
+
+def unavailable_reason() -> Optional[str]:
+    """None if the NAT topology can be built here, else one line saying what is missing."""
+    reason = netns.unavailable_reason()
+    if reason is None and shutil.which("nft") is None:
+        reason = "`nft` is not installed (Debian: apt-get install nftables; scripts/setup.sh does it as root)"
+    return reason
+
+
+class NatTopology(Topology):
+    """``public`` peers and ``natted`` private peers (each behind its own masquerading router)
+    around one bootstrap; see the module docstring. Nodes: ``boot``, ``p<i>``, ``r<i>``, ``n<i>``."""
+
+    def __init__(self, public: int, natted: int, *, inbound: str = "drop", symmetric: bool = False,
+                 prefix: Optional[str] = None):
+        if not 1 <= natted <= 8:
+            raise ValueError(f"natted must be in 1..8, got {natted}")
+        if inbound not in ("drop", "reject"):
+            raise ValueError(f"inbound must be 'drop' or 'reject', got {inbound!r}")
+        super().__init__(peers=max(public, 1), prefix=prefix)
+        if public == 0:
+            self.nodes.remove("p0")
+        self.routers = [f"r{i}" for i in range(natted)]
+        self.private = [f"n{i}" for i in range(natted)]
+        self.nodes += self.routers  # on the public bridge, like any public node
+        self.inbound, self.symmetric = inbound, symmetric
+
+    def ip(self, node: str) -> str:
+        """A node's address: public nodes and routers on the bridge, private peers on their LAN."""
+        if node in self.private:
+            return f"192.168.{10 + self.private.index(node)}.2"
+        return super().ip(node)
+
+    def public_ip(self, node: str) -> str:
+        """The address the public side sees for ``node``: its router's for a private peer."""
+        return super().ip(self.routers[self.private.index(node)]) if node in self.private else self.ip(node)
+
+    def public_peers(self) -> list[str]:
+        return [n for n in self.nodes if n.startswith("p")]
+
+    def create(self) -> "NatTopology":
+        """The public bridge and its nodes (``Topology.create``), then each router's LAN and rules."""
+        super().create()
+        try:
+            for i, (router, private) in enumerate(zip(self.routers, self.private)):
+                self._add_lan(i, router, private)
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def _add_lan(self, i: int, router: str, private: str) -> None:
+        r, n = self.ns(router), self._add_ns(self.ns(private))
+        lan = f"192.168.{10 + i}"
+        netns._ip("-n", r, "link", "add", "lan0", "type", "veth", "peer", "name", netns.IFACE, "netns", n)
+        netns._ip("-n", r, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+        netns._ip("-n", r, "link", "set", "lan0", "up")
+        netns._ip("-n", n, "link", "set", "lo", "up")
+        netns._ip("-n", n, "addr", "add", f"{lan}.2/24", "dev", netns.IFACE)
+        netns._ip("-n", n, "link", "set", netns.IFACE, "up")
+        netns._ip("-n", n, "route", "add", "default", "via", f"{lan}.1")
+        subprocess.run(["ip", "netns", "exec", r, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True,
+                       capture_output=True, timeout=20)
+        rules = RULES.format(random=" random" if self.symmetric else "",
+                             verdict=self.inbound)
+        subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
+                       capture_output=True, timeout=20)

@@ -1,0 +1,140 @@
+"""Peers behind a masquerading router (tests/support/nat.py): they find the swarm, train and
+average with it, and ``doctor`` tells them they are behind NAT.
+
+Needs root, ``ip netns`` and ``nft``; skipped with the reason otherwise. Each test builds its own
+namespaces and removes them (and every process inside) even when it fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.harness.peers import PeerProcesses
+from tests.support.nat import NatTopology, listen_flags, start_bootstrap, unavailable_reason
+
+REASON = unavailable_reason()
+pytestmark = [pytest.mark.network, pytest.mark.slow,
+              pytest.mark.skipif(REASON is not None, reason=f"NAT topology unavailable: {REASON}")]
+
+H, P, STEPS = 10, 2, 40
+TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
+        "--mode", "blocking", "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS)]
+DIGESTS = {"ODS_DILOCO__RECORD_DIGESTS": "true"}
+
+
+def _train(tmp, topo: NatTopology, run_id: str, nodes: list[str], flags: dict[str, list[str]],
+           timeout: float = 300) -> dict[str, list[dict]]:
+    """One ``peer`` per node (``flags[node]`` added), all started together; each one's records."""
+    with PeerProcesses(tmp, topology=topo) as run:
+        start_bootstrap(run, topo, run_id)
+        procs = [run.peer(node, "--run-id", run_id, *TINY, *listen_flags(topo, node), *flags.get(node, []),
+                          "--shard", f"{i}/{len(nodes)}", node=node, env=DIGESTS) for i, node in enumerate(nodes)]
+        run.wait(procs, timeout)
+        return {node: run.records(node) for node in nodes}
+
+
+def _syncs(records: list[dict]) -> dict[tuple, dict]:
+    return {(r["fragment"], r["round"]): r for r in records if r["event"] == "sync"}
+
+
+@pytest.fixture
+def one_natted(tmp_path):
+    with NatTopology(public=2, natted=1) as topo:
+        yield topo
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("client", ["--client-mode", "detected"])
+def test_a_peer_behind_nat_is_a_client_in_every_group_after_the_first_round(tmp_path, one_natted, client):
+    """3 peers: two public, one behind a masquerading router that drops inbound connections, in
+    client mode (it reduces no part): given, or chosen by the peer itself when the bootstrap
+    could not dial it back. After the first round of each fragment, every round on every peer
+    averaged all three with the same result: the public peers reduced the NATed peer's parts."""
+    topo = one_natted
+    flags = ["--client-mode"] if client == "--client-mode" else []
+    records = _train(tmp_path, topo, "nat1", ["p0", "p1", "n0"], {"n0": flags})
+    detected = "nobody can open a connection to this peer"
+    assert (detected in (tmp_path / "n0.log").read_text()) == (client == "detected")
+    assert not any(detected in (tmp_path / f"{p}.log").read_text() for p in ("p0", "p1"))
+    syncs = {node: _syncs(recs) for node, recs in records.items()}
+    common = set.intersection(*(set(s) for s in syncs.values()))
+    first = {min(k for k in common if k[0] == f) for f in range(P)}
+    later = sorted(common - first)
+    assert len(later) >= STEPS // H - 2, {n: sorted(s) for n, s in syncs.items()}
+    for key in later:
+        rows = {node: s[key] for node, s in syncs.items()}
+        assert all(r["ok"] and r["group_size"] == 3 for r in rows.values()), (key, rows)
+        assert len({r["digest"] for r in rows.values()}) == 1, (key, rows)
+        # the NATed peer's contribution went out and the average came back through its router
+        assert rows["n0"]["included_self"] and rows["n0"]["bytes_sent"] > 0 and rows["n0"]["bytes_received"] > 0
+    assert records["n0"][-1]["event"] == "summary" and records["n0"][-1]["current_alone_streak"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_two_peers_behind_nat_without_a_relay_train_alone_and_say_why(tmp_path):
+    """Both behind NAT, only the bootstrap public: each finds the bootstrap cannot dial it, becomes
+    a client, and no group ever forms (hivemind's matchmaking needs a peer that accepts
+    connections). Every round fails for "matchmaking" after one matchmaking window (about 8 s
+    measured), the peers train alone to the end, and say so: no round hangs, none averages."""
+    with NatTopology(public=0, natted=2) as topo:
+        records = _train(tmp_path, topo, "nat2", ["n0", "n1"], {}, timeout=240)
+    for node, recs in records.items():
+        assert "nobody can open a connection to this peer" in (tmp_path / f"{node}.log").read_text()
+        syncs = [r for r in recs if r["event"] == "sync"]
+        assert len(syncs) == STEPS // H * P and all(not r["ok"] and r["reason"] == "matchmaking" for r in syncs), syncs
+        assert all(r["wait_s"] < 20 for r in syncs), [r["wait_s"] for r in syncs]
+        [alone] = [r for r in recs if r["event"] == "warning" and r["kind"] == "alone"]
+        assert "all clients: a group needs one peer that accepts connections" in alone["message"]
+        assert recs[-1]["event"] == "summary" and recs[-1]["failed_syncs"] == len(syncs)
+
+
+def _doctor(run: PeerProcesses, name: str, *flags: str) -> tuple[int, str]:
+    proc = run.start(name, ["doctor", "--initial-peers", *run.addrs, "--run-id", "natdoc", "--timeout", "8", *flags],
+                     node="n0")
+    code = proc.wait(120)
+    return code, (run.workdir / f"{name}.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_doctor_on_a_peer_behind_nat_says_so_and_what_to_do(tmp_path):
+    """doctor inside the NATed namespace: the bootstrap sees the router's address, not the peer's
+    own, so it reports NAT; without client mode that fails with the fixes, in client mode it passes."""
+    with NatTopology(public=0, natted=1) as topo, PeerProcesses(tmp_path, topology=topo) as run:
+        start_bootstrap(run, topo, "natdoc")
+        code, out = _doctor(run, "doctor")
+        nat = [line for line in out.splitlines() if line.startswith("[FAIL] nat:")]
+        assert code == 1 and "[FAIL] dial-back" in out, out
+        assert nat == [f"[FAIL] nat: behind NAT: this machine announces {topo.ip('n0')} but the bootstrap sees it "
+                       f"as {topo.public_ip('n0')} (a router translates its address); nobody can open a connection "
+                       f"to it"], out
+        assert "fix: train as a client (--client-mode" in out and f"--public-ip {topo.public_ip('n0')}" in out, out
+
+        code, out = _doctor(run, "doctor-client", "--client-mode")
+        assert "[warn] dial-back" in out and "client mode: fine, this peer only connects out" in out, out
+        assert "[ok] nat: behind NAT" in out and "client mode: it connects out only" in out, out
+        assert code == 0 and "all checks passed" in out, out
+
+
+@pytest.mark.timeout(600)
+def test_two_peers_behind_nat_average_through_the_bootstraps_relay_once_it_is_up(tmp_path):
+    """Both behind NAT, with ``--relay`` (and a bootstrap with ``--relay``): each announces the
+    bootstrap's circuit address and reserves a slot there, which the p2p daemon does only after
+    about 190 s (its autorelay waits for more relay candidates). Until then rounds fail for
+    "matchmaking" (one window each); from the first round that averages, every round averages
+    both peers through the relay, bit-identical on both, to the end of the run."""
+    steps = 240  # ~24 failed rounds of ~8 s cover the wait; the rest average
+    flags = [*TINY[:-2], "--steps", str(steps), "--relay"]
+    with NatTopology(public=0, natted=2) as topo, PeerProcesses(tmp_path, topology=topo) as run:
+        start_bootstrap(run, topo, "relay2", "--relay")
+        procs = [run.peer(n, "--run-id", "relay2", *flags, "--shard", f"{i}/2", node=n, env=DIGESTS)
+                 for i, n in enumerate(["n0", "n1"])]
+        run.wait(procs, 540)
+        syncs = {n: _syncs(run.records(n)) for n in ("n0", "n1")}
+    keys = sorted(set(syncs["n0"]) & set(syncs["n1"]), key=lambda k: syncs["n0"][k]["step"])
+    first_ok = next(i for i, k in enumerate(keys) if syncs["n0"][k]["ok"] or syncs["n1"][k]["ok"])
+    before, after = keys[:first_ok], keys[first_ok:]
+    assert all(syncs[n][k]["reason"] == "matchmaking" for n in syncs for k in before), before
+    assert len(after) >= 10, (len(before), len(after))
+    for k in after:
+        rows = [syncs[n][k] for n in syncs]
+        assert all(r["ok"] and r["group_size"] == 2 for r in rows) and rows[0]["digest"] == rows[1]["digest"], (k, rows)
