@@ -66,6 +66,8 @@ class HelloVersionError(ProtocolError):
 
 
 class Hello(NamedTuple):
+    """What a connection's first bytes say: group tag, sender index, flags, salt, MAC (see ``make_hello``)."""
+
     tag: bytes
     sender: int
     flags: int
@@ -96,7 +98,7 @@ def check_hello_head(data: bytes) -> None:
         raise ProtocolError(f"not a direct hello (magic {magic!r})")
     if version != HELLO_VERSION:
         raise HelloVersionError(f"a v{version} direct hello; this peer speaks v{HELLO_VERSION}: run the same "
-                            f"opendiloco-stream version on every peer")
+                                f"opendiloco-stream version on every peer")
 
 
 def read_hello(data: bytes) -> Hello:
