@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness.nat import NatTopology, unavailable_reason
+from benchmarks.harness.results import write_result
 
 _NODE = r"""
 import json, logging, os, sys, time
@@ -110,10 +111,12 @@ def run(seconds: float, relay: bool, announce_circuit: bool = False) -> dict:
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
-        report = {"relay": relay, "announce_circuit": announce_circuit, "seconds": seconds, **{n: _summary(Path(workdir) / f"{n}.jsonl") for n in ("n0", "n1")}}
+        report = {"relay": relay, "announce_circuit": announce_circuit, "seconds": seconds,
+                  **{n: _summary(Path(workdir) / f"{n}.jsonl") for n in ("n0", "n1")}}
         for node, p in zip(("boot", "n0", "n1"), procs):
-            if p.returncode not in (0, None, -9):
-                report.setdefault("errors", {})[node] = (Path(workdir) / f"{node}.log").read_text()[-600:]
+            if p.returncode not in (0, None, -9):  # the node's own summary (the relay node's: in errors)
+                where = report.setdefault("errors", {}) if node == "boot" else report[node]
+                where["error" if node != "boot" else node] = (Path(workdir) / f"{node}.log").read_text()[-600:]
         return report
 
 
@@ -131,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.monotonic()
     report = run(args.seconds, relay=not args.no_relay, announce_circuit=args.announce_circuit)
-    report["wall_s"] = round(time.monotonic() - t0, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
+    rows = [{"node": n, **report.pop(n)} for n in ("n0", "n1")]
+    errors = report.pop("errors", None)
+    print(json.dumps({**report, "rows": rows, "errors": errors}, indent=2))
     if args.out:
-        args.out.write_text(text + "\n")
+        write_result(args.out, settings=report, rows=rows, benchmark="nat_relay", errors=errors,
+                     wall_s=round(time.monotonic() - t0, 1))
     return 0
 
 
