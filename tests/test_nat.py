@@ -113,28 +113,3 @@ def test_doctor_on_a_peer_behind_nat_says_so_and_what_to_do(tmp_path):
         assert "[warn] dial-back" in out and "client mode: fine, this peer only connects out" in out, out
         assert "[ok] nat: behind NAT" in out and "client mode: it connects out only" in out, out
         assert code == 0 and "all checks passed" in out, out
-
-
-@pytest.mark.timeout(600)
-def test_two_peers_behind_nat_average_through_the_bootstraps_relay_once_it_is_up(tmp_path):
-    """Both behind NAT, with ``--relay`` (and a bootstrap with ``--relay``): each announces the
-    bootstrap's circuit address and reserves a slot there, which the p2p daemon does only after
-    about 190 s (its autorelay waits for more relay candidates). Until then rounds fail for
-    "matchmaking" (one window each); from the first round that averages, every round averages
-    both peers through the relay, bit-identical on both, to the end of the run."""
-    steps = 240  # ~24 failed rounds of ~8 s cover the wait; the rest average
-    flags = [*TINY[:-2], "--steps", str(steps), "--relay"]
-    with NatTopology(public=0, natted=2) as topo, PeerProcesses(tmp_path, topology=topo) as run:
-        start_bootstrap(run, topo, "relay2", "--relay")
-        procs = [run.peer(n, "--run-id", "relay2", *flags, "--shard", f"{i}/2", node=n, env=DIGESTS)
-                 for i, n in enumerate(["n0", "n1"])]
-        run.wait(procs, 540)
-        syncs = {n: _syncs(run.records(n)) for n in ("n0", "n1")}
-    keys = sorted(set(syncs["n0"]) & set(syncs["n1"]), key=lambda k: syncs["n0"][k]["step"])
-    first_ok = next(i for i, k in enumerate(keys) if syncs["n0"][k]["ok"] or syncs["n1"][k]["ok"])
-    before, after = keys[:first_ok], keys[first_ok:]
-    assert all(syncs[n][k]["reason"] == "matchmaking" for n in syncs for k in before), before
-    assert len(after) >= 10, (len(before), len(after))
-    for k in after:
-        rows = [syncs[n][k] for n in syncs]
-        assert all(r["ok"] and r["group_size"] == 2 for r in rows) and rows[0]["digest"] == rows[1]["digest"], (k, rows)
