@@ -8,7 +8,7 @@ the same layout: encode its tensor for every part (and, for a lossy codec, decod
 check every sender's contribution to its own part; reduce and encode that part; decode the other
 parts' results; and the host's copy of the result. The other members' bytes are made beforehand
 and not timed: no sockets, no framing, no waiting. The process keeps freed memory for reuse as
-the averager process does (``_keep_freed_memory``).
+earlier versions' averager processes did (``harness.codec_work.keep_freed_chunks``).
 
 ``floor_s`` is the sum of the ``n`` peers' work divided by ``min(n, cores)``: the time the codec
 work alone takes when the peers' computation is spread perfectly over this machine's cores. No

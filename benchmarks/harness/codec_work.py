@@ -9,6 +9,7 @@ against the in-process round's (``reduce_in_process``).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import time
@@ -16,11 +17,22 @@ import time
 import torch
 
 from opendiloco_stream.compression import get_codec, native
-from opendiloco_stream.transport.hivemind.averager import _keep_freed_memory
 from opendiloco_stream.transport.reduce import (
     DEFAULT_CHUNK_BYTES, DEFAULT_NORM_BOUND, OK, GroupLayout, PartReducer, decode_result, reduce_in_process,
     sum_of_squares,
 )
+
+
+def keep_freed_chunks() -> None:
+    """Let glibc's malloc keep freed chunk-sized buffers for reuse (as the forked averager processes
+    of earlier versions did) rather than hand them back to the kernel; no-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 512 << 20)
 
 
 def _own_chunk(codec, tensor: torch.Tensor, sent: torch.Tensor, lo: int, hi: int):
@@ -81,7 +93,7 @@ def measure(codec_name: str, numel: int, peers: int = 3, repeats: int = 3, seed:
     ``keep_freed_memory``: set this process's malloc as the averager's (it stays so afterwards)."""
     torch.set_num_threads(1)  # as the peers
     if keep_freed_memory:
-        _keep_freed_memory()  # as the averager process, where a round's decoding runs
+        keep_freed_chunks()
     codec = get_codec(codec_name)
     gen = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(numel, generator=gen) * 1e-3 for _ in range(peers)]

@@ -151,8 +151,8 @@ class Admission:
     """What this peer requires of its groupmates, state donors and joiners: a proof of the run key
     (when it has one) and, once known, the same run fingerprint (``net/join.py``).
 
-    It travels into the averager processes (forked), so ``fingerprint`` must be set before
-    ``transport.prepare``. Every ``check_*`` returns None when all is well, else why not.
+    The averaging service reads it at every round, so a ``fingerprint`` set late applies from
+    the next round on. Every ``check_*`` returns None when all is well, else why not.
     """
 
     def __init__(self, auth: Optional[RunAuth] = None, fingerprint: str = ""):
@@ -183,12 +183,11 @@ class Admission:
         return None
 
     def check_gathered(self, blob: bytes, peer_id: bytes) -> Optional[str]:
-        """Check hivemind's gathered bytes of one member: ``[bandwidth, mode, metadata bytes]``."""
-        from hivemind.utils.serializer import MSGPackSerializer
+        """Check one member's gathered bytes (msgpack of its sealed metadata, ``matchmaking.pack_meta``)."""
+        import msgpack
 
         try:
-            _bandwidth, _mode, user = MSGPackSerializer.loads(blob)
-            user = MSGPackSerializer.loads(user)
+            user = msgpack.unpackb(blob, raw=False, strict_map_key=False)
         except Exception:
             return "its metadata is unreadable"
         return self.check_member(user, peer_id)

@@ -1,9 +1,12 @@
-"""The networked transport over hivemind 1.1.12 (see docs/architecture.md, "hivemind transport").
+"""The networked transport over hivemind's DHT and p2p (see docs/architecture.md, "hivemind transport").
 
-- ``transport.py``: ``HivemindTransport`` (the ``Transport``), its handles, one worker per fragment
-- ``averager.py``: ``FragmentAverager``, hivemind's averager process with our all-reduce plugged in
-- ``runner.py``: one round inside the averager process (the core of ``transport/reduce.py`` over streams)
-- ``protocol.py``: the frames of a round and the round's group bits
+- ``transport.py``: ``HivemindTransport`` (the ``Transport``); ``lane.py``: its handles, one worker per fragment
+- ``service.py``: the averaging service, one asyncio loop in a background thread of the peer process
+- ``endpoint.py``: one fragment on the service: its groups, rounds, and the streams it serves
+- ``matchmaking.py``: group formation per round (announcements on the DHT, the smallest peer id leads)
+- ``runner.py``: one round's all-reduce (the core of ``transport/reduce.py`` over streams)
+- ``direct.py``, ``seal.py``: the direct TCP data path and its AES-256-GCM sealing
+- ``protocol.py``: the frames of a round; ``presence.py``: the live peers of each round
 - ``timeouts.py``: the timeout hierarchy and its defaults
 - ``state.py``: late joiners (state donors and downloads); ``state_format.py``: its manifest, digests and parts
 """

@@ -1,20 +1,22 @@
-"""One fragment's lane: its averager process and the worker thread that runs its rounds in order,
-and the handle of a pending round (``HivemindTransport`` in ``transport.py`` owns one lane per fragment).
+"""One fragment's lane: the worker thread that runs its rounds in order on the averaging service,
+and the handle of a pending round (``HivemindSyncHandle``; ``HivemindTransport`` in ``transport.py``
+owns one lane per fragment).
 
-A round on the lane: wait for the fragment's previous step, check the outer gradient and copy it
-into the averager's shared buffer (one pass), plan the group size (``presence.py``), send the
-round's settings and step down the averager's pipe, wait, and copy the result out.
+A round on the lane: wait until the fragment's previous round is over, check the outer gradient
+(finite; a CPU fp32 view of it, copied only if it lives elsewhere), plan the group size
+(``presence.py``), then hand the service the round's coroutine (``FragmentEndpoint.form_group``
+then ``run_round``) and wait for it, never past the handle's deadline.
 
 A round may have its group formed ahead (``prematch``, a few inner steps before its sync): the
-lane then starts the step with hivemind's ``require_trigger`` as soon as the fragment's previous
-round is over, and the round itself only copies its tensor in and triggers the all-reduce, so
-matchmaking (a DHT declaration and lookups, a join request: 60-110 ms on loopback, several round
-trips over a WAN) leaves the round's critical path. The group's metadata then holds the weight
-predicted at that time.
+lane starts forming it as soon as the fragment's previous round is over, and the round itself then
+goes straight to the exchange, so matchmaking (a DHT announcement and lookups, a join request:
+tens of ms on loopback, several round trips over a WAN) leaves the round's critical path. The
+group's metadata then holds the weight predicted at that time.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -22,18 +24,15 @@ import time
 from typing import Hashable, Optional
 
 import torch
-from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco_stream.compression import all_finite, native
+from opendiloco_stream.compression import all_finite
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
-from opendiloco_stream.transport.hivemind.averager import FragmentAverager, cancel_step
+from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
+from opendiloco_stream.transport.hivemind.matchmaking import MatchmakingFailed
 from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
-from opendiloco_stream.transport.hivemind.protocol import round_group_bits
 from opendiloco_stream.transport.hivemind.round_report import round_phases
 from opendiloco_stream.transport.hivemind.runner import RoundError
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
-from opendiloco_stream.transport.reduce import member_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class HivemindSyncHandle(SyncHandle):
         self._lock = threading.Lock()
         self._result: Optional[SyncResult] = None
         self._failure: Optional[tuple[str, str]] = None
-        self._lane: Optional["_Lane"] = None  # set when submitted
+        self.lane: Optional["_Lane"] = None  # set when submitted
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -59,7 +58,7 @@ class HivemindSyncHandle(SyncHandle):
         return max(0.0, self.deadline - time.monotonic())
 
     def abandon(self) -> bool:
-        return self.done() or (self._lane is not None and self._lane.abandon(self))
+        return self.done() or (self.lane is not None and self.lane.abandon(self))
 
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         bound = self.remaining() if timeout is None else min(max(0.0, timeout), self.remaining())
@@ -86,27 +85,21 @@ class HivemindSyncHandle(SyncHandle):
             logger.info("round %s failed (%s): %s", self.key, reason, message)
 
 
-def _classify(error: BaseException, step: StepControl) -> tuple[str, str]:
+def _classify(error: BaseException, formed: bool) -> tuple[str, str]:
     if isinstance(error, RoundError):
         return error.reason, error.message
+    if isinstance(error, MatchmakingFailed) or not formed:
+        return "matchmaking", f"no group formed: {error}"
     if isinstance(error, TimeoutError):
         return "timeout", f"all-reduce did not finish in time: {error!r}"
-    if not step.began_allreduce:
-        return "matchmaking", f"no group formed: {error}"
     return "failed", repr(error)
 
 
-def _check_settings(settings: list, timeout: float) -> None:
-    """The settings sent before a step were applied (their answers came before the step's: one pipe)."""
-    for future in settings:
-        future.result(timeout=timeout)  # raises what the averager raised
-
-
 class _Early:
-    """A step started ahead of its round (``_Lane.prematch``): matchmaking, then waiting for the trigger."""
+    """A group being formed ahead of its round (``_Lane.prematch``)."""
 
-    def __init__(self, key: tuple, step: StepControl, settings: list, weight: float):
-        self.key, self.step, self.settings, self.weight = key, step, settings, weight
+    def __init__(self, key: tuple, future: concurrent.futures.Future, weight: float):
+        self.key, self.future, self.weight = key, future, weight
 
 
 class _Prematch:
@@ -116,53 +109,66 @@ class _Prematch:
         self.key, self.weight, self.lead_s = key, weight, lead_s
 
 
-class _Lane:
-    """One fragment: its averager process and the worker thread that runs its rounds in order."""
+class _Current:
+    """The round the worker runs now: its coroutine's future and whether its group formed."""
 
-    def __init__(self, fragment: int, averager: FragmentAverager, timeouts: RoundTimeouts,
+    def __init__(self, handle: HivemindSyncHandle):
+        self.handle, self.future = handle, None
+        self.formed = threading.Event()
+
+
+def cpu_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` flat, fp32, contiguous, on the CPU: a view where it already is, else one copy."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
+        return flat
+    return flat.to(device="cpu", dtype=torch.float32).contiguous()
+
+
+class _Lane:
+    """One fragment: the worker thread that runs its rounds in order on the averaging service."""
+
+    def __init__(self, fragment: int, endpoint: FragmentEndpoint, timeouts: RoundTimeouts,
                  presence: Optional[Presence] = None, target: Optional[int] = None):
-        self.fragment, self.averager, self.timeouts = fragment, averager, timeouts
+        self.fragment, self.endpoint, self.timeouts = fragment, endpoint, timeouts
+        self.service = endpoint.service
         # a fixed target_group_size wins over the live count of presence.py
-        self.presence, self._target, self.live_target = presence, target, presence is not None and target is None
-        self.numel = averager.input_buffer.numel()
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._current: Optional[HivemindSyncHandle] = None
-        self._step: Optional[StepControl] = None  # the last step; never touch the buffers before it is done
-        self._pipe_lock = threading.Lock()  # hivemind's control pipe is not safe for concurrent senders
-        # abandon() against the worker creating the step: a handle either gets no step or is cancelled
-        self._step_lock = threading.Lock()
-        self._step_handle: Optional[HivemindSyncHandle] = None
+        self.presence, self.target, self.live_target = presence, target, presence is not None and target is None
+        self.numel = endpoint.numel
+        self._queue: "queue.Queue[Optional[object]]" = queue.Queue()
+        self._lock = threading.Lock()  # abandon() against the worker starting a round
+        self._current: Optional[_Current] = None
+        self._previous: Optional[concurrent.futures.Future] = None  # the last round's coroutine
         self._early: Optional[_Early] = None  # a group formed ahead of its round (worker thread only)
         self._thread = threading.Thread(target=self._loop, name=f"hv-fragment-{fragment}", daemon=True)
         self._thread.start()
 
     def submit(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
-        handle._lane = self
+        handle.lane = self
         self._queue.put((handle, tensor, weight))
 
     def prematch(self, key: tuple, weight: float, lead_s: float = 0.0) -> None:
         """Form round ``key``'s group before the round is submitted (in order with the rounds:
         after the previous one is over), expected in ``lead_s`` seconds: the group waits for its
         members as long after that moment as a round's matchmaking does. ``weight`` goes into the
-        group's metadata now; the round's own weight, if it differs, is not used. If no group
-        forms in time, or the next round submitted is another one, the early step is dropped and
-        the round matches as usual."""
+        group's metadata now. If no group forms in time, or the next round submitted is another
+        one, the early group is dropped and the round matches as usual."""
         self._queue.put(_Prematch(tuple(key), float(weight), float(lead_s)))
 
     def abandon(self, handle: HivemindSyncHandle) -> bool:
-        """Fail ``handle`` now if its round has no group yet: queued or being prepared (the worker
-        then creates no step for it), or its step still in matchmaking (cancelled; the next round
-        waits until the averager has stopped it before touching the buffers)."""
-        with self._step_lock:
-            step = self._step if self._step_handle is handle else None
-            if step is not None and (step.done() or step.began_allreduce):
-                return step.done()
+        """Fail ``handle`` now if its round has no group yet (queued, being prepared, or matching:
+        its matchmaking is cancelled); False for a round already exchanging data."""
+        with self._lock:
+            current = self._current if self._current is not None and self._current.handle is handle else None
+            if current is not None and current.formed.is_set():
+                return handle.done()
             handle.fail("matchmaking", f"round {handle.key} abandoned before its group formed: this peer caught "
                                        f"up with the swarm, which moved past it")
-            if step is not None:
-                cancel_step(step)
+            if current is not None and current.future is not None:
+                current.future.cancel()
             return True
 
+    # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
@@ -180,7 +186,6 @@ class _Lane:
                 if self._early is not None and self._early.key == tuple(handle.key):
                     self._drop_early()  # abandoned: its group must not wait for us longer than needed
                 continue
-            self._current = handle
             try:
                 self._run(*item)
             except BaseException as e:  # a bug must fail the round, not kill the lane
@@ -190,69 +195,51 @@ class _Lane:
                 self._current = None
 
     def _drop_early(self) -> None:
-        """Cancel the step formed ahead, if any (its group, if it formed, loses this peer)."""
+        """Stop forming the group ahead, if any (a group that formed loses this peer)."""
         early, self._early = self._early, None
-        if early is None:
-            return
-        if not early.step.done():
-            logger.info("fragment %d: dropping the group formed ahead for round %s", self.fragment, early.key)
-        if not early.step.triggered:  # (a step that found no group too: hivemind warns of untriggered steps)
-            cancel_step(early.step)
+        if early is not None and early.future.cancel():
+            logger.info("fragment %d: dropping the group being formed ahead for round %s", self.fragment, early.key)
 
-    def _previous_over(self) -> bool:
-        """Whether the fragment's last step is over (a cancelled one: its coroutine ended too)."""
-        step = self._step
-        return step is None or (step.done() and (not step.cancelled() or self._stopped(step, 0.0)))
+    def _previous_over(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the fragment's last round's coroutine has ended."""
+        previous = self._previous
+        if previous is None or previous.done():
+            return True
+        try:
+            previous.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return previous.done()
+        except BaseException:
+            pass
+        return True
+
+    def _announce(self, round_index: int, plan: bool) -> Optional[RoundPlan]:
+        """The round's announcement (which others' catch-up reads) and, for a live group size,
+        its plan (one DHT lookup); None without presence or plan."""
+        if self.presence is None:
+            return None
+        return self.presence.before_round(self.fragment, round_index, plan=plan and self.live_target)
 
     def _prematch(self, key: tuple, weight: float, lead_s: float) -> None:
-        fragment, round_index = key
         self._drop_early()
-        if not self._previous_over() or not self.averager.is_alive():
+        if not self._previous_over(0.0) or self.service.closed:
             return  # the round matches when it is submitted
-        plan = self.presence.plan_round(fragment, int(round_index)) if self.live_target else None
+        plan = self.presence.plan_round(self.fragment, int(key[1])) if self.live_target else None
         if plan is not None and plan.skip:
             return  # the round is skipped (``_run`` says why)
-        step, settings, _ = self._start_step(key, weight, plan, lead_s)
-        self._early = _Early(key, step, settings, weight)
-
-    def _start_step(self, key: tuple, weight: float, plan: Optional[RoundPlan], lead_s: float = 0.0,
-                    handle: Optional[HivemindSyncHandle] = None) -> tuple[Optional[StepControl], list, float]:
-        """Send round ``key``'s settings (group bits, the planned group size) and its step down the
-        averager's pipe; its matchmaking window ends ``matchmaking`` after ``lead_s`` from now.
-        With ``handle``, the step of that submitted round (None if it was abandoned meanwhile);
-        without, a step formed ahead, waiting for its trigger. Returns the step, the settings'
-        futures and when the step was sent."""
-        gather = member_metadata(self.averager.codec, self.numel, key, weight, self.averager.chunk_bytes)
-        with self._pipe_lock:
-            # No round trip for the settings: the averager runs its pipe's commands in order, and
-            # these setters finish before the step's matchmaking starts (``_check_settings``).
-            settings = [self.averager.set_group_bits(round_group_bits(int(key[1])), wait=False)]
-            if plan is not None and plan.target != self._target:
-                settings.append(self.averager.set_target_group_size(plan.target))
-                self._target = plan.target
-            t_step = time.time()
-            args = dict(gather=gather, weight=float(weight), allow_retries=False, wait=False,
-                        scheduled_time=get_dht_time() + lead_s + self.timeouts.matchmaking,
-                        timeout=lead_s + self.timeouts.group_deadline, require_trigger=handle is None)
-            if handle is None:
-                return self.averager.step(**args), settings, t_step
-            with self._step_lock:
-                if handle.done():  # abandoned (or closed) while it was prepared
-                    return None, settings, t_step
-                self._step = step = self.averager.step(**args)
-                self._step_handle = handle
-            return step, settings, t_step
+        target = self.target if plan is None else plan.target
+        future = self.service.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking))
+        self._early = _Early(key, future, weight)
 
     def _take_early(self, key: tuple) -> Optional[_Early]:
-        """The step formed ahead for round ``key`` if it is still good (matching or waiting for
-        the trigger); any other is dropped."""
+        """The group formed ahead for round ``key`` if it is still good; any other is dropped."""
         early = self._early
         if early is None:
             return None
-        if early.key != tuple(key) or early.step.done():
-            if early.step.done() and early.key == tuple(key):
-                logger.info("fragment %d: no group formed ahead for round %s (%r): matching now", self.fragment,
-                            key, early.step.exception())
+        if early.key != tuple(key) or (early.future.done() and (early.future.cancelled()
+                                                                or early.future.exception() is not None)):
+            if early.key == tuple(key):
+                logger.info("fragment %d: no group formed ahead for round %s: matching now", self.fragment, key)
             self._drop_early()
             return None
         self._early = None
@@ -260,116 +247,84 @@ class _Lane:
 
     def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
         fragment, round_index = handle.key
-        early = self._take_early(handle.key)
-        if early is not None:
-            self._run_early(handle, tensor, weight, early)
+        if not self._previous_over(handle.remaining()):
+            handle.fail("timeout", f"the previous round of fragment {fragment} is still running")
             return
-        if self._step is not None and not self._step.done():
-            try:
-                self._step.result(timeout=handle.remaining())
-            except TimeoutError:
-                if not self._step.done():
-                    handle.fail("timeout", f"the previous round of fragment {fragment} is still running")
-                    return
-            except BaseException:
-                pass  # it failed; it is over, which is all we need
-        if self._step is not None and self._step.cancelled() and not self._stopped(self._step, handle.remaining()):
-            handle.fail("timeout", f"the abandoned round of fragment {fragment} did not stop in time")
-            return
-        t_start = time.time()
-        flat = self._stage(handle, tensor)  # the buffer is free: the previous step is done
-        if flat is None:
-            return
-        # the announcement others' catch-up reads; a plan (a DHT lookup) only for a live group size
-        plan = None if self.presence is None else self.presence.before_round(fragment, int(round_index),
-                                                                             plan=self.live_target)
-        if self.live_target and plan.skip:
-            handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
-                                   f"part from round {round_index + 1} on (the others did not count it)")
-            return
-        step, settings, t_step = self._start_step(handle.key, weight, plan, handle=handle)
-        if step is not None:
-            self._finish(handle, step, settings, flat, t_start, t_step)
-
-    def _stage(self, handle: HivemindSyncHandle, tensor: torch.Tensor) -> Optional[torch.Tensor]:
-        """Check the tensor and copy it into the averager's input buffer; None (``handle``
-        failed) if it is not finite or the averager is gone."""
-        flat = tensor.detach().reshape(-1)
-        buffer = self.averager.input_buffer
-        if flat.dtype == torch.float32 and native.usable(flat):
-            finite = native.copy_finite(flat, buffer)  # the check and the copy in one pass
-        else:
-            finite = all_finite(flat)
-            if finite:
-                buffer.copy_(flat)
-        if not finite:
-            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
-            return None
-        if not self.averager.is_alive():
-            handle.fail("closed", f"the averager of fragment {self.fragment} is gone")
-            return None
-        return flat
-
-    def _run_early(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float, early: _Early) -> None:
-        """The round of a group formed ahead: the runner reads the input buffer only once triggered."""
-        fragment, round_index = handle.key
         t_start = time.time()
         flat = self._stage(handle, tensor)
         if flat is None:
-            cancel_step(early.step)
+            self._drop_early()
             return
-        logger.debug("round %s: triggering its group formed ahead (%s; weight %s, the round's own %s)",
-                     handle.key, early.step.stage.name, early.weight, weight)
-        if self.presence is not None:  # the announcement others' catch-up reads, at the launch
-            self.presence.before_round(fragment, int(round_index), plan=False)
-        with self._step_lock:
+        early = self._take_early(handle.key)
+        plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
+        if plan is not None and plan.skip:
+            handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
+                                   f"part from round {round_index + 1} on (the others did not count it)")
+            return
+        expected = self.target if plan is None else plan.target
+        current = _Current(handle)
+        with self._lock:
             if handle.done():  # abandoned (or closed) while it was prepared
-                cancel_step(early.step)
+                if early is not None:
+                    early.future.cancel()
                 return
-            self._step, self._step_handle = early.step, handle
+            self._current = current
             t_step = time.time()
-            early.step.allow_allreduce()
-        self._finish(handle, early.step, early.settings, flat, t_start, t_step)
+            current.future = self._previous = self.service.submit(
+                self._round(handle.key, flat, weight, expected, early, current))
+        self._finish(handle, current, t_start, t_step, expected)
 
-    def _finish(self, handle: HivemindSyncHandle, step: StepControl, settings: list, flat: torch.Tensor,
-                t_start: float, t_step: float) -> None:
+    async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
+                     early: Optional[_Early], current: _Current) -> tuple:
+        """(On the service's loop.) The group, formed ahead or now, then the exchange."""
+        import asyncio
+
+        group = None
+        if early is not None:
+            try:
+                group = await asyncio.wrap_future(early.future)
+            except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
+                logger.info("fragment %d: no group formed ahead for round %s: matching now", self.fragment, key)
+        if group is None:
+            group = await self.endpoint.form_group(key, weight, target, self.timeouts.matchmaking)
+        return await self.endpoint.run_round(group, flat, formed=current.formed)
+
+    def _stage(self, handle: HivemindSyncHandle, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The tensor as the round reads it (``cpu_fp32``); None (``handle`` failed) if it is not
+        finite or the service is closed."""
+        flat = cpu_fp32(tensor)
+        if not all_finite(flat):
+            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
+            return None
+        if self.service.closed:
+            handle.fail("closed", "transport closed")
+            return None
+        return flat
+
+    def _finish(self, handle: HivemindSyncHandle, current: _Current, t_start: float, t_step: float,
+                expected: Optional[int]) -> None:
         try:
-            summary = step.result(timeout=handle.remaining())
-        except TimeoutError:
-            if not step.done():
-                handle.fail("timeout", f"round not finished within {self.timeouts.round_bound:.1f}s")
-                return
-            reason, message = _classify(step.exception(), step)
-            handle.fail(reason, message)
+            summary, average, sent = current.future.result(timeout=handle.remaining())
+        except concurrent.futures.TimeoutError:
+            current.future.cancel()
+            handle.fail("timeout", f"round not finished within {self.timeouts.round_bound:.1f}s")
+            return
+        except concurrent.futures.CancelledError:
+            handle.fail("matchmaking", f"round {handle.key} was cancelled before its group formed")
             return
         except BaseException as e:
-            reason, message = _classify(e, step)
+            reason, message = _classify(e, current.formed.is_set())
             handle.fail(reason, message)
             return
-        _check_settings(settings, self.timeouts.request)
-        average = native.fresh_copy(self.averager.output_buffer)
-        # lossless fp32: the averager sent our tensor as it is; lossy: it wrote deQ(Q(.)) over its input
-        cpu32 = flat.device.type == "cpu" and flat.dtype == torch.float32
-        sent = flat if summary.get("sent_is_input") and cpu32 else native.fresh_copy(self.averager.input_buffer)
         handle.succeed(SyncResult(
             average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
             group_size=summary["group_size"], weight_share=summary["weight_share"],
             bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
-            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=self._target))
-
-    @staticmethod
-    def _stopped(step: StepControl, timeout: float) -> bool:
-        """Whether a cancelled step's coroutine in the averager has ended (it no longer reads the
-        buffers), waiting up to ``timeout``: a cancel that raced the group's start lets it run on."""
-        deadline = time.monotonic() + timeout
-        while step.stage != AveragingStage.FINISHED:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
+            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=expected))
 
     def close(self) -> None:
-        while True:  # fail what is queued, then stop the worker
+        """Fail what is queued and the running round ("closed"), stop the worker."""
+        while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -378,12 +333,8 @@ class _Lane:
                 item[0].fail("closed", "transport closed")
         current = self._current
         if current is not None:
-            current.fail("closed", "transport closed")
+            current.handle.fail("closed", "transport closed")
+            if current.future is not None:
+                current.future.cancel()
         self._queue.put(None)
-        got_pipe = self._pipe_lock.acquire(timeout=self.timeouts.request)
-        try:
-            self.averager.close()
-        finally:
-            if got_pipe:
-                self._pipe_lock.release()
         self._thread.join(timeout=self.timeouts.request)

@@ -92,10 +92,12 @@ class Presence:
         window: the matchmaking window of a round (``matchmaking_time``).
         poll_s: refresh and poll period (default ``min(1, ttl / 4)``).
         dht_timeout: bound on one DHT store or lookup (a stuck DHT costs a refresh, never a hang).
+        dht_lock: held around every call down the DHT's pipe (the transport shares one with its service).
     """
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, *, ttl: float = DEFAULT_TTL_S, late_after: float = 1.0,
-                 poll_s: Optional[float] = None, dht_timeout: float = 3.0, window: float = 5.0):
+                 poll_s: Optional[float] = None, dht_timeout: float = 3.0, window: float = 5.0,
+                 dht_lock: Optional[threading.Lock] = None):
         if not ttl > 0 or not late_after >= 0:
             raise ValueError(f"presence ttl must be > 0 and late_after >= 0, got {ttl}, {late_after}")
         self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
@@ -104,7 +106,8 @@ class Presence:
         self.poll_s = min(1.0, self.ttl / 4) if poll_s is None else float(poll_s)
         self.dht_timeout = float(dht_timeout)
         self._lock = threading.Lock()
-        self._dht_lock = threading.Lock()  # the DHT's control pipe is not safe for concurrent senders
+        # the DHT's control pipe is not safe for concurrent senders (shared with the averaging service)
+        self._dht_lock = threading.Lock() if dht_lock is None else dht_lock
         self._ahead: dict[int, tuple[int, float]] = {}    # fragment -> (round announced ahead, launched_at)
         self._expires: dict[tuple[int, int], float] = {}  # (fragment, round) -> our last expiration there
         self._watch: dict[int, int] = {}                  # fragment -> the round is_late was asked about

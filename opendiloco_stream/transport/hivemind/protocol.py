@@ -22,7 +22,6 @@ import struct
 from dataclasses import dataclass
 from typing import AsyncIterator, Union
 
-from hivemind.averaging.partition import AllreduceException
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from opendiloco_stream.transport.reduce import PROTOCOL_VERSION
@@ -201,16 +200,11 @@ def _tensor_buffer(data: memoryview) -> memoryview:
     return buffer
 
 
-def round_group_bits(round_index: int, nbits: int = 24) -> str:
-    """Group-key bits for a round: peers at different rounds never meet in matchmaking."""
-    return format(round_index & ((1 << nbits) - 1), f"0{nbits}b")
-
-
-class RoundError(AllreduceException):
+class RoundError(Exception):
     """A round without a complete, consistent average; ``reason`` as in ``SyncFailed``."""
 
     def __init__(self, reason: str, message: str):
-        super().__init__(reason, message)  # args must rebuild the exception: it is pickled to the host
+        super().__init__(reason, message)
         self.reason, self.message = reason, message
 
     def __str__(self) -> str:

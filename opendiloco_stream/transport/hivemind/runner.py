@@ -1,10 +1,10 @@
-"""One all-reduce round of one fragment, run inside the hivemind averager process.
+"""One all-reduce round of one fragment, run on the averaging service's loop (``service.py``).
 
 Replaces hivemind's ``AllReduceRunner`` (whose ``avg - decoded(part)`` deltas leave peers with
 different results under lossy codecs, and which keeps local values for parts whose reducer failed).
 The reduction is ``transport/reduce.py`` (shared with ``LocalSwarm``); this module moves it between
 peers in ``protocol.py``'s frames: each sender opens one stream per remote reducer (direct TCP,
-``direct.py``, else ``rpc_aggregate_part`` through the p2p daemon), sends its contribution chunks and,
+``direct.py``, else the ``{prefix}::aggregate`` handler through the p2p daemon), sends its contribution chunks and,
 if it reduces a part itself, its verdict on it, then reads the averaged chunks back on that stream.
 Every wait is bounded: ``next_chunk`` between two messages of a stream (and for a sender to show
 up), the round deadline (``allreduce``) for the verdicts and the first result. Any part that does
@@ -19,16 +19,14 @@ import time
 from typing import AsyncIterator, Optional, Union
 
 import torch
-from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.serializer import MSGPackSerializer
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddresses, make_hello, parse_address
 from opendiloco_stream.transport.hivemind.seal import DirectSecurity, new_salt
 from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
+from opendiloco_stream.transport.hivemind.matchmaking import Group, unpack_meta
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
@@ -53,27 +51,29 @@ class HvAllReduceRunner:
     Subclasses may override ``encode_contribution`` (tests use it to fake bad senders).
     """
 
-    def __init__(self, *, p2p: P2P, servicer_type: type, prefix: str, group_info: GroupInfo, tensor: torch.Tensor,
+    def __init__(self, *, p2p: P2P, handler: str, prefix: str, group: Group, tensor: torch.Tensor,
                  codec: Codec, timeouts: RoundTimeouts, norm_bound: Optional[float],
                  direct_failed: Optional[FailedAddresses] = None, result: Optional[torch.Tensor] = None,
                  sent: Optional[torch.Tensor] = None, direct_security: Optional[DirectSecurity] = None):
-        self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
-        self.group_id, self.peer_ids = group_info.group_id, tuple(group_info.peer_ids)
+        self.p2p, self.handler, self.prefix = p2p, handler, prefix  # handler: groupmates' p2p fallback
+        self.group_id, self.peer_ids = group.group_id, tuple(group.peer_ids)
         self.me = self.peer_ids.index(p2p.peer_id)
         self.tensor, self.codec, self.t, self.norm_bound = tensor, codec, timeouts, norm_bound
         n = len(self.peer_ids)
-        self.modes, users = [], []
-        for blob in group_info.gathered:
-            _bandwidth, mode, user = MSGPackSerializer.loads(blob)
-            self.modes.append(AveragingMode(mode))
-            users.append(MSGPackSerializer.loads(user))
+        users = []
+        for blob in group.gathered:
+            try:
+                users.append(unpack_meta(blob))
+            except Exception:
+                users.append(None)  # judge_members names it
         self.key = users[self.me]["key"]
         try:
-            self.weights, status = judge_members(users, self.me, [m == AveragingMode.AUX for m in self.modes])
+            self.weights, status = judge_members(users, self.me, [False] * n)
         except GroupMismatch as e:
             raise RoundError("rejected", f"round {self.key}: {e}") from None
-        self.is_reducer = [m == AveragingMode.NODE for m in self.modes]
-        self.senders = [i for i in range(n) if self.modes[i] != AveragingMode.AUX]
+        # client-mode peers accept no connections: they send and receive, but reduce no part
+        self.is_reducer = [not u.get("client", False) for u in users]
+        self.senders = list(range(n))
         # chunks of the smallest size a member announced (sizes derive from each one's link rate)
         self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, group_chunk_bytes(users))
         # direct TCP streams (direct.py): None where disabled; addresses whose connection failed;
@@ -83,14 +83,16 @@ class HvAllReduceRunner:
         largest = max((hi - lo for chunks in self.layout.chunks for lo, hi in chunks), default=0)
         self.max_message_bytes = n * codec.encoded_size(largest) + 65536  # a result bundles <= n contributions
         self.my_chunks = self.layout.chunks[self.me]
-        # written in place: the averager passes its (already paged-in) shared buffers, read only
-        # after a successful round; a fresh 40 MB tensor costs more in page faults than a copy
-        self.result = torch.empty(tensor.numel(), dtype=torch.float32) if result is None else result
-        self.sent = torch.empty(tensor.numel(), dtype=torch.float32) if sent is None else sent
         # fp32 is lossless: what we send is the tensor itself, sent without a copy, and ``sent`` is
-        # not written (the host uses its own tensor). Not for test doubles that fake what they send.
+        # not written (the trainer uses its own tensor). Not for test doubles that fake what they send.
         self.sent_is_input = (codec.name == "fp32"
                               and type(self).encode_contribution is HvAllReduceRunner.encode_contribution)
+        # the average is decoded straight into the tensor the trainer receives; what we sent, into
+        # its own (none under fp32): a round holds no copy of the outer gradient
+        self.result = torch.empty(tensor.numel(), dtype=torch.float32) if result is None else result
+        if sent is None and not self.sent_is_input:
+            sent = torch.empty(tensor.numel(), dtype=torch.float32)
+        self.sent = sent
         self.bytes_sent = self.bytes_received = 0
         # reducer state: decoded contributions to my part, their squared norms, per-sender status
         self.part = PartReducer(codec, self.my_chunks, status, norm_bound)
@@ -320,9 +322,10 @@ class HvAllReduceRunner:
             except (OSError, asyncio.TimeoutError) as e:
                 logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon (direct again "
                             "in %.0f s)", self.key, self._name(q), address, e, self.direct_failed.failed(address))
-        stub = self.servicer_type.get_stub(self.p2p, self.peer_ids[q], namespace=self.prefix)
-        return await asyncio.wait_for(stub.rpc_aggregate_part(as_protobufs(self._contributions_for(q))),
-                                      min(self.t.next_chunk, self._remaining()))
+        return await asyncio.wait_for(
+            self.p2p.iterate_protobuf_handler(self.peer_ids[q], self.handler, as_protobufs(self._contributions_for(q)),
+                                              averaging_pb2.AveragingData),
+            min(self.t.next_chunk, self._remaining()))
 
     async def _next_result(self, q: int, it: AsyncIterator, kind: int, j: int, timeout: float):
         """Reducer ``q``'s next frame, which must be ``kind`` (RESULT chunk ``j``, or DONE)."""

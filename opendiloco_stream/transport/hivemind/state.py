@@ -1,12 +1,11 @@
 """Late joiners: serve this peer's state and download the run's state from peers already in it.
 
-Runs in the host process, on an event-loop thread of its own, over a replica of the DHT's P2P
-daemon: no averager is involved, so a donor in the middle of a round answers at once and the
-provider never waits for an averager lock.
+Runs on the averaging service's event loop (``service.py``), over its client of the DHT's p2p
+daemon: a donor in the middle of a round answers at once (the round's chunk work runs on
+executor threads), and the provider never waits for a round.
 
 Protocol: a donor declares itself under the DHT key ``{run_id}_state.donors`` (subkey: its peer id,
-refreshed every ``declare_period``) and serves ``rpc_download_state`` in the P2P namespace
-``{run_id}_state``: one message with the manifest (the state's structure with tensors replaced by
+refreshed every ``declare_period``) and serves the p2p handler ``{run_id}_state::download``: one message with the manifest (the state's structure with tensors replaced by
 references, and every tensor's dtype and shape), then each tensor serialized and cut in parts.
 
 The joiner tries the donors in random order (joiners spread over donors) and gives each at most
@@ -38,14 +37,12 @@ import asyncio
 import logging
 import os
 import random
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 import torch
-from hivemind.dht import DHT
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
@@ -59,7 +56,9 @@ logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 5.0
 
 
-class _StateServicer(ServicerBase):
+class _StateServicer:
+    """The donor's side: one stream per joiner (registered as ``{run_id}_state::download``)."""
+
     def __init__(self, sharing: "StateSharing"):
         self._sharing = sharing
 
@@ -163,32 +162,21 @@ class _Progress:
 class StateSharing:
     """Donor and joiner sides of late joining for one run (see the module docstring)."""
 
-    def __init__(self, dht: DHT, run_id: str, *, can_serve: bool, chunk_timeout: float, declare_period: float = 10.0,
-                 admission: Any = None):
-        self.dht, self.can_serve, self.admission = dht, can_serve, admission
-        self.key, self.namespace = f"{run_id}_state.donors", f"{run_id}_state"
+    def __init__(self, service: Any, run_id: str, *, can_serve: bool, chunk_timeout: float,
+                 declare_period: float = 10.0, admission: Any = None):
+        self.service, self.can_serve, self.admission = service, can_serve, admission
+        self.key, self.handler = f"{run_id}_state.donors", f"{run_id}_state::download"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
         self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
         self._servicer = _StateServicer(self)
         self._declare_task: Optional[asyncio.Task] = None
         self._expiration = 0.0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"state-{run_id}", daemon=True)
-        self._thread.start()
-        try:
-            self._p2p: P2P = self._call(self._connect(), timeout=30.0)
-            self.peer_id = self._p2p.peer_id
-        except BaseException:
-            self._stop_loop()
-            raise
+        self._p2p: P2P = service.p2p
+        self.peer_id = self._p2p.peer_id
 
     def _call(self, coro, timeout: float) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _connect(self) -> P2P:
-        maddr = await self._loop.run_in_executor(None, self.dht.run_coroutine, DHT._get_p2p_daemon_listen_maddr)
-        return await P2P.replicate(maddr)
+        return self.service.call(coro, timeout)
 
     # ------------------------------------------------------------------ donor
     def set_provider(self, provider: Callable[[], dict]) -> None:
@@ -197,15 +185,16 @@ class StateSharing:
             self._call(self._start_serving(), timeout=30.0)
 
     async def _start_serving(self) -> None:
-        await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
+        await self._p2p.add_protobuf_handler(self.handler, self._servicer.rpc_download_state,
+                                             averaging_pb2.DownloadData, stream_output=True)
         await self._declare()  # joiners can find us as soon as set_provider returns
         self._declare_task = asyncio.ensure_future(self._declare_periodically())
 
     async def _declare(self) -> None:
         self._expiration = get_dht_time() + 2 * self.declare_period
         try:
-            await self.dht.store(self.key, subkey=self._p2p.peer_id.to_bytes(), value=get_dht_time(),
-                                 expiration_time=self._expiration, return_future=True)
+            await self.service.dht_call("store", self.key, subkey=self._p2p.peer_id.to_bytes(), value=get_dht_time(),
+                                        expiration_time=self._expiration)
         except Exception as e:
             logger.debug("could not declare as state donor: %r", e)
 
@@ -217,12 +206,12 @@ class StateSharing:
     async def _stop_serving(self) -> None:
         self._declare_task.cancel()
         try:  # withdraw: a newer record with no value hides ours from joiners
-            await asyncio.wait_for(self.dht.store(
-                self.key, subkey=self._p2p.peer_id.to_bytes(), value=None,
-                expiration_time=max(self._expiration, get_dht_time()) + 1e-3, return_future=True), 2.0)
+            await asyncio.wait_for(self.service.dht_call(
+                "store", self.key, subkey=self._p2p.peer_id.to_bytes(), value=None,
+                expiration_time=max(self._expiration, get_dht_time()) + 1e-3), 2.0)
         except Exception as e:
             logger.debug("could not withdraw as state donor: %r", e)
-        await self._servicer.remove_p2p_handlers(self._p2p, namespace=self.namespace)
+        await self._p2p.remove_protobuf_handler(self.handler, stream_output=True)
 
     # ------------------------------------------------------------------ joiner
     def load(self, timeout: float, progress: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
@@ -238,7 +227,7 @@ class StateSharing:
             return None
 
     async def _donors(self) -> list[PeerID]:
-        found = await self.dht.get(self.key, latest=True, return_future=True)
+        found = await self.service.dht_call("get", self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
         me = self._p2p.peer_id
@@ -278,12 +267,11 @@ class StateSharing:
         """One donor's state. ``held``: whole tensors from donors that failed (by digest): asked
         for as ``have``, reused where this donor's manifest lists the same digest; every whole
         tensor received here is added to it, so a failure here leaves them to the next donor."""
-        stub = _StateServicer.get_stub(self._p2p, donor, namespace=self.namespace)
         me, theirs = self.peer_id.to_bytes(), donor.to_bytes()
         request = averaging_pb2.DownloadData(metadata=_dumps({
             "auth": None if self.admission is None else self.admission.state_proof("request", me, theirs),
             "have": sorted(held)}))
-        stream = await stub.rpc_download_state(request)
+        stream = await self._p2p.iterate_protobuf_handler(donor, self.handler, request, averaging_pb2.DownloadData)
         try:
             it = stream.__aiter__()
             manifest = await self._manifest(it, theirs, me)
@@ -346,18 +334,9 @@ class StateSharing:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Stop serving (withdraw the declaration); the service's loop and p2p client stay the transport's."""
         try:
             if self._declare_task is not None:
                 self._call(self._stop_serving(), timeout=5.0)
-            self._call(self._p2p.shutdown(), timeout=5.0)  # also removes our client's socket file
-            self._call(self._loop.shutdown_default_executor(), timeout=5.0)
         except Exception as e:
             logger.debug("state sharing did not close cleanly: %r", e)
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5.0)
-        if not self._thread.is_alive():
-            self._loop.close()

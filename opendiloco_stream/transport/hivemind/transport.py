@@ -1,38 +1,41 @@
-"""The networked Transport: hivemind DHT + one background averager per fragment.
+"""The networked Transport: hivemind's DHT and p2p, and our averaging service.
 
     dht = hivemind.DHT(initial_peers=[...], start=True)
     transport = HivemindTransport(dht, hivemind_settings(cfg))  # transport/factory.py, from NetConfig
-    transport.prepare({0: numel_0, 1: numel_1})       # forks one averager per fragment
+    transport.prepare({0: numel_0, 1: numel_1})       # one endpoint per fragment on the service
     handle = transport.all_reduce((fragment, round), outer_gradient, weight=tokens)  # returns in ~ms
     result = handle.wait()                             # bounded: never past the round's bound
 
 Design (docs/architecture.md, "hivemind transport"):
 
-- One ``FragmentAverager`` process per fragment, prefix ``{run_id}_f{fragment}``: independent
-  matchmaking per fragment, so the P rounds that eager mode keeps in flight never queue behind
-  each other, and a stuck fragment does not stall the others. hivemind fixes an averager's tensor
-  set at construction, which is one fragment's flat outer gradient.
-- Rounds are gated by group-key bits derived from the round, set before every step: peers at
-  different rounds cannot meet. A round starts as soon as the run's live peers are in the group
-  (``presence.py``: every peer announces itself on the DHT per fragment and round, the count is
-  the round's target), or after ``matchmaking_time`` with whoever is there. A fixed
-  ``target_group_size`` overrides the count (a swarm larger than it splits into disjoint groups).
+- One averaging service per peer (``service.py``): an asyncio loop in a background thread of this
+  process, with its own client of the DHT's p2p daemon. Nothing is forked and no buffer is shared:
+  a round reads the outer gradient where it lies and decodes the average into the tensor returned.
+- One ``FragmentEndpoint`` per fragment on it (``endpoint.py``), prefix ``{run_id}_f{fragment}``:
+  independent group formation per fragment, so the P rounds that eager mode keeps in flight never
+  queue behind each other, and a stuck fragment does not stall the others.
+- Groups form per round (``matchmaking.py``: announcements under a DHT key of the round, the
+  smallest announced peer id leads): peers at different rounds cannot meet. A round starts as soon
+  as the run's live peers are in the group (``presence.py``: every peer announces itself on the
+  DHT per fragment and round, the count is the round's target), or after ``matchmaking_time`` with
+  whoever is there. A fixed ``target_group_size`` overrides the count (a swarm larger than it
+  splits into disjoint groups).
 - Our all-reduce (``runner.py``, over the shared core ``transport/reduce.py``) replaces hivemind's: quantized contributions, fp32 reduction,
   validation of every contribution, one quantization of each part's average sent as the same bytes
   to everyone (bit-identical results), verdicts exchanged so all parts average the same
   contributions, and any missing or inconsistent part fails the round (``reason="partial"``).
 - One worker thread per fragment (``lane.py``) runs the rounds of that fragment in order, so ``all_reduce``
-  never blocks and the shared buffers are only touched between steps.
+  never blocks.
 - Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given.
-- Late joiners (``state.py``): state served and downloaded by the host, not the averagers.
+- Late joiners (``state.py``): state served and downloaded on the same service loop.
 - Partitions (``net/routes.py``): the DHT re-pings the peers it dropped, so a healed link rejoins.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import re
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -41,12 +44,13 @@ import torch
 from hivemind.dht import DHT
 
 from opendiloco_stream.compression import get_codec
-from opendiloco_stream.net.dht import unstick_hivemind_locks
 from opendiloco_stream.net.routes import keep_routes
 from opendiloco_stream.transport.base import Transport
-from opendiloco_stream.transport.hivemind.averager import FragmentAverager
+from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
 from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane  # noqa: F401 (re-exported)
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
+from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
+from opendiloco_stream.transport.hivemind.service import AveragingService
 from opendiloco_stream.transport.hivemind.state import StateSharing
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
@@ -91,7 +95,7 @@ class HivemindSettings:
         presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
             counted, and costs a round ``matchmaking_time``, for at most this long).
         state_timeout: the longest silence tolerated inside a state download.
-        startup_timeout: bound on starting one fragment's averager process.
+        startup_timeout: bound on connecting the averaging service to the p2p daemon.
 
     The last three are no config fields: their defaults live here.
     """
@@ -133,7 +137,7 @@ class HivemindTransport(Transport):
             ``HivemindTransport(dht, run_id="r", codec="fp4-e3m0")``).
     """
 
-    averager_cls = FragmentAverager
+    runner_cls = HvAllReduceRunner  # a round's all-reduce (tests override it to fake bad senders)
 
     def __init__(self, dht: DHT, settings: Optional[HivemindSettings] = None, *, admission: Any = None,
                  **overrides: Any):
@@ -165,6 +169,8 @@ class HivemindTransport(Transport):
             logger.warning("--direct-plaintext: the direct data path is not sealed; anyone on the network path "
                            "can read and alter contributions (use it only to measure what sealing costs)")
         self.peer_id = str(dht.peer_id)
+        self._dht_lock = threading.Lock()  # the DHT's control pipe: one sender at a time (service, presence)
+        self._service: Optional[AveragingService] = None
         self._lanes: dict[int, _Lane] = {}
         self._numels: dict[int, int] = {}
         self._state: Optional[StateSharing] = None
@@ -188,32 +194,49 @@ class HivemindTransport(Transport):
         if self.direct_port is not None and self.direct_port + max(numels) > 65535:
             raise ValueError(f"data ports {self.direct_port}..{self.direct_port + max(numels)} go past 65535: "
                              f"pick a lower net.data_port")
-        if mp.get_start_method() != "fork":
-            raise RuntimeError("hivemind averagers need the 'fork' multiprocessing start method "
-                               f"(this process uses {mp.get_start_method()!r})")
-        unstick_hivemind_locks()  # an averager or DHT killed earlier in this process may have left one held
-        averagers = {}
+        service = self.service()
+        endpoints: dict[int, FragmentEndpoint] = {}
         try:
-            for p, n in sorted(numels.items()):  # fork them all before starting our threads
-                timeouts = self.timeouts(n)
-                averagers[p] = (timeouts, self.averager_cls(
-                    n, self.dht, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=timeouts,
-                    chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, target_group_size=self.target_group_size,
-                    client_mode=self.client_mode, startup_timeout=self.startup_timeout, admission=self.admission,
-                    direct=self.direct, direct_port=0 if self.direct_port is None else self.direct_port + p,
-                    direct_plaintext=self.direct_plaintext))
+            for p, n in sorted(numels.items()):
+                endpoints[p] = endpoint = FragmentEndpoint(
+                    service, n, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=self.timeouts(n),
+                    chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, client_mode=self.client_mode,
+                    admission=self.admission, direct=self.direct,
+                    direct_port=0 if self.direct_port is None else self.direct_port + p,
+                    direct_plaintext=self.direct_plaintext, runner_cls=self.runner_cls)
+                service.call(endpoint.start(), self.startup_timeout)
         except BaseException:
-            for _, averager in averagers.values():
-                averager.close()
+            for endpoint in endpoints.values():
+                self._close_endpoint(endpoint)
             raise
         # a round others launched a quarter of the matchmaking time ago is late for a slower peer
         self._presence = Presence(self.dht, self.run_id, self.peer_id, ttl=self.presence_ttl,
                                   late_after=self.timeout_args["matchmaking_time"] / 4,
                                   window=self.timeout_args["matchmaking_time"],
-                                  dht_timeout=self.timeout_args["request_timeout"])
-        self._lanes = {p: _Lane(p, averager, timeouts, self._presence, self.target_group_size)
-                       for p, (timeouts, averager) in averagers.items()}
+                                  dht_timeout=self.timeout_args["request_timeout"], dht_lock=self._dht_lock)
+        self._lanes = {p: _Lane(p, endpoint, endpoint.timeouts, self._presence, self.target_group_size)
+                       for p, endpoint in endpoints.items()}
         self._numels = numels
+
+    def service(self) -> AveragingService:
+        """This peer's averaging service (started on first use)."""
+        if self._closed:
+            raise RuntimeError("transport closed")
+        if self._service is None:
+            self._service = AveragingService(self.dht, self._dht_lock, request_timeout=self.timeout_args["request_timeout"],
+                                             startup_timeout=self.startup_timeout)
+        return self._service
+
+    def direct_addresses(self, fragment: int) -> Optional[list]:
+        """Where groupmates stream fragment ``fragment``'s parts to this peer (None: p2p daemon only)."""
+        lane = self._lanes.get(fragment)
+        return None if lane is None else lane.endpoint.direct_addresses
+
+    def _close_endpoint(self, endpoint: FragmentEndpoint) -> None:
+        try:
+            endpoint.service.call(endpoint.close(), max(5.0, self.timeout_args["request_timeout"]))
+        except Exception as e:
+            logger.warning("%s did not close cleanly: %r", endpoint.prefix, e)
 
     def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> HivemindSyncHandle:
         fragment, _round = key
@@ -260,7 +283,7 @@ class HivemindTransport(Transport):
     # ------------------------------------------------------------------ late joiners
     def _sharing(self) -> StateSharing:
         if self._state is None:
-            self._state = StateSharing(self.dht, self.run_id, can_serve=not self.client_mode,
+            self._state = StateSharing(self.service(), self.run_id, can_serve=not self.client_mode,
                                        chunk_timeout=self.state_timeout, admission=self.admission)
         return self._state
 
@@ -278,7 +301,7 @@ class HivemindTransport(Transport):
         return self._sharing().load(timeout, progress)
 
     def close(self) -> None:
-        """Fail pending rounds ("closed"), stop every averager process, stop serving state."""
+        """Fail pending rounds ("closed"), stop serving rounds and state, stop the service."""
         self._closed = True
         if self._presence is not None:  # first: the others stop counting this peer at once
             self._presence.close()
@@ -288,6 +311,9 @@ class HivemindTransport(Transport):
                 lane.close()
             except Exception as e:
                 logger.warning("fragment %d did not close cleanly: %r", lane.fragment, e)
+            self._close_endpoint(lane.endpoint)
         if self._state is not None:
             self._state.close()
             self._state = None
+        if self._service is not None:
+            self._service.close()

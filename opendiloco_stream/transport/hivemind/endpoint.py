@@ -1,0 +1,173 @@
+"""``FragmentEndpoint``: one fragment's part of the averaging service (``service.py``).
+
+It forms the fragment's groups (``matchmaking.Matchmaker``, handler ``{prefix}::join``), runs
+each round's all-reduce (``runner.HvAllReduceRunner``) straight on the trainer's tensor, and serves
+groupmates' streams: over its direct TCP listener (``direct.py``, sealed by ``seal.py``) or, as the
+fallback, through the p2p daemon (handler ``{prefix}::aggregate``). Everything runs on the
+service's event loop; the lane (``lane.py``) calls :meth:`run_round` and :meth:`form_group`
+through ``AveragingService.submit``.
+
+A round writes nothing the trainer holds: the average is decoded into a fresh tensor (returned
+as ``SyncResult.average``) and, under a lossy codec, what this peer sent into another
+(``SyncResult.sent``); the outer gradient is read, never written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Optional
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, anext, as_aiter
+
+from opendiloco_stream.compression import Codec
+from opendiloco_stream.transport.hivemind.direct import DirectListener, FailedAddresses, RunningGroups, serve_connections
+from opendiloco_stream.transport.hivemind.matchmaking import Group, Matchmaker
+from opendiloco_stream.transport.hivemind.protocol import as_protobufs
+from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
+from opendiloco_stream.transport.hivemind.seal import DirectSecurity
+from opendiloco_stream.transport.hivemind.service import AveragingService
+from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
+from opendiloco_stream.transport.reduce import member_metadata
+
+logger = logging.getLogger(__name__)
+
+
+class FragmentEndpoint:
+    """The averaging of one fragment (prefix ``{run_id}_f{fragment}``); see the module docstring.
+
+    Build it in a trainer thread (it binds the direct listener), then ``service.call(endpoint.start())``.
+    ``runner_cls``: the round's runner (tests pass subclasses that fake bad senders or log paths).
+    """
+
+    def __init__(self, service: AveragingService, numel: int, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
+                 chunk_bytes: int, norm_bound: Optional[float], client_mode: bool, admission: Any = None,
+                 direct: bool = True, direct_port: int = 0, direct_plaintext: bool = False,
+                 runner_cls: type = HvAllReduceRunner):
+        self.service, self.numel, self.prefix = service, int(numel), prefix
+        self.codec, self.timeouts, self.chunk_bytes, self.norm_bound = codec, timeouts, chunk_bytes, norm_bound
+        self.client_mode, self.admission, self.runner_cls = client_mode, admission, runner_cls
+        self.direct, self.direct_failed = direct, FailedAddresses()
+        self.direct_security = DirectSecurity(direct_plaintext, admission.auth if admission is not None else None)
+        self.listener: Optional[DirectListener] = None
+        if direct and not client_mode:
+            with service.dht_lock:  # (reads the DHT's visible addresses down its pipe)
+                self.listener = DirectListener.for_dht(service.dht, direct_port)
+        self.running: dict[bytes, asyncio.Future] = {}  # group id -> future of its runner
+        self.groups = RunningGroups(self.running)
+        self.matchmaker = Matchmaker(service.p2p, service.dht_call, prefix, client_mode=client_mode,
+                                     check_member=admission.check_member if admission is not None else None,
+                                     request_timeout=timeouts.request)
+        self.aggregate_name = f"{prefix}::aggregate"
+        self._serving: Optional[asyncio.Task] = None
+
+    @property
+    def direct_addresses(self) -> Optional[list]:
+        """Where groupmates stream their parts to us directly (None: p2p daemon only)."""
+        return None if self.listener is None else self.listener.addresses
+
+    # ------------------------------------------------------------------ lifecycle (on the loop)
+    async def start(self) -> None:
+        p2p = self.service.p2p
+        if not self.client_mode:
+            await p2p.add_protobuf_handler(self.matchmaker.handler_name, self.matchmaker.rpc_join,
+                                           averaging_pb2.JoinRequest, stream_output=True)
+            await p2p.add_protobuf_handler(self.aggregate_name, self.rpc_aggregate, averaging_pb2.AveragingData,
+                                           stream_input=True, stream_output=True)
+        if self.listener is not None:
+            self._serving = asyncio.ensure_future(serve_connections(
+                self.listener, self.groups, self.prefix, self.timeouts.next_chunk, self.direct_security))
+
+    async def close(self) -> None:
+        if self._serving is not None:
+            self._serving.cancel()  # ended before the socket closes: its fd may be reused at once
+            await asyncio.gather(self._serving, return_exceptions=True)
+            self.listener.close()
+        for future in list(self.running.values()):
+            if not future.done():
+                future.cancel()
+        if not self.client_mode:
+            for name, streams in ((self.matchmaker.handler_name, dict(stream_output=True)),
+                                  (self.aggregate_name, dict(stream_input=True, stream_output=True))):
+                try:
+                    await self.service.p2p.remove_protobuf_handler(name, **streams)
+                except Exception as e:  # the daemon is gone already
+                    logger.debug("%s: removing handler %s: %r", self.prefix, name, e)
+
+    # ------------------------------------------------------------------ rounds (on the loop)
+    def metadata(self, key: tuple, weight: float) -> dict:
+        """What this peer tells its group about round ``key`` (sealed for the run key's checks)."""
+        meta = member_metadata(self.codec, self.numel, key, weight, self.chunk_bytes)
+        meta["client"] = bool(self.client_mode)
+        if self.listener is not None:
+            meta["direct"] = self.listener.addresses  # where to stream our part (direct.py)
+        return meta if self.admission is None else self.admission.seal(meta, self.service.peer_id.to_bytes())
+
+    async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float) -> Group:
+        """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed."""
+        return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target)
+
+    async def run_round(self, group: Group, tensor: torch.Tensor, formed: Optional[Any] = None) -> tuple:
+        """The all-reduce of ``tensor`` (flat fp32, on the CPU) with ``group``.
+
+        Returns ``(summary, average, sent)``: the round's metadata (``round_report.round_summary``),
+        the average (a fresh tensor) and what this peer sent (``tensor`` itself under fp32).
+        ``formed``: a ``threading.Event`` set once the group exists (the lane's abandon reads it)."""
+        running = asyncio.get_event_loop().create_future()
+        self.running[group.group_id] = running
+        self.groups.notify()
+        try:
+            if formed is not None:
+                formed.set()
+            runner = self._runner(group, tensor, running)
+            summary = await runner.run()
+            return summary, runner.result, (tensor if summary.get("sent_is_input") else runner.sent)
+        finally:
+            self.running.pop(group.group_id, None)
+
+    def _runner(self, group: Group, tensor: torch.Tensor, running: asyncio.Future) -> HvAllReduceRunner:
+        try:
+            why = None if self.admission is None else self.admission.check_group(group.peer_ids, group.gathered)
+            if why is not None:  # a leader that admitted an outsider: reduce nothing with it
+                raise RoundError("rejected", f"group refused: {why}")
+            runner = self.runner_cls(
+                p2p=self.service.p2p, handler=self.aggregate_name, prefix=self.prefix, group=group, tensor=tensor,
+                codec=self.codec, timeouts=self.timeouts, norm_bound=self.norm_bound,
+                direct_failed=self.direct_failed if self.direct else None, direct_security=self.direct_security)
+        except RoundError as e:
+            running.set_exception(e)
+            running.exception()  # retrieved: a late sender's handler may never look at it
+            raise
+        running.set_result(runner)
+        return runner
+
+    # ------------------------------------------------------------------ the p2p fallback path
+    async def rpc_aggregate(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                            ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Route a groupmate's stream through the p2p daemon to the runner of its group."""
+        try:
+            request = await asyncio.wait_for(anext(stream), self.timeouts.next_chunk)
+        except (Exception, StopAsyncIteration) as e:
+            logger.info("%s: a stream from %s ended before its first message: %r", self.prefix, context.remote_id, e)
+            return
+        # A groupmate's stream may arrive before our own round's runner exists (its group answer
+        # reached it first): wait as long as a sender may stay silent before its first contribution.
+        loop = asyncio.get_event_loop()
+        deadline = loop.time() + self.timeouts.next_chunk
+        await self.groups.find(lambda g: g == request.group_id, deadline)
+        future = self.running.get(request.group_id)
+        if future is None or future.cancelled():
+            code = averaging_pb2.BAD_GROUP_ID if future is None else averaging_pb2.CANCELLED
+            yield averaging_pb2.AveragingData(code=code)
+            return
+        try:
+            runner = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - loop.time()))
+        except Exception as e:  # the runner could not start (e.g. mismatching peers): the sender fails too
+            logger.info("%s: no runner for the stream from %s: %r", self.prefix, context.remote_id, e)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            return
+        async for message in as_protobufs(runner.serve(achain(as_aiter(request), stream), context.remote_id)):
+            yield message
