@@ -10,23 +10,19 @@ peers import it from this module by name.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import threading
 import time
 
 import pytest
 import torch
-from hivemind.averaging.control import StepControl
-from hivemind.utils.mpfuture import MPFuture
 
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.testing import faults
 from benchmarks.harness.loopback import LoopbackSwarm, make_tensor, peer_signal
 from opendiloco_stream.transport.hivemind import HivemindTransport
-from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.protocol import (
-    DONE, RESULT, ProtocolError, pack_frame, round_group_bits, unpack_frame,
+    DONE, RESULT, ProtocolError, pack_frame, unpack_frame,
 )
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, _message
 from opendiloco_stream.transport.hivemind.state import StateError, flatten_state, unflatten_state
@@ -151,11 +147,6 @@ def test_group_metadata_gives_weights_and_refuses_mismatched_peers():
     for other in (member(1.0, key=[0, 4]), member(1.0, numel=99), member(1.0, spec=["fp16", 0, ""]), member(1.0, v=0)):
         with pytest.raises(GroupMismatch):
             judge_members([member(1.0), other], 0, [False, False])
-
-
-def test_round_bits_separate_rounds():
-    assert round_group_bits(5) != round_group_bits(6)
-    assert len({round_group_bits(r) for r in range(1000)}) == 1000
 
 
 # ---------------------------------------------------------------------------------------- timeouts
@@ -341,58 +332,8 @@ class FaultyRunner(HvAllReduceRunner):
             yield msg
 
 
-class FaultyAverager(FragmentAverager):
-    runner_cls = FaultyRunner
-
-
 class FaultyTransport(HivemindTransport):
-    averager_cls = FaultyAverager
-
-
-class CancelledStepAverager(FragmentAverager):
-    """Fakes around a cancelled step, for failures the suite's load produced only now and then.
-    It records, in the file named by ``$ODS_TEST_CANCEL_SEEN``, whether the step read as cancelled
-    when the averager was woken to cancel it (hivemind goes on matching if not). Right after a
-    cancelled step it collects garbage, while hivemind's cancelled matchmaking is still withdrawing
-    this peer's DHT declaration (awaiting the DHT process): a collection at that moment destroys
-    tasks that nothing else holds, and leaves their matchmaking half torn down."""
-
-    def run(self) -> None:
-        wait_for_cancel, seen = StepControl.wait_for_cancel, os.environ["ODS_TEST_CANCEL_SEEN"]
-
-        async def wait_and_record(step):
-            await wait_for_cancel(step)
-            with open(seen, "a") as f:
-                f.write(f"{step.cancelled()}\n")
-
-        StepControl.wait_for_cancel = wait_and_record  # in this averager process only
-        super().run()
-
-    async def _step(self, *, step, future_for_init):
-        try:
-            await super()._step(step=step, future_for_init=future_for_init)
-        finally:
-            if step.cancelled():
-                for _ in range(10):  # the cancel reaches the declaration's cleanup, which awaits the DHT
-                    await asyncio.sleep(0)
-                gc.collect()
-
-
-class CancelledStepTransport(HivemindTransport):
-    """``CancelledStepAverager``, and a step marked cancelled 0.3 s late in this peer's process: a host
-    thread descheduled between waking the averager and marking the step, as under load."""
-    averager_cls = CancelledStepAverager
-
-    def __init__(self, *args, **kwargs):
-        mark = MPFuture.cancel
-
-        def mark_late(future):
-            if isinstance(future, StepControl):
-                time.sleep(0.3)
-            return mark(future)
-
-        MPFuture.cancel = mark_late
-        super().__init__(*args, **kwargs)
+    runner_cls = FaultyRunner
 
 
 def expected_state(numel: int) -> dict:
@@ -450,18 +391,20 @@ def load_state_reporting(peer, load_timeout: float) -> dict:
     return dict(state=state, progress=records, last_load=dict(peer.transport._sharing().last_load))
 
 
-def close_and_list_averagers(peer) -> list[tuple[int, bool]]:
-    """Inside a peer: close its transport; which averager processes are still alive afterwards."""
-    pids = [lane.averager.pid for lane in peer.transport._lanes.values()]
+SERVICE_THREADS = ("ods-averaging", "ods-codec", "ods-dht", "hv-fragment-", "hv-presence")
+
+
+def close_and_list_service_threads(peer) -> list[str]:
+    """Inside a peer: close its transport; the averaging service's threads still alive afterwards."""
+    assert any(t.name.startswith(SERVICE_THREADS) for t in threading.enumerate())  # they ran
     peer.transport.close()
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append((pid, True))
-        except ProcessLookupError:
-            alive.append((pid, False))
-    return alive
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        left = [t.name for t in threading.enumerate() if t.name.startswith(SERVICE_THREADS) and t.is_alive()]
+        if not left:
+            break
+        time.sleep(0.1)
+    return left
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -615,8 +558,8 @@ def test_stalled_or_killed_peer_costs_one_bounded_round_then_the_others_go_on():
         assert results[0]["sha256"] == results[1]["sha256"]
         print(f"\nkilled peer: survivors failed the round {recovery_s:.2f}s after the kill; "
               f"next round (2 peers) took {max(r['elapsed_s'] for r in results):.2f}s")
-        alive = swarm.peers[0].call("call", f"{MODULE}:close_and_list_averagers", timeout=60)
-        assert alive and not any(a for _, a in alive), alive  # close() leaves no averager behind
+        left = swarm.peers[0].call("call", f"{MODULE}:close_and_list_service_threads", timeout=60)
+        assert left == [], left  # close() leaves no thread of the averaging service behind
     finally:
         swarm.close()
 
@@ -703,20 +646,13 @@ def test_round_phases_split_a_round_between_the_host_and_the_runner_marks():
 
 @pytest.mark.network
 @pytest.mark.timeout(180)
-def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(tmp_path, monkeypatch):
+def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly():
     """``SyncHandle.abandon`` on a round still in matchmaking (its groupmate never comes: the swarm
-    moved on) fails it with reason "matchmaking" instead of waiting out the window. The averager
-    stops that step before the lane touches the shared buffers again: the next round of the same
-    fragment, with both peers, gives both the exact weighted mean. Peer 0 runs the fakes of
-    ``CancelledStepTransport``. Its averager must see the step cancelled when woken (``cancel_step``:
-    with hivemind's order it went on matching until the window ended, and the next round waited for
-    it). Its garbage collection right after the cancel left its matchmaking broken, and this round
-    failed on both peers, until the averager held its pending tasks (``_hold_pending_tasks``)."""
-    seen = tmp_path / "cancel-seen"
-    monkeypatch.setenv("ODS_TEST_CANCEL_SEEN", str(seen))  # peers inherit it
+    moved on) fails it with reason "matchmaking" instead of waiting out the window, and cancels its
+    group formation: the next round of the same fragment, with both peers, gives both the exact
+    weighted mean."""
     swarm = LoopbackSwarm(2, run_id="hvabandon", transport_kwargs=dict(codec="fp32", target_group_size=2,
-                                                                       matchmaking_time=5.0, request_timeout=1.0),
-                          peer_overrides={0: dict(transport_cls=f"{MODULE}:CancelledStepTransport")})
+                                                                       matchmaking_time=5.0, request_timeout=1.0))
     try:
         swarm.start()
         swarm.call_all("prepare", {0: N}, timeout=120)
@@ -726,8 +662,6 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
         both = swarm.call_all("all_reduce", key=(0, 1), numel=N, timeout=60,
                               per_peer=[dict(seed=10, weight=1.0), dict(seed=11, weight=3.0)])
         assert all(r["ok"] and r["group_size"] == 2 for r in both), both
-        # (written before the cancelled step finished, which the lane waited for)
-        assert seen.read_text().split() == ["True"]  # woken once, to a step already marked cancelled
         expected = (make_tensor(10, N) * 1.0 + make_tensor(11, N) * 3.0) / 4.0
         for r in both:
             assert torch.allclose(r["average"], expected, rtol=1e-6, atol=1e-7)
@@ -738,11 +672,11 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
 
 @pytest.mark.network
 def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
-    """``Transport.prematch``: the group forms before the round (hivemind's ``require_trigger``) and
-    the round only triggers it. The average is the exact weighted mean, with the weights given when
+    """``Transport.prematch``: the group forms before the round and the round goes straight to the
+    exchange. The average is the exact weighted mean, with the weights given when
     the group formed; a peer that matches at the round joins a group formed ahead by the others;
     a group formed ahead for a round that is not launched is dropped and the next round matches,
-    and so is a step formed ahead that found no group in its window."""
+    and so is a group formed ahead that found nobody in its window."""
     swarm = LoopbackSwarm(3, run_id="hvahead", transport_kwargs=dict(codec="fp32", target_group_size=3,
                                                                      matchmaking_time=5.0, request_timeout=1.0))
     try:
@@ -755,7 +689,7 @@ def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
         # formed ahead, then launched with other weights: the group's (predicted) weights count
         stages = swarm.call_all("prematch", (0, 0), timeout=60,
                                 per_peer=[dict(weight=w, wait_formed_s=20.0) for w in (1.0, 1.0, 2.0)])
-        assert stages == ["AWAITING_TRIGGER"] * 3, stages
+        assert stages == ["FORMED"] * 3, stages
         out = swarm.call_all("all_reduce", (0, 0), numel=N, timeout=60,
                              per_peer=[dict(seed=20 + i, weight=5.0) for i in range(3)])
         assert all(r["ok"] and r["group_size"] == 3 for r in out), out
@@ -773,7 +707,7 @@ def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
             assert torch.allclose(r["average"], expected([30, 31, 32], [1.0, 3.0, 4.0]), rtol=1e-6, atol=1e-7)
         # formed ahead for round 2, but round 3 is launched: dropped, and round 3 matches at once
         stages = swarm.call_all("prematch", (0, 2), timeout=60, per_peer=[dict(wait_formed_s=20.0)] * 3)
-        assert stages == ["AWAITING_TRIGGER"] * 3, stages
+        assert stages == ["FORMED"] * 3, stages
         out = swarm.call_all("all_reduce", (0, 3), numel=N, timeout=60,
                              per_peer=[dict(seed=40 + i, weight=1.0) for i in range(3)])
         assert all(r["ok"] and r["group_size"] == 3 for r in out), out
@@ -783,7 +717,7 @@ def test_a_group_formed_ahead_averages_like_one_formed_at_the_round():
         # that step is dropped and the round matches with the others as usual
         alone = swarm.peers[0].call("prematch", (0, 4), wait_formed_s=0.0, timeout=60)
         deadline = time.monotonic() + 30
-        while swarm.peers[0].call("early_stage", 0) not in ("FINISHED", None):
+        while swarm.peers[0].call("early_stage", 0) not in ("FAILED", None):
             assert time.monotonic() < deadline, "the lone step formed ahead never gave up (it waits for its trigger)"
             time.sleep(0.5)
         out = swarm.call_all("all_reduce", (0, 4), numel=N, timeout=60,

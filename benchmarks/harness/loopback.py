@@ -79,20 +79,19 @@ class _Peer:
 
     def prematch(self, key: tuple, weight: float = 1.0, wait_formed_s: float = 0.0) -> Optional[str]:
         """``Transport.prematch``; with ``wait_formed_s``, wait (bounded) until the group formed
-        and waits for the round: returns the early step's stage then (None if there is none)."""
+        and waits for the round: returns the early group's state then (None if there is none)."""
         self.transport.prematch(tuple(key), weight)
         stage, deadline = None, time.monotonic() + wait_formed_s
         while time.monotonic() < deadline:
             stage = self.early_stage(key[0])
-            if stage == "AWAITING_TRIGGER":
+            if stage == "FORMED":
                 break
             time.sleep(0.02)
         return stage
 
     def early_stage(self, fragment: int) -> Optional[str]:
-        """The stage of the fragment's step formed ahead (None if there is none)."""
-        early = self.transport._lanes[fragment]._early
-        return None if early is None else early.step.stage.name
+        """The state of the fragment's group formed ahead (``HivemindTransport.early_group``)."""
+        return self.transport.early_group(fragment)
 
     def all_reduce(self, key: tuple, tensor: Optional[torch.Tensor] = None, *, seed: int = 0, numel: int = 0,
                    offset: float = 0.0, weight: float = 1.0, wait_timeout: Optional[float] = None,

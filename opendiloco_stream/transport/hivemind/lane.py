@@ -168,6 +168,15 @@ class _Lane:
                 current.future.cancel()
             return True
 
+    def early_state(self) -> Optional[str]:
+        """The group formed ahead, if any: "MATCHING", "FORMED" (waiting for its round) or "FAILED"."""
+        early = self._early
+        if early is None:
+            return None
+        if not early.future.done():
+            return "MATCHING"
+        return "FAILED" if early.future.cancelled() or early.future.exception() is not None else "FORMED"
+
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
         while True:

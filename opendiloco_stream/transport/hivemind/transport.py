@@ -227,6 +227,12 @@ class HivemindTransport(Transport):
                                              startup_timeout=self.startup_timeout)
         return self._service
 
+    def early_group(self, fragment: int) -> Optional[str]:
+        """The state of the group formed ahead for ``fragment`` (``prematch``): None (none),
+        "MATCHING", "FORMED" (waiting for its round) or "FAILED" (it will match at the round)."""
+        lane = self._lanes.get(fragment)
+        return None if lane is None else lane.early_state()
+
     def direct_addresses(self, fragment: int) -> Optional[list]:
         """Where groupmates stream fragment ``fragment``'s parts to this peer (None: p2p daemon only)."""
         lane = self._lanes.get(fragment)
