@@ -1,24 +1,26 @@
-"""Host memory of real peers, process by process: the trainer, its averagers, its DHT and p2pd.
+"""Host memory of real peers, process by process: the trainer, its DHT and p2pd (and, before the
+averaging service, its forked averagers).
 
     python -m benchmarks.peer_memory                     # 35M preset, 2 peers, P = 4, eager fp4 (~2 min)
     python -m benchmarks.peer_memory --quick             # tiny preset: a smoke run (~40 s)
 
 ``benchmarks/memory.py`` measures what ``StreamingDiLoCo`` holds over a one-process ``LocalSwarm``. A
-real peer (``peer``, or ``local --transport hivemind``) also runs one forked averager process per
-fragment, a DHT process and a p2p daemon. This script runs ``opendiloco-stream local --transport
+real peer (``peer``, or ``local --transport hivemind``) also runs a DHT process and a p2p daemon;
+its averaging service is a thread of the trainer (up to the version before it, one forked
+averager process per fragment). This script runs ``opendiloco-stream local --transport
 hivemind`` and samples, every ``--every`` seconds, the proportional set size (PSS, from
 ``/proc/PID/smaps_rollup``) of every process in its tree. PSS splits a page shared by several
 processes among them, so the sum over processes is the memory the run takes, counted once. The
 row at the largest sum is reported, grouped by role, per peer:
 
 - *trainer*: the peer's main process (model, AdamW, outer state; its share of shared pages).
-- *averagers*: the forked averager processes, one per fragment. They hold the transport's shared
-  buffers (``input``, ``output``: 2 x fragment fp32 each) and their own heap; and, since
-  they are forked, any page of the trainer that existed at the fork and that the trainer wrote
-  since (the old copy stays with the children).
+- *averagers*: any other fork of the trainer besides its DHT: none today. Earlier versions ran one
+  averager process per fragment here, holding the transport's shared buffers (``input``,
+  ``output``: 2 x fragment fp32 each), their own heap and, being forks, any page of the trainer
+  written since the fork (``benchmarks/results/peer-memory-35M.json`` is that version).
 - *dht*, *p2pd*, *other* (torch's shared-memory manager).
-- *of which shared memory*: the peer's shared memory (PSS), in all its processes: the averagers'
-  buffers, 2 x model fp32 over all fragments.
+- *of which shared memory*: the peer's shared memory (PSS), in all its processes (the old
+  averagers' buffers were 2 x model fp32 over all fragments; the service shares none).
 
 Prints a table and writes JSON (``--out``, default ``benchmarks/results/peer-memory[-quick].json``).
 """
@@ -73,7 +75,8 @@ def roles(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[dict]]]:
     def forked(r: dict) -> bool:  # a fork of the trainer itself (not p2pd, not torch's manager)
         return r["ppid"] in trainers and "p2pd" not in r["cmd"] and "torch_shm_manager" not in r["cmd"]
 
-    # the trainer forks its DHT first (``peer`` starts it before the transport), then one averager per fragment
+    # the trainer forks its DHT first (``peer`` starts it before the transport); older versions then
+    # forked one averager per fragment
     dht = {min((r for r in rows if forked(r) and r["ppid"] == t), key=lambda r: r["started"], default={}).get("pid")
            for t in trainers}
     out: dict[str, dict[str, list[dict]]] = collections.defaultdict(lambda: collections.defaultdict(list))

@@ -37,10 +37,10 @@ def test_memory_quick_reports_extra_rss_and_held_bytes_within_the_target(tmp_pat
 
 @pytest.mark.network
 @pytest.mark.timeout(300)
-def test_peer_memory_quick_finds_every_process_of_each_peer_and_the_averagers_buffers(tmp_path):
-    """Two real peers (tiny model, P = 4): each one's processes are found and sorted by role, and
-    its shared memory is the averagers' buffers, 2 x model fp32 (input, where a lossy codec also
-    writes what it sent, and output)."""
+def test_peer_memory_quick_finds_every_process_of_each_peer_and_no_averager_or_shared_buffer(tmp_path):
+    """Two real peers (tiny model, P = 4): each one's processes are found and sorted by role. The
+    averaging service is a thread of the trainer: no averager process, and none of the shared
+    buffers (2 x model fp32) the forked averagers held."""
     from opendiloco_stream.train.models import build_model
     import torch
 
@@ -53,11 +53,11 @@ def test_peer_memory_quick_finds_every_process_of_each_peer_and_the_averagers_bu
         params = sum(p.numel() for p in build_model("tiny", vocab_size=259, seq_len=128).parameters())
     assert len(r["rows"]) == 2  # one row per peer
     for peer in r["rows"]:
-        counts = {role: peer[role]["processes"] for role in ("trainer", "averagers", "dht", "p2pd")}
-        assert counts == {"trainer": 1, "averagers": 4, "dht": 1, "p2pd": 1}, counts
-        # the buffers at least, plus at most a few MiB of other shared pages: one run of the full suite
-        # under load 13 counted 8.6 MiB for 6.6 of buffers (the extra pages' owner was not isolated)
+        counts = {role: peer[role]["processes"] for role in ("trainer", "averagers", "dht", "p2pd") if role in peer}
+        assert counts == {"trainer": 1, "dht": 1, "p2pd": 1}, counts
+        # the old buffers were 2 x model fp32 of shared memory (6.6 MiB here); a few MiB of other
+        # shared pages were seen once under load 13, hence the bound below rather than zero
         buffers = 2 * params * 4 / (1 << 20)
-        assert buffers * 0.85 <= peer["shared_mib"] <= buffers * 1.15 + 4.0, (peer, params)
+        assert peer["shared_mib"] < min(4.0, buffers * 0.7), (peer, params)
         assert peer["total_pss_mib"] == pytest.approx(sum(v["Pss"] for v in peer.values() if isinstance(v, dict)))
     assert r["peak_total_pss_mib"] >= sum(peer["total_pss_mib"] for peer in r["rows"])

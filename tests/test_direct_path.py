@@ -19,7 +19,6 @@ from hivemind.proto import averaging_pb2
 
 from benchmarks.harness.loopback import LoopbackSwarm
 from opendiloco_stream.transport.hivemind import HivemindTransport
-from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.direct import (
     DirectStream, FailedAddresses, RunningGroups, group_tag, hello_is_valid, make_hello, parse_address, read_hello,
 )
@@ -109,28 +108,21 @@ class PathLoggingRunner(HvAllReduceRunner):
         return stream
 
 
-class PathLoggingAverager(FragmentAverager):
+class PathLoggingTransport(HivemindTransport):
     runner_cls = PathLoggingRunner
 
 
-class UnreachableAverager(PathLoggingAverager):
+class UnreachableTransport(PathLoggingTransport):
     """Advertises a direct port nobody listens on (as a peer behind NAT would): groupmates must
     reach it through the p2p daemon."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def prepare(self, numels):
+        super().prepare(numels)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             closed = s.getsockname()[1]
-        self._direct.addresses = [["127.0.0.1", closed]]  # what step() advertises (the host's copy)
-
-
-class PathLoggingTransport(HivemindTransport):
-    averager_cls = PathLoggingAverager
-
-
-class UnreachableTransport(HivemindTransport):
-    averager_cls = UnreachableAverager
+        for fragment in numels:
+            self._lanes[fragment].endpoint.listener.addresses = [["127.0.0.1", closed]]  # what rounds advertise
 
 
 def _paths(log_dir: Path, rnd: int) -> dict[tuple[int, int], str]:

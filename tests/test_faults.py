@@ -18,7 +18,6 @@ import torch
 from benchmarks.harness import netns
 from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
 from opendiloco_stream.transport.hivemind import HivemindTransport
-from opendiloco_stream.transport.hivemind.averager import FragmentAverager
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
 from opendiloco_stream.transport.reduce import weighted_mean
 
@@ -57,12 +56,8 @@ class BadSenderRunner(HvAllReduceRunner):
         return self.codec.encode(chunk)
 
 
-class BadSenderAverager(FragmentAverager):
-    runner_cls = BadSenderRunner
-
-
 class BadSenderTransport(HivemindTransport):
-    averager_cls = BadSenderAverager
+    runner_cls = BadSenderRunner
 
 
 @pytest.mark.network

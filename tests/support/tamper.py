@@ -7,7 +7,7 @@ the way back (a reduced part). Used by tests/test_direct_seal.py:
     ... a round: peer 2's groupmates reach its data port through the proxy ...
     swarm.peers[2].call("call", function="tests.support.tamper:advertise", fragment=0, port=real_port)
 
-A peer advertises its data address in the metadata of every round it joins (``FragmentAverager.step``),
+A peer advertises its data address in the metadata of every round it joins (``FragmentEndpoint.metadata``),
 so pointing it at the proxy or back takes effect from the next round on. Half-closes are passed
 on: the direct path's sender ends its messages with ``shutdown(SHUT_WR)`` and the reducer waits for it.
 """
@@ -23,13 +23,13 @@ TO_REDUCER, TO_SENDER = "to-reducer", "to-sender"
 
 # Functions a loopback peer runs (``peer.call("call", function="tests.support.tamper:NAME", ...)``).
 def data_port(peer, fragment: int) -> int:
-    """Inside a peer: the port its averager of ``fragment`` really listens on."""
-    return peer.transport._lanes[fragment].averager._direct.port
+    """Inside a peer: the port its endpoint of ``fragment`` really listens on."""
+    return peer.transport._lanes[fragment].endpoint.listener.port
 
 
 def advertise(peer, fragment: int, port: int) -> None:
     """Inside a peer: advertise ``127.0.0.1:port`` as its data address from the next round on."""
-    peer.transport._lanes[fragment].averager._direct.addresses = [["127.0.0.1", port]]
+    peer.transport._lanes[fragment].endpoint.listener.addresses = [["127.0.0.1", port]]
 
 
 class TamperProxy:
