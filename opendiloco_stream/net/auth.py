@@ -27,7 +27,7 @@ import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.dht.validation import DHTRecord
 
 from opendiloco_stream.config import ConfigError, NetConfig
 
@@ -99,11 +99,14 @@ def open_keys(run_id: str) -> set[bytes]:
     return {DHTID.generate(source=run_key(run_id, "keyid")).to_bytes()}
 
 
-class RunKeyValidator(RecordValidatorBase):
+class RunKeyValidator:
     """Signs every DHT record with the run key and accepts only records signed with it.
 
     Applied last when signing and first when validating (highest priority), so it wraps what the
     metrics' RSA and schema validators produce. Records under :func:`open_keys` pass unsigned.
+    A record validator as ``hivemind.DHT(record_validators=...)`` takes them: it has the interface
+    of hivemind's ``RecordValidatorBase`` (validate, sign_value, strip_value, priority, merge_with)
+    without subclassing it.
     """
 
     def __init__(self, auth: RunAuth, run_id: str):
@@ -134,6 +137,9 @@ class RunKeyValidator(RecordValidatorBase):
     @property
     def priority(self) -> int:
         return 1000  # outermost: after RSASignatureValidator (10) and the schema validators (0)
+
+    def merge_with(self, other: Any) -> bool:
+        return False  # applied on its own, with every other validator
 
 
 def run_validators(net: NetConfig) -> list:

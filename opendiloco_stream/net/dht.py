@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -224,26 +225,20 @@ def explain_start_error(e: BaseException, net: NetConfig, host: Sequence[str]) -
     return f"could not start the DHT node: {first}"
 
 
-def unstick_hivemind_locks(timeout: float = 1.0) -> bool:
-    """Reset hivemind's cross-process MPFuture locks if a dead process holds one; True if it did.
+# the processes a started DHT had (its pid's children: p2pd), remembered by start_dht for stop_dht
+_CHILDREN: "weakref.WeakKeyDictionary[Any, dict[int, str]]" = weakref.WeakKeyDictionary()
 
-    hivemind 1.1.12 guards its futures with ``multiprocessing`` locks created at import and shared
-    by every process forked afterwards (``MPFuture._update_lock``, ``_initialization_lock``,
-    ``SharedBytes._lock``). A DHT or averager process killed by a signal while it holds one (it
-    does, for microseconds, on every result it sends) leaves it held for good: every later DHT
-    start in this process hangs (the new DHT cannot create or deliver a future). A lock that stays
-    held for ``timeout`` seconds is such a lock; hivemind's own ``MPFuture.reset_backend`` then
-    replaces them (futures pending in this process are lost: they could not complete anyway)."""
-    from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
-    for lock in (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock):
-        if not lock.acquire(timeout=timeout):
-            logger.warning("a hivemind cross-process lock is held by a process that died (killed by a signal?): "
-                           "resetting hivemind's future backend")
-            MPFuture.reset_backend()
-            return True
-        lock.release()
-    return False
+def _reset_futures_after_kill(dht: Any) -> None:
+    """After a DHT process of this process was SIGKILLed: reset hivemind's cross-process future
+    locks (``MPFuture.reset_backend``, its public last resort). A process killed by a signal while
+    it held one (it does, for microseconds, on every result it sends) would leave every later DHT
+    start in this process hanging. Futures still pending here are lost: those of the killed DHT
+    could not complete anyway."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    logger.warning("the DHT process %s had to be killed: resetting hivemind's future backend", dht.pid)
+    MPFuture.reset_backend()
 
 
 def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
@@ -269,8 +264,6 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
         identity = str(Path(net.identity_path).expanduser())
         ensure_identity(identity)
     timeout = start_timeout if start_timeout is not None else 2 * net.daemon_startup_timeout + 10
-    unstick_hivemind_locks()  # a DHT killed earlier in this process may have left one held
-
     if net.relay:  # a reservation on a relay, found among the initial peers (p2pd's trusted relays)
         dht_kwargs = {"use_relay": True, "use_auto_relay": True, "force_reachability": "private", **dht_kwargs}
     dht = hivemind.DHT(
@@ -291,7 +284,7 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
             raise
         raise NetError(explain_start_error(e, net, host)) from None
     # remembered now: if the DHT process dies, its p2pd is re-parented and no longer found through it
-    dht._ods_children = {p: process_name(p) for p in descendants(dht.pid)}
+    _CHILDREN[dht] = {p: process_name(p) for p in descendants(dht.pid)}
     keep_routes(dht)  # re-find the peers a partition made it drop (net/routes.py)
     logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(host))
     return dht
@@ -308,7 +301,7 @@ def stop_dht(dht: Any, timeout: float = 5.0) -> None:
     from opendiloco_stream.net.lifecycle import descendants, is_running, process_name, terminate_pids
 
     pid = dht.pid
-    known = dict(getattr(dht, "_ods_children", {}))
+    known = dict(_CHILDREN.get(dht, {}))
     if pid is not None and is_running(pid):
         known.update({p: process_name(p) for p in descendants(pid)})
     # a remembered pid only counts while it still runs the same program (pids get reused)
@@ -318,6 +311,8 @@ def stop_dht(dht: Any, timeout: float = 5.0) -> None:
             dht.shutdown()
         except Exception as e:  # a broken pipe to a dead DHT process: the kill below finishes the job
             logger.debug("DHT shutdown: %r", e)
-    terminate_pids(children + ([pid] if pid is not None else []), timeout)
+    killed = terminate_pids(children + ([pid] if pid is not None else []), timeout)
     if pid is not None:
         dht.join(1.0)
+        if pid in killed:
+            _reset_futures_after_kill(dht)

@@ -13,9 +13,11 @@ record before that, so a live peer never disappears from ``monitor`` while a dea
 
 from __future__ import annotations
 
+
 import logging
 import math
 import threading
+import weakref
 from typing import Any, Dict, Optional
 
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator is written against pydantic v1
@@ -68,6 +70,9 @@ class MetricsSchema(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+# host-side record of the key each DHT's process signs metrics records with
+_SIGNING_KEYS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
 def metrics_validators(run_id: str, private_key: Any = None) -> list:
     """The record validators of a run's metrics (schema + signature), for a DHT or a DHTNode."""
     from hivemind.dht.crypto import RSASignatureValidator
@@ -86,10 +91,10 @@ def install_validators(dht: Any, run_id: str, private_key: Any = None) -> bytes:
     """
     from hivemind.utils.crypto import RSAPrivateKey
 
-    key = getattr(dht, "_ods_signing_key", None)
+    key = _SIGNING_KEYS.get(dht)
     if key is None:
         key = private_key if private_key is not None else RSAPrivateKey.process_wide()
-        dht._ods_signing_key = key  # host-side record of the key the DHT process signs with
+        _SIGNING_KEYS[dht] = key
     validators = metrics_validators(run_id, key)
     dht.add_validators(validators)
     return validators[1].local_public_key

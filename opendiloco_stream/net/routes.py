@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import time
+import weakref
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,15 @@ def keep_routes(dht: Any, *, period_s: float = DEFAULT_PERIOD_S,
         return False
 
 
+# in the DHT process: each node's keeper task (the task holds its own table of peers seen)
+_KEEPERS: "weakref.WeakKeyDictionary[Any, asyncio.Task]" = weakref.WeakKeyDictionary()
+
+
 async def _start(_dht: Any, node: Any, *, period_s: float, forget_after_s: float) -> bool:
-    if getattr(node, "_ods_route_keeper", None) is not None:
+    if node in _KEEPERS:
         return False
-    node._ods_route_seen = {}  # peer id -> when it was last in the table or answered
-    node._ods_route_keeper = asyncio.create_task(_keep(node, node._ods_route_seen, period_s, forget_after_s))
+    seen: dict[Any, float] = {}  # peer id -> when it was last in the table or answered
+    _KEEPERS[node] = asyncio.create_task(_keep(node, seen, period_s, forget_after_s))
     return True
 
 

@@ -10,20 +10,35 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
-from hivemind.utils.serializer import MSGPackSerializer
 
 PART_BYTES = 1 << 20
 _REF = "__ods_tensor__"
 _SCALARS = (int, float, bool, str, bytes, type(None))
 
 
+_TUPLE_EXT = 0x40  # msgpack extension type of a tuple (msgpack has lists only)
+
+
+def _pack_tuple(obj: Any) -> msgpack.ExtType:
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(_TUPLE_EXT, _dumps(list(obj)))
+    raise TypeError(f"cannot serialize a {type(obj).__name__}")
+
+
+def _unpack_ext(code: int, data: bytes) -> Any:
+    if code == _TUPLE_EXT:
+        return tuple(_loads(data))
+    return msgpack.ExtType(code, data)
+
+
 def _dumps(obj: Any) -> bytes:
-    return MSGPackSerializer.dumps(obj)  # tuples survive (hivemind's ext type)
+    """msgpack, with tuples kept as tuples (an extension type)."""
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_pack_tuple)
 
 
 def _loads(data: bytes) -> Any:
-    # hivemind's loads refuses non-string map keys; optimizer state dicts are keyed by ints
-    return msgpack.loads(data, ext_hook=MSGPackSerializer._decode_ext_types, raw=False, strict_map_key=False)
+    # map keys may be ints (optimizer state dicts are keyed by parameter index)
+    return msgpack.unpackb(data, ext_hook=_unpack_ext, raw=False, strict_map_key=False)
 
 
 class StateError(ValueError):
