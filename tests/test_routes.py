@@ -38,7 +38,9 @@ async def _knows(_dht, node, peer_id: str) -> bool:
 async def _remembers(_dht, node, peer_id: str) -> bool:
     from hivemind.p2p import PeerID
 
-    return PeerID.from_base58(peer_id) in getattr(node, "_ods_route_seen", {})
+    from opendiloco_stream.net.routes import remembered
+
+    return PeerID.from_base58(peer_id) in remembered(node)
 
 
 async def _one_pass(_dht, node, lost: str, stale: str) -> tuple[list[str], list[str]]:

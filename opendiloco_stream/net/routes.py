@@ -47,16 +47,22 @@ def keep_routes(dht: Any, *, period_s: float = DEFAULT_PERIOD_S,
         return False
 
 
-# in the DHT process: each node's keeper task (the task holds its own table of peers seen)
-_KEEPERS: "weakref.WeakKeyDictionary[Any, asyncio.Task]" = weakref.WeakKeyDictionary()
+# in the DHT process: each node's keeper task and its memory (peer id -> when last seen or answered)
+_KEEPERS: "weakref.WeakKeyDictionary[Any, tuple[asyncio.Task, dict]]" = weakref.WeakKeyDictionary()
 
 
 async def _start(_dht: Any, node: Any, *, period_s: float, forget_after_s: float) -> bool:
     if node in _KEEPERS:
         return False
-    seen: dict[Any, float] = {}  # peer id -> when it was last in the table or answered
-    _KEEPERS[node] = asyncio.create_task(_keep(node, seen, period_s, forget_after_s))
+    seen: dict[Any, float] = {}
+    _KEEPERS[node] = (asyncio.create_task(_keep(node, seen, period_s, forget_after_s)), seen)
     return True
+
+
+def remembered(node: Any) -> dict[Any, float]:
+    """In the DHT process: the peers ``node``'s keeper remembers (peer id -> monotonic time last seen)."""
+    keeper = _KEEPERS.get(node)
+    return {} if keeper is None else dict(keeper[1])
 
 
 async def _keep(node: Any, seen: dict[Any, float], period_s: float, forget_after_s: float) -> None:

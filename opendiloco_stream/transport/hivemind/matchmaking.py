@@ -104,6 +104,7 @@ class Matchmaker:
         self.me = p2p.peer_id
         self.rounds: dict[int, _Round] = {}
         self.handler_name = f"{prefix}::join"
+        self._background: set = set()  # announcements sent without waiting (held: asyncio holds tasks weakly)
 
     # ------------------------------------------------------------------ DHT
     async def _announce(self, r: _Round, grouped: bool) -> None:
@@ -148,11 +149,13 @@ class Matchmaker:
         self.rounds[round_index] = r
         try:
             await self._announce(r, grouped=False)
-            group = await self._match(r)
+            return await self._match(r)
         finally:
             self._end(r)
-        asyncio.ensure_future(self._announce(r, grouped=True))  # the leftovers elect another leader
-        return group
+            # grouped, failed or cancelled: no longer a leader for this round (the others elect another)
+            task = asyncio.ensure_future(self._announce(r, grouped=True))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _end(self, r: _Round) -> None:
         if self.rounds.get(r.index) is r:
