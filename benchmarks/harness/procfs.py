@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -37,13 +38,14 @@ def _stat(pid: int) -> tuple[int, int, float]:
     return ppid, session, (utime + stime + cutime + cstime) / _TICKS
 
 
-def tree_cpu_seconds(root: int) -> dict[int, float]:
-    """CPU seconds of ``root`` and every process below it, by pid: its descendants (by parent pid)
-    and the members of its session when it leads one (a daemon that re-parented to init stays
-    counted). A peer's tree holds whatever it runs: threads of its own process, forked averagers,
-    the DHT process, p2pd, so the sum stays comparable when the transport moves work between them.
+def tree_cpu_seconds(roots: Iterable[int]) -> dict[int, dict[int, float]]:
+    """CPU seconds of each process of each root's tree, by root then pid (one scan of ``/proc``).
 
-    A process that exited and was not waited for by a process of the tree loses its time here."""
+    A tree is the root, its descendants (by parent pid) and, when the root leads a session, every
+    member of it (a daemon that re-parented to init stays counted). A peer's tree holds whatever it
+    runs: threads of its own process, forked averagers, the DHT process, p2pd; so its sum stays
+    comparable when the transport moves work between them. A process that exited and was not
+    waited for by a process of the tree loses its time here."""
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -51,12 +53,12 @@ def tree_cpu_seconds(root: int) -> dict[int, float]:
                 stats[int(entry)] = _stat(int(entry))
             except (OSError, ValueError, IndexError):
                 pass  # it exited meanwhile
-    if root not in stats:
-        raise ProcessLookupError(f"no process {root}")
-    members = {root} | {pid for pid, (_, session, _) in stats.items() if session == root}
-    grew = True
-    while grew:
-        below = {pid for pid, (ppid, _, _) in stats.items() if ppid in members} - members
-        members |= below
-        grew = bool(below)
-    return {pid: stats[pid][2] for pid in members}
+    trees = {}
+    for root in roots:
+        if root not in stats:
+            raise ProcessLookupError(f"no process {root}")
+        members = {root} | {pid for pid, (_, session, _) in stats.items() if session == root}
+        while below := {pid for pid, (ppid, _, _) in stats.items() if ppid in members} - members:
+            members |= below
+        trees[root] = {pid: stats[pid][2] for pid in members}
+    return trees
