@@ -171,7 +171,8 @@ def extrapolate(rows: list[dict], sizes: list[int], cores: Optional[int]) -> dic
         samples = [dict(group_size=r["peers"], numel=r["numel"], payload_bytes=r["payload_bytes"],
                         bytes_sent=r["bytes_sent_per_peer"], matchmaking=r["phase_groups_s_median"]["matchmaking"],
                         exchange=r["phase_groups_s_median"]["exchange"],
-                        reduce=r["phase_groups_s_median"]["reduce"] + r["phase_groups_s_median"]["host"])
+                        reduce=r["phase_groups_s_median"]["reduce"] + r["phase_groups_s_median"]["host"],
+                        cpu=r["cpu_s_per_peer_round"])
                    for r in measured]
         costs = sim.fit_group_costs(samples, cores=cores)
         numel, payload = measured[0]["numel"], measured[0]["payload_bytes"]
@@ -202,39 +203,54 @@ def tables(rows: list[dict], model: dict) -> str:
          for r in rows])
     predicted = markdown_table(
         ["peers", "codec", "model round s", "matchmaking ms", "exchange ms", "reduce + host ms", "sent MiB/peer",
-         "simulator factor", "simulator latency s"],
+         "CPU s/peer/round", "simulator factor", "simulator latency s"],
         [[p["peers"], codec + ("" if not p["measured"] else " (measured size)"), p["round"], ms(p["matchmaking"]),
-          ms(p["exchange"]), ms(p["reduce"]), p["bytes_sent"] / 2**20, p["sim_allreduce_factor"], p["sim_latency_s"]]
+          ms(p["exchange"]), ms(p["reduce"]), p["bytes_sent"] / 2**20, p["cpu"], p["sim_allreduce_factor"],
+          p["sim_latency_s"]]
          for codec, fit in model.items() for p in fit["predicted"]])
     return measured + "\n\n" + predicted
 
 
 def plot(path: Path, rows: list[dict], model: dict, note: str) -> Path:
-    """Round time against group size (measured median and max, the model's line), and the measured
-    phase split per size and codec."""
+    """Three panels against group size: round time (measured median and max, the model's line),
+    each peer's CPU seconds and MiB sent per round (measured, model); then the measured phase split
+    per size and codec."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
-    for codec, fit in model.items():
-        got = [r for r in rows if r["codec"] == codec and "round_s_median" in r]
-        xs = [r["peers"] for r in got]
-        (line,) = left.plot(xs, [r["round_s_median"] for r in got], "o-", label=f"{codec} measured (median)")
-        left.plot(xs, [r["round_s_max"] for r in got], "v", color=line.get_color(), alpha=0.6, label=f"{codec} max")
-        pred = fit["predicted"]
-        left.plot([p["peers"] for p in pred], [p["round"] for p in pred], "--", color=line.get_color(),
-                  label=f"{codec} model (per-peer costs)")
-    left.set_xscale("log", base=2)
-    left.set_yscale("log")
-    left.set_xlabel("peers in the group")
-    left.set_ylabel("round time, s")
-    left.set_title("One all-reduce round against group size")
-    left.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.5), dpi=110)
+    panels = [("round time, s", "round_s_median", "round", "One round against group size"),
+              ("CPU s per peer per round", "cpu_s_per_peer_round", "cpu", "Each peer's CPU (process tree)"),
+              ("MiB sent per peer per round", "bytes_sent_per_peer", "bytes_sent", "Each peer's bytes sent")]
+    for ax, (ylabel, measured_key, model_key, title) in zip(axes, panels):
+        unit = 2**20 if model_key == "bytes_sent" else 1
+        for codec, fit in model.items():
+            got = [r for r in rows if r["codec"] == codec and "round_s_median" in r]
+            xs = [r["peers"] for r in got]
+            (line,) = ax.plot(xs, [r[measured_key] / unit for r in got], "o-", label=f"{codec} measured")
+            if model_key == "round":
+                ax.plot(xs, [r["round_s_max"] for r in got], "v", color=line.get_color(), alpha=0.6,
+                        label=f"{codec} max")
+            costs, last = sim.GroupCosts(**fit["costs"]), max(p["peers"] for p in fit["predicted"])
+            curve = sorted({p["peers"] for p in fit["predicted"]} | {2**k for k in range(1, last.bit_length())})
+            ax.plot(curve, [sim.group_round(costs, m, fit["payload_bytes"], fit["numel"])[model_key] / unit
+                            for m in curve], "--", color=line.get_color(), label=f"{codec} model, a peer per machine")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("peers in the group")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    right = axes[3]
     done = [r for r in rows if "phase_groups_s_median" in r]
-    labels = [f"{r['peers']}\n{r['codec']}" for r in done]
     bottom = [0.0] * len(done)
     for group in GROUP_NAMES:
         values = [r["phase_groups_s_median"][group] for r in done]
@@ -242,9 +258,9 @@ def plot(path: Path, rows: list[dict], model: dict, note: str) -> Path:
             right.bar(range(len(done)), values, bottom=bottom, label=group)
             bottom = [b + v for b, v in zip(bottom, values)]
     right.set_xticks(range(len(done)))
-    right.set_xticklabels(labels, fontsize=7)
+    right.set_xticklabels([f"{r['peers']}\n{r['codec']}" for r in done], fontsize=7)
     right.set_ylabel("seconds (median per peer)")
-    right.set_title("Where a peer's round goes")
+    right.set_title("Where a peer's round goes (measured)", fontsize=10)
     right.legend(fontsize=7)
     right.grid(True, axis="y", alpha=0.3)
     fig.text(0.01, 0.01, note, fontsize=7, color="0.4")

@@ -412,6 +412,10 @@ class GroupCosts:
     verdicts, chunk framing).
     reduce_s_per_element: seconds to reduce one element of one contribution (check, weighted sum,
     encode of the mean); a peer reduces M contributions of N / M elements, so N of them per round.
+    cpu_s_per_element, cpu_s_per_groupmate: a peer's CPU seconds in a round (all its threads and
+    processes), ``cpu_s_per_element * N + cpu_s_per_groupmate * (M - 1)``: the coding of its N
+    elements, and what each groupmate adds (connections, messages, matchmaking). Not part of the
+    round's time: the CPU a peer must have to spare per round.
     """
 
     matchmaking_s: float
@@ -419,6 +423,8 @@ class GroupCosts:
     exchange_s_per_byte: float
     overhead_bytes_per_peer: float
     reduce_s_per_element: float
+    cpu_s_per_element: float = 0.0
+    cpu_s_per_groupmate: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -439,12 +445,13 @@ def butterfly_bytes(group_size: int, payload_bytes: float, overhead_bytes_per_pe
 def group_round(costs: GroupCosts, group_size: int, payload_bytes: float, numel: int) -> dict[str, float]:
     """Predicted phases of one peer's round (seconds) and its bytes sent, for a fragment of
     ``numel`` elements encoded as ``payload_bytes``: ``matchmaking``, ``exchange``, ``reduce``,
-    their sum ``round``, and ``bytes_sent``."""
+    their sum ``round``, ``bytes_sent``, and the peer's CPU seconds ``cpu``."""
     sent = butterfly_bytes(group_size, payload_bytes, costs.overhead_bytes_per_peer)
     phases = dict(matchmaking=costs.matchmaking_s + costs.matchmaking_s_per_peer * max(0, group_size - 2),
                   exchange=costs.exchange_s_per_byte * sent,
                   reduce=costs.reduce_s_per_element * numel)
-    return dict(phases, round=sum(phases.values()), bytes_sent=sent)
+    cpu = costs.cpu_s_per_element * numel + costs.cpu_s_per_groupmate * (group_size - 1)
+    return dict(phases, round=sum(phases.values()), bytes_sent=sent, cpu=cpu)
 
 
 def group_link(costs: GroupCosts, group_size: int, payload_bytes: float, numel: int,
@@ -465,38 +472,47 @@ def group_link(costs: GroupCosts, group_size: int, payload_bytes: float, numel: 
 
 def fit_group_costs(samples: Sequence[dict], cores: Optional[int] = None) -> GroupCosts:
     """:class:`GroupCosts` from measured rounds, each sample a dict of ``group_size``, ``numel``,
-    ``payload_bytes``, ``bytes_sent`` and the phases in seconds ``matchmaking``, ``exchange``,
-    ``reduce`` (medians over a size's rounds).
+    ``payload_bytes``, ``bytes_sent``, the phases in seconds ``matchmaking``, ``exchange``,
+    ``reduce`` and optionally the peer's CPU seconds ``cpu`` (medians over a size's rounds).
 
     ``cores``: the machine's cores when all the peers ran on one machine. M peers busy at once
     then get ``cores / M`` of a core each, so a phase measured at M > cores is taken as
     ``cores / M`` of its time to give one peer's cost on a machine of its own (an assumption that
     holds for phases bound by CPU; a phase waiting on others is overstated less). ``None``: as
-    measured.
+    measured. CPU seconds are not scaled: waiting for a core costs none.
 
-    Fits: matchmaking by least squares on ``a + b (M - 2)`` (``b`` clipped at 0, then ``a`` the
-    mean); the overhead bytes per groupmate as the mean excess over :func:`butterfly_bytes`
-    (clipped at 0); the exchange cost as the phase's total time over the total bytes sent; the
-    reduce cost as the mean of the phase over ``numel``."""
+    Fits: matchmaking by least squares on ``a + b (M - 2)`` and the CPU on ``a + b (M - 1)``
+    (:func:`_line`); the overhead bytes per groupmate as the mean excess over
+    :func:`butterfly_bytes` (clipped at 0); the exchange cost as the phase's total time over the
+    total bytes sent; the reduce cost as the mean of the phase over ``numel``."""
     if not samples:
         raise ValueError("fit_group_costs needs at least one measured size")
 
     def scale(s: dict) -> float:
         return 1.0 if cores is None else min(1.0, cores / s["group_size"])
 
-    xs = np.array([max(0, s["group_size"] - 2) for s in samples], dtype=float)
-    match = np.array([scale(s) * s["matchmaking"] for s in samples])
-    slope = 0.0
-    if np.ptp(xs) > 0:
-        slope = float(np.polyfit(xs, match, 1)[0])
-    slope = max(0.0, slope)
-    intercept = max(0.0, float(np.mean(match - slope * xs)))
+    match_fixed, match_slope = _line([s["group_size"] - 2 for s in samples],
+                                     [scale(s) * s["matchmaking"] for s in samples])
+    with_cpu = [s for s in samples if s.get("cpu") is not None]
+    cpu_fixed, cpu_slope = _line([s["group_size"] - 1 for s in with_cpu], [s["cpu"] for s in with_cpu])
     overhead = [(s["bytes_sent"] - butterfly_bytes(s["group_size"], s["payload_bytes"])) / (s["group_size"] - 1)
                 for s in samples if s["group_size"] > 1]
     sent = sum(s["bytes_sent"] for s in samples)
     return GroupCosts(
-        matchmaking_s=intercept, matchmaking_s_per_peer=slope,
+        matchmaking_s=match_fixed, matchmaking_s_per_peer=match_slope,
         exchange_s_per_byte=sum(scale(s) * s["exchange"] for s in samples) / sent if sent > 0 else 0.0,
         overhead_bytes_per_peer=max(0.0, float(np.mean(overhead))) if overhead else 0.0,
         reduce_s_per_element=float(np.mean([scale(s) * s["reduce"] / s["numel"] for s in samples])),
+        cpu_s_per_element=cpu_fixed / float(np.mean([s["numel"] for s in with_cpu])) if with_cpu else 0.0,
+        cpu_s_per_groupmate=cpu_slope,
     )
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)`` of ``y = a + b x`` by least squares, with ``b`` clipped at 0 (then ``a`` is the
+    mean of ``y - b x``) and ``a`` at 0; one distinct ``x`` gives ``b = 0``, no points ``(0, 0)``."""
+    if not len(xs):
+        return 0.0, 0.0
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    slope = max(0.0, float(np.polyfit(x, y, 1)[0])) if np.ptp(x) > 0 else 0.0
+    return max(0.0, float(np.mean(y - slope * x))), slope
