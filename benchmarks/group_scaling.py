@@ -313,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(table)
     note = (f"{args.numel:,} elements, {args.rounds} rounds per point, all peers on one machine of "
             f"{os.cpu_count()} cores (load {load:.1f} at start); model: simulate.fit_group_costs")
-    extra = dict(table=table, extrapolation=model, loadavg_1m_end=os.getloadavg()[0])
+    extra = dict(table=table, extrapolation=model, loadavg_1m_start=load, loadavg_1m_end=os.getloadavg()[0])
     if not args.no_plot and model:
         extra["plot"] = relative(plot(args.plot, rows, model, note))
         print(f"wrote {extra['plot']}")
