@@ -14,7 +14,7 @@ round's time runs from that moment to the last peer's result. Per size the row r
 
 - ``round_s_median`` / ``round_s_max`` over the rounds that succeeded;
 - ``phase_groups_s_median``: ``SyncResult.phases`` (``transport/hivemind/round_report.py``)
-  grouped as :data:`PHASE_GROUPS` (matchmaking; exchange: the bytes moving between peers; reduce:
+  grouped as ``loopback.PHASE_GROUPS`` (matchmaking; exchange: the bytes moving between peers; reduce:
   the peer's own part; host: the copies in and out of the transport), median over peers and
   rounds; ``phases_s_median`` keeps every phase as reported;
 - ``bytes_sent_per_peer`` / ``bytes_received_per_peer``: ``SyncResult`` counts, mean over peers;
@@ -46,30 +46,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.harness.loopback import START_AHEAD_S, LoopbackSwarm, PeerError
+from benchmarks.harness.loopback import GROUP_NAMES, START_AHEAD_S, LoopbackSwarm, PeerError, group_phases
 from benchmarks.harness.procfs import tree_cpu_seconds
 from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, markdown_table, relative, write_result
 from opendiloco_stream import simulate as sim
 from opendiloco_stream.compression import get_codec
 
-#: SyncResult.phases -> where the time goes; a phase not listed here (a renamed or new one) is "other"
-PHASE_GROUPS = {
-    "matchmaking": ("matchmaking",),
-    "exchange": ("contributions", "verdicts", "results", "drain"),
-    "reduce": ("reduce",),
-    "host": ("prepare", "finish"),
-}
-GROUP_NAMES = (*PHASE_GROUPS, "other")
 IDLE_S = 2.0  # how long the background CPU of idle peers is sampled
-
-
-def group_phases(phases: dict[str, float]) -> dict[str, float]:
-    """One peer's ``SyncResult.phases`` summed per :data:`PHASE_GROUPS` (every group present)."""
-    owner = {phase: group for group, names in PHASE_GROUPS.items() for phase in names}
-    out = dict.fromkeys(GROUP_NAMES, 0.0)
-    for phase, seconds in phases.items():
-        out[owner.get(phase, "other")] += seconds
-    return out
 
 
 def _cpu(swarm: LoopbackSwarm) -> list[float]:
@@ -188,7 +171,8 @@ def extrapolate(rows: list[dict], sizes: list[int], cores: Optional[int]) -> dic
 
 
 def tables(rows: list[dict], model: dict) -> str:
-    """The measured table, then the model's."""
+    """The measured table, then the model's (one peer per machine: at a measured size it is below
+    the measurement by the wait for a core, when the size is above the core count)."""
     def ms(x: Optional[float]) -> str:
         return "—" if x is None else f"{1000 * x:.0f}"
 
@@ -204,7 +188,7 @@ def tables(rows: list[dict], model: dict) -> str:
     predicted = markdown_table(
         ["peers", "codec", "model round s", "matchmaking ms", "exchange ms", "reduce + host ms", "sent MiB/peer",
          "CPU s/peer/round", "simulator factor", "simulator latency s"],
-        [[p["peers"], codec + ("" if not p["measured"] else " (measured size)"), p["round"], ms(p["matchmaking"]),
+        [[p["peers"], codec + (" (a measured size)" if p["measured"] else ""), p["round"], ms(p["matchmaking"]),
           ms(p["exchange"]), ms(p["reduce"]), p["bytes_sent"] / 2**20, p["cpu"], p["sim_allreduce_factor"],
           p["sim_latency_s"]]
          for codec, fit in model.items() for p in fit["predicted"]])

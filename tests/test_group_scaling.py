@@ -1,5 +1,5 @@
-"""benchmarks/group_scaling.py: the phase groups it reports, the process-tree CPU it measures
-(``benchmarks/harness/procfs.py``), and a two-peer run as a module."""
+"""benchmarks/group_scaling.py: the phase groups it reports (``benchmarks/harness/loopback.py``),
+the process-tree CPU it measures (``benchmarks/harness/procfs.py``), and a two-peer run as a module."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks.group_scaling import GROUP_NAMES, group_phases
+from benchmarks.harness.loopback import GROUP_NAMES, group_phases
 from benchmarks.harness.procfs import tree_cpu_seconds
 from benchmarks.harness.results import read_result
 from tests.support.peers import run_benchmark
