@@ -1,7 +1,7 @@
 """How a round's cost grows with the group: time, bytes and CPU per peer for 2 to 16 peers.
 
     python -m benchmarks.group_scaling                                  # 2, 4, 8, 16 peers, 10M elements
-    python -m benchmarks.group_scaling --sizes 2,4 --numel 1000000 --rounds 3   # a quick look
+    python -m benchmarks.group_scaling --sizes 2,4 --numel 1000000 --rounds 5   # a quick look
 
 For each group size M and codec: M ``HivemindTransport`` peers on 127.0.0.1, each in its own
 process and session (``benchmarks/harness/loopback.py``: its own DHT, transport and p2p daemon),
@@ -25,13 +25,14 @@ round's time runs from that moment to the last peer's result. Per size the row r
   is the same tree's background rate with no round in flight (the figure holds that rate over the
   wait before the common start: ``cpu_interval_s_median - round_s_median`` seconds);
 - ``ok_rounds`` / ``failures``: a round succeeds when every peer got a result from a group of M
-  and all averages are bit-identical; failures are recorded with their reasons, not raised.
+  and all averages are bit-identical; failures are recorded with their reasons, not raised (the
+  exit status is 1 when any round failed).
 
 All M peers share this machine's cores: at M above the core count a peer's phases include waiting
 for a core (``machine_busy``: the peers' CPU over the cores' time while a round ran). The
 extrapolation (``opendiloco_stream.simulate.fit_group_costs``) fits per-peer costs (a fixed
 matchmaking cost and its growth per peer, a cost per byte sent, a cost per element of local work:
-reduce + host) with each phase scaled by ``cores / M`` where M > cores, and predicts rounds of
+reduce + host; each peer's CPU per element and per groupmate) with each phase scaled by ``cores / M`` where M > cores, and predicts rounds of
 ``--extrapolate`` peers (default 64, 256), with the simulator's link figures for them
 (``group_link``). Results: ``--out`` (JSON, with a markdown table) and ``--plot`` (PNG).
 """
