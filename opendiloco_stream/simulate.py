@@ -26,12 +26,16 @@ Methods (the names of the CLI and its JSON); a sync launched at step t is needed
 
 Fragments are staggered as in the trainer: fragment p syncs at steps t with
 ``(t - o_p) mod H == 0``, ``o_p = floor((p+1)*H/P) mod H``.
+
+What a round costs a group of M peers of our transport (``GroupCosts``, ``group_round``,
+``group_link``, ``fit_group_costs``) extrapolates rounds measured with 2-16 peers
+(``benchmarks/group_scaling.py``) to larger groups, and gives the link figures above for them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -384,3 +388,131 @@ def at_rates(models: Sequence[Model], setup: Setup, link_mbit: Sequence[float],
          "link_mbit": rate, "utilization": utilization(m, setup, method, rate / 1e3)}
         for m in models for method in methods for rate in link_mbit
     ]
+
+
+# ---------------------------------------------------------------- cost of a round by group size
+#
+# ``utilization`` sees a sync as ``allreduce_factor * 8 * B / W`` seconds of link plus a latency.
+# What follows says what those two numbers are for a group of M peers of our transport, from costs
+# measured per peer (``benchmarks/group_scaling.py``), so rounds of 64 or 256 peers can be
+# predicted from groups of 2 to 16 (docs/benchmarks.md, "How a round's cost grows with the group").
+
+
+@dataclass(frozen=True)
+class GroupCosts:
+    """One peer's costs in an all-reduce round of a group of M peers (butterfly: each peer reduces
+    1/M of the fragment), fitted from measured rounds by :func:`fit_group_costs`.
+
+    matchmaking_s: the fixed cost of forming a round's group; matchmaking_s_per_peer: what each
+    peer beyond two adds to it (a leader admits M - 1 followers, a peer reads M announcements).
+    exchange_s_per_byte: seconds of the exchange phases (contributions, verdicts, results, drain)
+    per byte a peer sends: on a real link at least ``8 / link_bps``; on loopback the CPU's cost of
+    coding, sealing and moving a byte.
+    overhead_bytes_per_peer: bytes a peer sends to each groupmate beyond the payload (headers,
+    verdicts, chunk framing).
+    reduce_s_per_element: seconds to reduce one element of one contribution (check, weighted sum,
+    encode of the mean); a peer reduces M contributions of N / M elements, so N of them per round.
+    cpu_s_per_element, cpu_s_per_groupmate: a peer's CPU seconds in a round (all its threads and
+    processes), ``cpu_s_per_element * N + cpu_s_per_groupmate * (M - 1)``: the coding of its N
+    elements, and what each groupmate adds (connections, messages, matchmaking). Not part of the
+    round's time: the CPU a peer must have to spare per round.
+    """
+
+    matchmaking_s: float
+    matchmaking_s_per_peer: float
+    exchange_s_per_byte: float
+    overhead_bytes_per_peer: float
+    reduce_s_per_element: float
+    cpu_s_per_element: float = 0.0
+    cpu_s_per_groupmate: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def butterfly_bytes(group_size: int, payload_bytes: float, overhead_bytes_per_peer: float = 0.0) -> float:
+    """Bytes one peer sends in a round of ``group_size`` peers: its contribution's (M-1)/M to the
+    other reducers, then its part's average (1/M of the payload) to each of the M-1 others, i.e.
+    ``2 (M-1)/M`` payloads, plus ``overhead_bytes_per_peer`` per groupmate. It receives as much."""
+    if group_size < 1:
+        raise ValueError(f"group size must be >= 1, got {group_size}")
+    m = group_size
+    return 2.0 * (m - 1) / m * payload_bytes + (m - 1) * overhead_bytes_per_peer
+
+
+def group_round(costs: GroupCosts, group_size: int, payload_bytes: float, numel: int) -> dict[str, float]:
+    """Predicted phases of one peer's round (seconds) and its bytes sent, for a fragment of
+    ``numel`` elements encoded as ``payload_bytes``: ``matchmaking``, ``exchange``, ``reduce``,
+    their sum ``round``, ``bytes_sent``, and the peer's CPU seconds ``cpu``."""
+    sent = butterfly_bytes(group_size, payload_bytes, costs.overhead_bytes_per_peer)
+    phases = dict(matchmaking=costs.matchmaking_s + costs.matchmaking_s_per_peer * max(0, group_size - 2),
+                  exchange=costs.exchange_s_per_byte * sent,
+                  reduce=costs.reduce_s_per_element * numel)
+    cpu = costs.cpu_s_per_element * numel + costs.cpu_s_per_groupmate * (group_size - 1)
+    return dict(phases, round=sum(phases.values()), bytes_sent=sent, cpu=cpu)
+
+
+def group_link(costs: GroupCosts, group_size: int, payload_bytes: float, numel: int,
+               setup: Setup = Setup()) -> tuple[Setup, float]:
+    """The simulator's link for a group: ``(setup, gbit_s)`` such that a fragment of ``numel``
+    elements costs, in :func:`utilization`'s model, exactly :func:`group_round`'s round time.
+
+    The payload's bits per value become ``bits`` and ``quant_bits``, the butterfly's bytes over the
+    payload ``allreduce_factor``, the exchange cost per byte the bandwidth, and matchmaking plus
+    reduce the latency (they delay the result without occupying the link)."""
+    predicted = group_round(costs, group_size, payload_bytes, numel)
+    bits = 8.0 * payload_bytes / numel
+    setup = replace(setup, bits=bits, quant_bits=bits, allreduce_factor=predicted["bytes_sent"] / payload_bytes,
+                    latency_s=predicted["matchmaking"] + predicted["reduce"])
+    gbit_s = math.inf if costs.exchange_s_per_byte == 0 else 8.0 / costs.exchange_s_per_byte / 1e9
+    return setup, gbit_s
+
+
+def fit_group_costs(samples: Sequence[dict], cores: Optional[int] = None) -> GroupCosts:
+    """:class:`GroupCosts` from measured rounds, each sample a dict of ``group_size``, ``numel``,
+    ``payload_bytes``, ``bytes_sent``, the phases in seconds ``matchmaking``, ``exchange``,
+    ``reduce`` and optionally the peer's CPU seconds ``cpu`` (medians over a size's rounds).
+
+    ``cores``: the machine's cores when all the peers ran on one machine. M peers busy at once
+    then get ``cores / M`` of a core each, so a phase measured at M > cores is taken as
+    ``cores / M`` of its time to give one peer's cost on a machine of its own (an assumption that
+    holds for phases bound by CPU; a phase waiting on others is overstated less). ``None``: as
+    measured. CPU seconds are not scaled: waiting for a core costs none.
+
+    Fits: matchmaking by least squares on ``a + b (M - 2)`` and the CPU on ``a + b (M - 1)``
+    (:func:`_line`); the overhead bytes per groupmate as the mean excess over
+    :func:`butterfly_bytes` (clipped at 0); the exchange cost as the phase's total time over the
+    total bytes sent; the reduce cost as the mean of the phase over ``numel``."""
+    if not samples:
+        raise ValueError("fit_group_costs needs at least one measured size")
+
+    def scale(s: dict) -> float:
+        return 1.0 if cores is None else min(1.0, cores / s["group_size"])
+
+    match_fixed, match_slope = _line([s["group_size"] - 2 for s in samples],
+                                     [scale(s) * s["matchmaking"] for s in samples])
+    with_cpu = [s for s in samples if s.get("cpu") is not None]
+    cpu_fixed, cpu_slope = _line([s["group_size"] - 1 for s in with_cpu], [s["cpu"] for s in with_cpu])
+    overhead = [(s["bytes_sent"] - butterfly_bytes(s["group_size"], s["payload_bytes"])) / (s["group_size"] - 1)
+                for s in samples if s["group_size"] > 1]
+    sent = sum(s["bytes_sent"] for s in samples)
+    return GroupCosts(
+        matchmaking_s=match_fixed, matchmaking_s_per_peer=match_slope,
+        exchange_s_per_byte=sum(scale(s) * s["exchange"] for s in samples) / sent if sent > 0 else 0.0,
+        overhead_bytes_per_peer=max(0.0, float(np.mean(overhead))) if overhead else 0.0,
+        reduce_s_per_element=float(np.mean([scale(s) * s["reduce"] / s["numel"] for s in samples])),
+        cpu_s_per_element=cpu_fixed / float(np.mean([s["numel"] for s in with_cpu])) if with_cpu else 0.0,
+        cpu_s_per_groupmate=cpu_slope,
+    )
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)`` of ``y = a + b x`` by least squares, with ``b`` clipped at 0 (then ``a`` is the
+    mean of ``y - b x``) and ``a`` at 0; one distinct ``x`` gives ``b = 0``, no points ``(0, 0)``."""
+    if not len(xs):
+        return 0.0, 0.0
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    slope = max(0.0, float(np.polyfit(x, y, 1)[0])) if np.ptp(x) > 0 else 0.0
+    return max(0.0, float(np.mean(y - slope * x))), slope

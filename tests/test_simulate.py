@@ -236,3 +236,68 @@ def test_bad_values_exit_2_with_one_line(monkeypatch, capsys, argv, flag):
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("opendiloco-stream simulate: error: ")
     assert flag in lines[0]
+
+
+# ---------------------------------------------------------------- a round's cost by group size
+
+COSTS = sim.GroupCosts(matchmaking_s=0.1, matchmaking_s_per_peer=0.01, exchange_s_per_byte=1e-9,
+                       overhead_bytes_per_peer=100.0, reduce_s_per_element=2e-9, cpu_s_per_element=5e-8,
+                       cpu_s_per_groupmate=0.02)
+
+
+def test_group_round_adds_matchmaking_butterfly_bytes_and_reduce_by_hand():
+    # 4 peers, 1M elements as 4 MB: each peer sends 2 * 3/4 * 4e6 + 3 * 100 bytes
+    got = sim.group_round(COSTS, 4, payload_bytes=4e6, numel=1_000_000)
+    assert got["bytes_sent"] == pytest.approx(6_000_300)
+    assert got["matchmaking"] == pytest.approx(0.12)  # 0.1 + 2 peers beyond two * 0.01
+    assert got["exchange"] == pytest.approx(6.0003e-3)
+    assert got["reduce"] == pytest.approx(2e-3)  # N element-contributions whatever M
+    assert got["round"] == pytest.approx(0.12 + 6.0003e-3 + 2e-3)
+    assert got["cpu"] == pytest.approx(0.05 + 3 * 0.02)  # 1M elements * 5e-8 s, 3 groupmates * 0.02 s
+    assert sim.butterfly_bytes(1, 4e6) == 0.0  # alone: nothing to send
+
+
+def test_group_link_makes_the_simulator_charge_the_predicted_round():
+    numel, payload = 1_000_000, 4e6
+    for m in (2, 64, 256):
+        setup, gbit_s = sim.group_link(COSTS, m, payload, numel)
+        rnd = sim._round(sim.Model(params=numel, layers=1, step_time_s=1.0), setup, "streaming", gbit_s)
+        assert rnd.comm_block + rnd.latency == pytest.approx(sim.group_round(COSTS, m, payload, numel)["round"])
+
+
+def _measured(costs: sim.GroupCosts, sizes, cores=None, numel=1_000_000, payload=4e6):
+    samples = []
+    for m in sizes:
+        got = sim.group_round(costs, m, payload, numel)
+        slow = 1.0 if cores is None else max(1.0, m / cores)  # m peers sharing `cores` cores
+        samples.append(dict(group_size=m, numel=numel, payload_bytes=payload, bytes_sent=got["bytes_sent"],
+                            cpu=got["cpu"], **{k: slow * got[k] for k in ("matchmaking", "exchange", "reduce")}))
+    return samples
+
+
+@pytest.mark.parametrize("cores", [None, 2])
+def test_fit_group_costs_recovers_the_costs_that_made_the_rounds(cores):
+    fitted = sim.fit_group_costs(_measured(COSTS, (2, 4, 8, 16), cores), cores=cores)
+    for name, value in vars(COSTS).items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-9), name
+    # and so predicts 256 peers as the costs themselves do
+    assert sim.group_round(fitted, 256, 4e6, 1_000_000)["round"] == pytest.approx(
+        sim.group_round(COSTS, 256, 4e6, 1_000_000)["round"])
+
+
+def test_fit_group_costs_from_one_size_keeps_matchmaking_fixed():
+    fitted = sim.fit_group_costs(_measured(COSTS, (4,)))
+    assert fitted.matchmaking_s == pytest.approx(0.12) and fitted.matchmaking_s_per_peer == 0.0
+    assert fitted.cpu_s_per_groupmate == 0.0 and fitted.cpu_s_per_element * 1e6 == pytest.approx(0.05 + 3 * 0.02)
+    with pytest.raises(ValueError, match="at least one"):
+        sim.fit_group_costs([])
+    with pytest.raises(ValueError, match="exchange_s_per_byte"):
+        sim.GroupCosts(0.1, 0.0, -1.0, 0.0, 0.0)
+
+
+def test_fit_group_costs_takes_a_matchmaking_that_falls_with_size_as_fixed():
+    samples = _measured(COSTS, (2, 4))
+    samples[1]["matchmaking"] = samples[0]["matchmaking"] / 2  # noise: the bigger group matched faster
+    fitted = sim.fit_group_costs(samples)
+    assert fitted.matchmaking_s_per_peer == 0.0
+    assert fitted.matchmaking_s == pytest.approx(0.75 * samples[0]["matchmaking"])  # their mean

@@ -8,7 +8,7 @@
 - :mod:`~benchmarks.harness.results`: the result envelope (``write_result``, the one writer;
   ``read_result``), markdown tables and plots.
 - :mod:`~benchmarks.harness.codec_work`: one peer's codec work of a round (the codec floor).
-- :mod:`~benchmarks.harness.procfs`: this process's memory from ``/proc/self``.
+- :mod:`~benchmarks.harness.procfs`: this process's memory from ``/proc/self``; CPU of process trees.
 
 Benchmarks and tests import from here; a benchmark never imports another benchmark, and a test
 runs a benchmark as ``python -m benchmarks.NAME`` (benchmarks/README.md).

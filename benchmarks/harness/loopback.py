@@ -334,6 +334,25 @@ class LoopbackSwarm:
         self.close()
 
 
+#: ``SyncResult.phases`` -> where a round's time goes; a phase not listed (a renamed or new one) is "other"
+PHASE_GROUPS = {
+    "matchmaking": ("matchmaking",),
+    "exchange": ("contributions", "verdicts", "results", "drain"),  # bytes moving between peers
+    "reduce": ("reduce",),  # the peer's own part
+    "host": ("prepare", "finish"),  # the copies into and out of the transport
+}
+GROUP_NAMES = (*PHASE_GROUPS, "other")
+
+
+def group_phases(phases: dict[str, float]) -> dict[str, float]:
+    """One peer's ``SyncResult.phases`` summed per :data:`PHASE_GROUPS` (every group present)."""
+    owner = {phase: group for group, names in PHASE_GROUPS.items() for phase in names}
+    out = dict.fromkeys(GROUP_NAMES, 0.0)
+    for phase, seconds in phases.items():
+        out[owner.get(phase, "other")] += seconds
+    return out
+
+
 def stage_tensor(peer, seed: int, numel: int) -> None:
     """Inside a peer (``LoopbackPeer.call``): draw the tensor of the next round."""
     peer.staged = make_tensor(seed, numel)
