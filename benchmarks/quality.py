@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks._quality_report import OUTER_CHECKS, OUTER_MODES, report
+from benchmarks.harness.quality_report import OUTER_CHECKS, OUTER_MODES, report
 from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, command_line, environment, read_result, write_payload
 
 from opendiloco_stream.algorithm.fragments import fragment_offsets, syncs_at

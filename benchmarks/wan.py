@@ -13,10 +13,10 @@ counters, peak bytes per sync, time blocked on the network, and the final eval l
 
 Nothing is scraped from logs: the bootstrap writes its address to a file, peers write JSON-lines
 metrics. Every run is bounded (``--run-timeout``, derived from the expected traffic by default);
-a run that times out or fails is recorded with its status. Namespaces and every process in them
-are removed at the end, on Ctrl+C and on SIGTERM. Without root / ``ip netns`` it says why and
-exits 0 without numbers. The report (table, ratios, simulator comparison, plots) is
-``benchmarks/wan_report.py``.
+a run that times out or fails is recorded with its status. Processes start and stop through the
+harness (``benchmarks/harness/peers.py``); namespaces and every process in them are removed at
+the end, on Ctrl+C and on SIGTERM. Without root / ``ip netns`` it says why and exits 0 without
+numbers. The report (table, ratios, simulator comparison, plots) is ``benchmarks/harness/wan_report.py``.
 """
 
 from __future__ import annotations
@@ -29,22 +29,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from benchmarks.harness import netns, wan_report
+from benchmarks.harness import wan_records as wr
+from benchmarks.harness.peers import PeerProcesses
+from benchmarks.harness.results import command_line, environment, write_result
+from benchmarks.harness.wan_report import CODEC_BITS, wire_bits
 from opendiloco_stream.train.loop import read_metrics
 
-from benchmarks import wan_records as wr
-from benchmarks import wan_report
-from benchmarks.harness import netns
-from benchmarks.wan_report import CODEC_BITS, wire_bits
-
 SPARSE = ("topk-int2", "topk-int4")  # at their defaults (2 %, 1024-value chunks)
-from benchmarks.harness.results import command_line, environment, write_result
-
-REPO = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable  # the venv's python, by absolute path, also inside the namespaces
 MODES = {  # benchmark label -> (trainer mode, fragments: "P" = --fragments, tau)
     "data-parallel": ("data-parallel", 1, 0),
     "diloco": ("blocking", 1, 0),
@@ -117,122 +113,95 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
 # ---------------------------------------------------------------------------------------- one run
 
 
-read_jsonl = read_metrics  # tolerant of a line cut by a kill
-
-
-def start_bootstrap(topo: netns.Topology, workdir: Path, run_id: str,
-                    timeout: float = 60.0) -> tuple[subprocess.Popen, list[str]]:
-    """Start the bootstrap node in its namespace; return it and the multiaddrs it wrote to its address file."""
-    addr_file = workdir / "bootstrap.addrs"
-    argv = [PYTHON, "-m", "opendiloco_stream", "bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
-            "--host-maddrs", f"/ip4/{topo.ip('boot')}/tcp/0"]
-    with open(workdir / "bootstrap.log", "w") as log:
-        proc = subprocess.Popen(topo.exec_argv("boot", argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if addr_file.exists() and addr_file.read_text().strip():  # written atomically by the bootstrap
-            return proc, addr_file.read_text().split()
-        time.sleep(0.1)
-    proc.kill()  # with its p2pd, if any: stop() also empties the namespace
-    proc.wait(10)
-    raise RuntimeError(f"bootstrap did not come up in {timeout:g} s: {(workdir / 'bootstrap.log').read_text()[-800:]}")
-
-
-def peer_argv(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, addrs: list[str], workdir: Path,
-              matchmaking_s: float) -> list[str]:
-    argv = [PYTHON, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", run_id,
-            "--host-maddrs", f"/ip4/{topo.ip(f'p{rank}')}/tcp/0", "--shard", f"{rank}/{spec.peers}",
-            "--no-join", "--no-progress", "--metrics-file", str(workdir / f"peer-{rank}.jsonl"),
-            "--mode", spec.mode, "--fragments", str(spec.fragments), "--inner-steps", str(spec.inner_steps),
-            "--codec", spec.codec, "--steps", str(spec.steps), "--model", "tiny",
-            "--target-group-size", str(spec.peers), "--link-mbit", f"{spec.link_mbit:g}", "--threads", "1",
-            # the final checkpoint waits for the rounds still in flight (eager, tau) and stores their byte
-            # counts: how our accounting covers every round that went on the wire (see tail_rounds)
-            "--checkpoint-dir", str(workdir / f"ckpt-{rank}"), "--matchmaking-time", f"{matchmaking_s:g}"]
+def peer_flags(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, workdir: Path,
+               matchmaking_s: float) -> list[str]:
+    """The ``peer`` flags of peer ``rank`` of ``spec`` (``PeerProcesses.peer`` adds the initial
+    peers and the metrics file ``workdir/peer-RANK.jsonl``)."""
+    flags = ["--run-id", run_id, "--host-maddrs", f"/ip4/{topo.ip(f'p{rank}')}/tcp/0", "--shard", f"{rank}/{spec.peers}",
+             "--no-join", "--no-progress", "--mode", spec.mode, "--fragments", str(spec.fragments),
+             "--inner-steps", str(spec.inner_steps), "--codec", spec.codec, "--steps", str(spec.steps),
+             "--model", "tiny", "--target-group-size", str(spec.peers), "--link-mbit", f"{spec.link_mbit:g}",
+             "--threads", "1",
+             # the final checkpoint waits for the rounds still in flight (eager, tau) and stores their byte
+             # counts: how our accounting covers every round that went on the wire (see tail_rounds)
+             "--checkpoint-dir", str(workdir / f"ckpt-{rank}"), "--matchmaking-time", f"{matchmaking_s:g}"]
     if spec.mode == "overlap":
-        argv += ["--overlap-steps", str(spec.overlap_steps)]
-    return argv
+        flags += ["--overlap-steps", str(spec.overlap_steps)]
+    return flags
 
 
-def stop(procs: list[subprocess.Popen], topo: netns.Topology, nodes: list[str]) -> None:
-    """SIGTERM (peers stop at a safe point), wait ``GRACE_S``, then kill whatever is left in the namespaces."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + GRACE_S
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    netns.kill_namespace_processes([topo.ns(n) for n in nodes])  # p2pd, averagers, anything orphaned
-    for p in procs:
-        p.wait(10)
+@dataclass
+class Watch:
+    """What watching a run's peers until they exit (or its deadline) saw: its status, the widest
+    gap in steps between peers, and the interface counters over time (for windowed analysis)."""
+
+    status: str = "ok"
+    error: Optional[str] = None
+    max_lag: int = 0
+    series: list[dict[str, Any]] = field(default_factory=list)
+
+
+def watch(run: PeerProcesses, peers: list[subprocess.Popen], topo: netns.Topology, nodes: list[str],
+          t0: float, timeout: float, bar: Any) -> Watch:
+    """Poll the peers' metrics and the interface counters every 0.5 s until every peer exited
+    or ``timeout`` s after ``t0`` passed; a peer that exited non-zero fails the run."""
+    seen = Watch()
+    while any(p.poll() is None for p in peers):
+        if time.monotonic() > t0 + timeout:
+            seen.status, seen.error = "timeout", f"not finished after {timeout:.0f} s"
+            break
+        done = [sum(1 for rec in run.records(f"peer-{r}") if rec.get("event") == "step") for r in range(len(peers))]
+        bar.update(sum(done) - bar.n)
+        if min(done) > 0:
+            seen.max_lag = max(seen.max_lag, max(done) - min(done))
+        seen.series.append({"t": round(time.monotonic() - t0, 3), "steps": done, **{n: topo.counters(n) for n in nodes}})
+        time.sleep(0.5)
+    failed = [r for r, p in enumerate(peers) if p.poll() not in (None, 0)]
+    if seen.status == "ok" and failed:
+        seen.status = "failed"
+        seen.error = f"peer {failed[0]} exited {peers[failed[0]].returncode}: " + \
+            (run.workdir / f"peer-{failed[0]}.log").read_text()[-600:].strip().replace("\n", " | ")
+    return seen
 
 
 def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, progress: bool,
             other_bps: float = 0.0, matchmaking_s: float = 10.0, pin: Optional[list[int]] = None) -> dict[str, Any]:
     """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed).
 
+    Processes start and stop through :class:`benchmarks.harness.peers.PeerProcesses`: SIGTERM
+    (peers stop at a safe point), ``GRACE_S``, then whatever is left in the namespaces is killed.
     ``pin``: CPUs to pin the peers to, round-robin (peer r and every process it starts on one CPU).
     """
     from tqdm import tqdm
 
-    workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"wan{os.getpid()}_{int(time.time() * 1000) % 10**9}"
-    peers = [f"p{r}" for r in range(spec.peers)]
-    nodes = ["boot", *peers]  # the bootstrap's counters show how much of the traffic is DHT
+    nodes = ["boot", *(f"p{r}" for r in range(spec.peers))]  # the bootstrap's counters show how much is DHT
     load_before = os.getloadavg()[0]
-    procs: list[subprocess.Popen] = []
-    series: list[dict[str, Any]] = []  # interface counters over time, for windowed analysis
-    status, error, max_lag = "ok", None, 0
     bar = tqdm(total=spec.steps * spec.peers, desc=spec.name, unit="step", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, leave=False)
     try:
-        boot, addrs = start_bootstrap(topo, workdir, run_id)
-        procs.append(boot)
-        before = {n: topo.counters(n) for n in nodes}
-        t0 = time.monotonic()
-        for r in range(spec.peers):
-            argv = peer_argv(topo, spec, r, run_id, addrs, workdir, matchmaking_s)
-            if pin:
-                argv = ["taskset", "-c", str(pin[r % len(pin)]), *argv]  # its DHT, averagers and p2pd inherit it
-            with open(workdir / f"peer-{r}.log", "w") as log:  # the child keeps its own copy of the fd
-                procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", argv), cwd=REPO, start_new_session=True,
-                                              stdout=log, stderr=subprocess.STDOUT))
-        deadline = t0 + timeout
-        while any(p.poll() is None for p in procs[1:]):
-            if time.monotonic() > deadline:
-                status, error = "timeout", f"not finished after {timeout:.0f} s"
-                break
-            done = [sum(1 for rec in read_jsonl(workdir / f"peer-{r}.jsonl") if rec.get("event") == "step")
-                    for r in range(spec.peers)]
-            bar.update(sum(done) - bar.n)
-            max_lag = max(max_lag, max(done) - min(done)) if min(done) > 0 else max_lag
-            series.append({"t": round(time.monotonic() - t0, 3), "steps": done,
-                           **{n: topo.counters(n) for n in nodes}})
-            time.sleep(0.5)
-        failed = [r for r, p in enumerate(procs[1:]) if p.poll() not in (None, 0)]
-        if status == "ok" and failed:
-            status = "failed"
-            error = f"peer {failed[0]} exited {procs[1 + failed[0]].returncode}: " + \
-                (workdir / f"peer-{failed[0]}.log").read_text()[-600:].strip().replace("\n", " | ")
-    except RuntimeError as e:
-        status, error = "failed", str(e)
+        with PeerProcesses(workdir, grace=GRACE_S, topology=topo) as run:
+            run.bootstrap(run_id, node="boot")
+            before, t0 = {n: topo.counters(n) for n in nodes}, time.monotonic()
+            # taskset: the peer's DHT, averagers and p2pd inherit its CPU
+            peers = [run.peer(f"peer-{r}", *peer_flags(topo, spec, r, run_id, workdir, matchmaking_s), node=f"p{r}",
+                              prefix=["taskset", "-c", str(pin[r % len(pin)])] if pin else ())
+                     for r in range(spec.peers)]
+            seen = watch(run, peers, topo, nodes, t0, timeout, bar)
+    except RuntimeError as e:  # the bootstrap did not come up
+        seen = Watch(status="failed", error=str(e))
         before, t0 = {n: topo.counters(n) for n in nodes}, time.monotonic()
     finally:
         bar.close()
-        stop(procs, topo, ["boot", *peers])
     after = {n: topo.counters(n) for n in nodes}
     iface = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in nodes}
-    (workdir / "counters.json").write_text(json.dumps({"before": before, "after": after, "series": series}))
-    metrics = [read_jsonl(workdir / f"peer-{r}.jsonl") for r in range(spec.peers)]
-    rec = make_record(spec, metrics, iface, status, error, time.monotonic() - t0, workdir, other_bps)
+    (workdir / "counters.json").write_text(json.dumps({"before": before, "after": after, "series": seen.series}))
+    metrics = [read_metrics(workdir / f"peer-{r}.jsonl") for r in range(spec.peers)]
+    rec = make_record(spec, metrics, iface, seen.status, seen.error, time.monotonic() - t0, workdir, other_bps)
     # a loaded machine slows compute unevenly: the peers drift apart (eager never re-aligns them)
-    started = [next((x["t"] for x in series if x["steps"][r] > 0), None) for r in range(spec.peers)]
+    started = [next((x["t"] for x in seen.series if x["steps"][r] > 0), None) for r in range(spec.peers)]
     rec["start_skew_s"] = max(started) - min(started) if None not in started else None  # 0.5 s resolution
-    rec.update(max_step_lag=max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+    rec.update(max_step_lag=seen.max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
                boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin)
     return rec
 

@@ -14,8 +14,8 @@ from benchmarks.harness.results import ENVELOPE, read_result, write_payload, wri
 from tests.support.peers import run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
-#: modules of benchmarks/ that are no benchmark: a report renderer and the helpers of one benchmark
-NOT_BENCHMARKS = {"__init__", "_quality_report", "wan_records", "wan_report"}
+#: modules of benchmarks/ that are no benchmark (reports and helpers live in benchmarks/harness/)
+NOT_BENCHMARKS = {"__init__"}
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in NOT_BENCHMARKS)
 WRITERS = {"write_result", "write_payload"}  # write_payload writes a read-back envelope through write_result
 

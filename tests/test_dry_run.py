@@ -1,4 +1,10 @@
-"""``peer --dry-run`` / ``local --dry-run``: the resolved configuration with origins, checked, nothing started."""
+"""``peer --dry-run`` / ``local --dry-run``: the resolved configuration with origins, checked, nothing started.
+
+The dry runs call the command line's ``main`` in this process (the fixture ``cli``): a new
+process per case spent its time importing torch and transformers. One test runs the real
+``python -m opendiloco_stream`` process, for what only a process shows: its exit code and that
+nothing but the one error line reaches its stderr (no warning, no log line, no traceback).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +14,45 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
+
+from opendiloco_stream.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 REGIONS = ["us-east", "eu-west", "ap-southeast"]
 BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmSpTXmtPgEzk2VPGiLUtjqhHs7nYeMUesn9Uee7UM62C2"
 
+Cli = Callable[..., subprocess.CompletedProcess]
 
-def _cli(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+
+def _process(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m opendiloco_stream ARGS`` in ``cwd`` with no ``ODS_`` variable but ``env``."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ODS_")}
     return subprocess.run([sys.executable, "-m", "opendiloco_stream", *args], capture_output=True, text=True,
                           timeout=180, cwd=cwd, env={**environ, **(env or {})})
+
+
+@pytest.fixture
+def cli(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Cli:
+    """``cli(*args, env=..., cwd=...)``: what ``_process`` returns, from ``main(args)`` run in this
+    process with the same environment and working directory (output captured at the descriptors)."""
+    def run(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as m:
+            for key in [k for k in os.environ if k.startswith("ODS_")]:
+                m.delenv(key)
+            for key, value in (env or {}).items():
+                m.setenv(key, value)
+            m.chdir(cwd)
+            capfd.readouterr()
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's own errors
+                code = e.code
+            out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["opendiloco-stream", *args], code, out, err)
+    return run
 
 
 def _origins(stdout: str) -> dict[str, tuple[str, str]]:
@@ -32,8 +65,8 @@ def _origins(stdout: str) -> dict[str, tuple[str, str]]:
 
 
 @pytest.mark.parametrize("region", REGIONS)
-def test_every_region_peer_file_passes_its_dry_run(region, tmp_path):
-    proc = _cli("peer", "--config", str(ROOT / "peers" / f"{region}.toml"), "--dry-run", cwd=tmp_path)
+def test_every_region_peer_file_passes_its_dry_run(region, tmp_path, cli):
+    proc = cli("peer", "--config", str(ROOT / "peers" / f"{region}.toml"), "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert "dry run passed" in proc.stdout and "[FAIL]" not in proc.stdout
     origins = _origins(proc.stdout)
@@ -58,8 +91,8 @@ def test_region_files_differ_as_real_peers_do():
                for f in files.values())
 
 
-def test_origins_follow_the_precedence_and_algorithm_presets_pass_with_an_initial_peer(tmp_path):
-    proc = _cli("peer", "--config", str(ROOT / "peers" / "eager-fp4.toml"), "--initial-peers", BOOT,
+def test_origins_follow_the_precedence_and_algorithm_presets_pass_with_an_initial_peer(tmp_path, cli):
+    proc = cli("peer", "--config", str(ROOT / "peers" / "eager-fp4.toml"), "--initial-peers", BOOT,
                 "--steps", "7", "--dry-run", env={"ODS_TRAIN__BATCH_SIZE": "4", "ODS_TRAIN__STEPS": "9"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     origins = _origins(proc.stdout)
@@ -71,8 +104,8 @@ def test_origins_follow_the_precedence_and_algorithm_presets_pass_with_an_initia
     assert "[warn] identity" in proc.stdout  # no identity_path: said, not fatal
 
 
-def test_local_dry_run(tmp_path):
-    proc = _cli("local", "--workers", "3", "--dry-run", cwd=tmp_path)
+def test_local_dry_run(tmp_path, cli):
+    proc = cli("local", "--workers", "3", "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert "shard 2/3" not in proc.stdout and "shard 0/3 gives batches of (8, 129)" in proc.stdout
     assert "addresses" not in proc.stdout
@@ -86,11 +119,12 @@ def _one_line_error(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_a_taken_port_fails_with_one_line(tmp_path):
+    """In a real process: exit code 2 and the one error line are all its stderr holds."""
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--port", str(port), "--dry-run",
+        proc = _process("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--port", str(port), "--dry-run",
                     cwd=tmp_path)
         line = _one_line_error(proc)
     assert f"p2p port {port}/tcp is in use" in line and "[FAIL] ports" in proc.stdout
@@ -99,20 +133,20 @@ def test_a_taken_port_fails_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_taken_data_port_fails_and_free_data_ports_are_listed(tmp_path):
+def test_a_taken_data_port_fails_and_free_data_ports_are_listed(tmp_path, cli):
     with socket.socket() as s:  # us-east has 4 fragments: data ports base..base+3; take base+2
         s.bind(("0.0.0.0", 0))
         s.listen()
         taken = s.getsockname()[1]
         base = taken - 2
-        proc = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--data-port", str(base), "--dry-run",
+        proc = cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--data-port", str(base), "--dry-run",
                     cwd=tmp_path)
         line = _one_line_error(proc)
     assert f"data port {taken}/tcp (net.data_port + fragment) is in use" in line and "--no-direct" in line, line
-    free = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--data-port", "45100", "--dry-run",
+    free = cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--data-port", "45100", "--dry-run",
                 cwd=tmp_path)
     assert free.returncode == 0 and "data 45100-45103 tcp free" in free.stdout, free.stdout + free.stderr
-    p2p_only = _cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--no-direct", "--dry-run", cwd=tmp_path)
+    p2p_only = cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--no-direct", "--dry-run", cwd=tmp_path)
     assert p2p_only.returncode == 0 and "data path: p2p daemon only (--no-direct)" in p2p_only.stdout
     assert _origins(p2p_only.stdout)["net.direct"] == ("False", "flag")
 
@@ -127,7 +161,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,expected", BAD)
-def test_bad_settings_fail_with_one_line(tmp_path, args, expected):
-    proc = _cli("peer", "--config", str(ROOT / "peers" / "eu-west.toml"), *args, "--dry-run", cwd=tmp_path)
+def test_bad_settings_fail_with_one_line(tmp_path, args, expected, cli):
+    proc = cli("peer", "--config", str(ROOT / "peers" / "eu-west.toml"), *args, "--dry-run", cwd=tmp_path)
     line = _one_line_error(proc)
     assert line.startswith("opendiloco-stream peer: error: dry run failed:") and expected in line, line

@@ -1,11 +1,17 @@
 """The trained model out: ``export`` / ``--save-model`` write theta_bar as a transformers model
 directory that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load bit for bit and generate from;
-``sample`` generates from it or straight from the checkpoint."""
+``sample`` generates from it or straight from the checkpoint.
+
+Commands that should succeed run as ``main`` in this process (``_run``: no new process importing
+torch and transformers each time); the errors run as real processes (``cli``), whose exit code and
+whole stderr (one line) are what they pin.
+"""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +28,14 @@ from tests.support.models import cli, theta_bar_by_name
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--workers", "2", "--fragments", "2", "--inner-steps", "5", "--steps", "12", "--model", "tiny",
          "--seq-len", "32", "--batch-size", "2", "--max-val-batches", "2", "--no-progress", "--threads", "1"]
+
+
+def _run(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """``opendiloco-stream ARGS`` through ``main`` in this process: its exit code and output, as ``cli`` gives them."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["opendiloco-stream", *args], code, out, err)
 
 
 def test_byte_tokenizer_has_the_projects_ids_and_survives_save_pretrained(tmp_path):
@@ -49,9 +63,9 @@ def eager_run(tmp_path_factory):
     return d
 
 
-def test_export_of_a_checkpoint_loads_bit_exact_in_transformers_and_generates(eager_run, tmp_path):
+def test_export_of_a_checkpoint_loads_bit_exact_in_transformers_and_generates(eager_run, tmp_path, capsys):
     out = tmp_path / "model"
-    proc = cli("export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(out), "--max-shard-size", "500KB")
+    proc = _run(capsys, "export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(out), "--max-shard-size", "500KB")
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded above --max-shard-size
@@ -92,18 +106,18 @@ def test_save_model_at_the_end_holds_the_runs_final_theta_bar(eager_run):
     assert f"{final[0]['eval_loss']:.4f}" in (eager_run / "end" / "README.md").read_text()
 
 
-def test_sample_generates_the_same_text_from_the_export_and_from_the_checkpoint(eager_run, tmp_path):
-    cli("export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(tmp_path / "m"), "--no-eval")
-    outs = [cli("sample", "--model", str(src), "--prompt", "import ", "--max-new-tokens", "24", "--seed", "3")
+def test_sample_generates_the_same_text_from_the_export_and_from_the_checkpoint(eager_run, tmp_path, capsys):
+    _run(capsys, "export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(tmp_path / "m"), "--no-eval")
+    outs = [_run(capsys, "sample", "--model", str(src), "--prompt", "import ", "--max-new-tokens", "24", "--seed", "3")
             for src in (tmp_path / "m", eager_run / "ck")]
     assert all(p.returncode == 0 for p in outs), [p.stderr for p in outs]
     assert outs[0].stdout.startswith("import ") and len(outs[0].stdout) > len("import ") + 1
     assert outs[0].stdout == outs[1].stdout  # the same weights, the same seed
 
 
-def test_data_parallel_exports_the_model_itself(tmp_path):
+def test_data_parallel_exports_the_model_itself(tmp_path, capsys):
     assert main(["local", *SMALL, "--mode", "data-parallel", "--checkpoint-dir", str(tmp_path / "ck")]) == 0
-    assert cli("export", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "m"),
+    assert _run(capsys, "export", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "m"),
                 "--no-eval").returncode == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     saved = torch.load(tmp_path / "ck" / "worker-0.pt", weights_only=False)["model"]
@@ -111,7 +125,7 @@ def test_data_parallel_exports_the_model_itself(tmp_path):
         assert torch.equal(p, saved[name]), name
 
 
-def test_export_errors_are_one_line_with_exit_2(eager_run, tmp_path):
+def test_export_errors_are_one_line_with_exit_2(eager_run, tmp_path, capsys):
     old = torch.load(eager_run / "ck" / "worker-0.pt", weights_only=False)
     config = old.pop("config")
     (tmp_path / "old").mkdir()
@@ -127,7 +141,7 @@ def test_export_errors_are_one_line_with_exit_2(eager_run, tmp_path):
     from opendiloco_stream.commands.local_hivemind import to_toml
 
     (tmp_path / "run.toml").write_text(to_toml(RunConfig.model_validate(config)))
-    proc = cli("export", "--checkpoint-dir", str(tmp_path / "old"), "--out", str(tmp_path / "m"), "--no-eval",
+    proc = _run(capsys, "export", "--checkpoint-dir", str(tmp_path / "old"), "--out", str(tmp_path / "m"), "--no-eval",
                 "--config", str(tmp_path / "run.toml"))
     assert proc.returncode == 0, proc.stderr
     bad = cli("sample", "--model", str(tmp_path), "--prompt", "x")

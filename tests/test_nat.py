@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.harness.peers import PeerProcesses
-from tests.support.nat import NatTopology, listen_flags, start_bootstrap, unavailable_reason
+from tests.support.nat import NatTopology, listen_flags, unavailable_reason
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.network, pytest.mark.slow,
@@ -26,7 +26,7 @@ def _train(tmp, topo: NatTopology, run_id: str, nodes: list[str], flags: dict[st
            timeout: float = 300) -> dict[str, list[dict]]:
     """One ``peer`` per node (``flags[node]`` added), all started together; each one's records."""
     with PeerProcesses(tmp, topology=topo) as run:
-        start_bootstrap(run, topo, run_id)
+        run.bootstrap(run_id, node="boot")
         procs = [run.peer(node, "--run-id", run_id, *TINY, *listen_flags(topo, node), *flags.get(node, []),
                           "--shard", f"{i}/{len(nodes)}", node=node, env=DIGESTS) for i, node in enumerate(nodes)]
         run.wait(procs, timeout)
@@ -100,7 +100,7 @@ def test_doctor_on_a_peer_behind_nat_says_so_and_what_to_do(tmp_path):
     """doctor inside the NATed namespace: the bootstrap sees the router's address, not the peer's
     own, so it reports NAT; without client mode that fails with the fixes, in client mode it passes."""
     with NatTopology(public=0, natted=1) as topo, PeerProcesses(tmp_path, topology=topo) as run:
-        start_bootstrap(run, topo, "natdoc")
+        run.bootstrap("natdoc", node="boot")
         code, out = _doctor(run, "doctor")
         nat = [line for line in out.splitlines() if line.startswith("[FAIL] nat:")]
         assert code == 1 and "[FAIL] dial-back" in out, out

@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import IO, Any, Optional, Sequence
 
+from benchmarks.harness import netns
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 from opendiloco_stream.train.loop import read_metrics
 
@@ -25,19 +26,41 @@ TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", 
 
 
 class PeerProcesses:
-    """Command processes of one run; a context manager that stops every one of them on exit."""
+    """Command processes of one run; a context manager that stops every one of them on exit.
 
-    def __init__(self, workdir: Path, *, grace: float = 10.0, topology: Any = None):
+    With a ``topology`` (:class:`~benchmarks.harness.netns.Topology` or a subclass), ``node=``
+    starts a process inside that node's namespace, and stopping also empties the namespaces used:
+    a helper process (p2pd) whose parent died is no longer in the parent's process tree.
+    """
+
+    def __init__(self, workdir: Path, *, grace: float = 10.0, topology: Optional[netns.Topology] = None):
         self.workdir, self.grace, self.topology = Path(workdir), grace, topology
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.addrs: list[str] = []
+        self.nodes: set[str] = set()  # namespaces of the topology that a process was started in
+        self._logs: list[IO] = []
 
-    def bootstrap(self, run_id: str) -> list[str]:
-        """Start a ``bootstrap`` node (on 127.0.0.1) and return its multiaddrs."""
-        boot, self.addrs = start_bootstrap(self.workdir, run_id)
-        self.procs.append(boot)
-        return self.addrs
+    def bootstrap(self, run_id: str, *flags: str, node: Optional[str] = None, timeout: float = 60.0) -> list[str]:
+        """Start a ``bootstrap`` node and return its multiaddrs (``run.peer`` passes them on).
+
+        On 127.0.0.1, or with ``node`` inside that namespace, listening on the node's address.
+        Raises ``RuntimeError`` with the end of its log when no address comes within ``timeout``."""
+        if node is None:
+            boot, self.addrs = start_bootstrap(self.workdir, run_id, timeout)
+            self.procs.append(boot)
+            return self.addrs
+        addr_file = self.workdir / "bootstrap.addrs"
+        proc = self.start("bootstrap", ["bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
+                                        "--host-maddrs", f"/ip4/{self.topology.ip(node)}/tcp/0", *flags], node=node)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            if addr_file.exists() and addr_file.read_text().strip():  # written atomically by the bootstrap
+                self.addrs = addr_file.read_text().split()
+                return self.addrs
+            time.sleep(0.1)
+        log = (self.workdir / "bootstrap.log").read_text()[-800:]
+        raise RuntimeError(f"bootstrap did not come up in {timeout:g} s: {log}")
 
     def start(self, name: str, command: Sequence[str], *, node: Optional[str] = None,
               prefix: Sequence[str] = (), env: Optional[dict] = None, stdout: Any = None) -> subprocess.Popen:
@@ -48,7 +71,11 @@ class PeerProcesses:
         argv = [*prefix, sys.executable, "-m", "opendiloco_stream", *command]
         if node is not None:
             argv = self.topology.exec_argv(node, argv)
-        out = stdout if stdout is not None else open(self.workdir / f"{name}.log", "w")
+            self.nodes.add(node)
+        out = stdout
+        if out is None:  # the child keeps its own copy of the descriptor; ours is closed on stop
+            out = open(self.workdir / f"{name}.log", "w")
+            self._logs.append(out)
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
         self.procs.append(proc)
@@ -74,8 +101,17 @@ class PeerProcesses:
         return read_metrics(self.workdir / f"{name}.jsonl")
 
     def stop(self, procs: Optional[Sequence[subprocess.Popen]] = None, grace: Optional[float] = None) -> None:
-        """SIGTERM (peers stop at a safe point), wait ``grace``, then stop their whole sessions."""
+        """SIGTERM (peers stop at a safe point), wait ``grace``, then kill their process trees.
+
+        Stopping every process (``procs`` None) also kills whatever is left in the namespaces
+        used (p2pd, averagers, anything orphaned) and closes the log files."""
         stop_processes(list(self.procs if procs is None else procs), grace=self.grace if grace is None else grace)
+        if procs is None:
+            if self.topology is not None and self.nodes:
+                netns.kill_namespace_processes([self.topology.ns(n) for n in sorted(self.nodes)])
+            for log in self._logs:
+                log.close()
+            self._logs = []
 
     def __enter__(self) -> "PeerProcesses":
         return self

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TextIO
 
 from opendiloco_stream.config import ConfigSources, RunConfig
 
@@ -42,10 +42,13 @@ def format_config(cfg: RunConfig, sources: ConfigSources) -> list[str]:
 
 
 class Checks:
-    """Runs named checks, prints each result at once, remembers the first failure."""
+    """Runs named checks, prints each result at once, remembers the first failure.
 
-    def __init__(self, out=sys.stdout):
-        self.out, self.failure = out, None
+    ``out`` defaults to ``sys.stdout`` as it is when the checks are made (not when this module was
+    imported), so a redirected stdout gets the lines."""
+
+    def __init__(self, out: Optional[TextIO] = None):
+        self.out, self.failure = out if out is not None else sys.stdout, None
 
     def run(self, name: str, fn: Callable[[], "str | tuple[str, str]"]) -> Any:
         from opendiloco_stream.cli import UsageError

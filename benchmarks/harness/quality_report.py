@@ -1,4 +1,4 @@
-"""Tables, plots and the printed report of ``benchmarks/quality.py`` (split out to keep it short).
+"""Tables, plots and the printed report of ``benchmarks/quality.py``: the results of one benchmark, rendered.
 
 Works on the result JSON's structures: ``rows`` (one dict per trained run, with ``variant``,
 ``seed``, ``summary``, ``eval_curve``) and the variant list of ``quality.variants()``.

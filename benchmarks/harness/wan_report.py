@@ -1,6 +1,6 @@
 """The report of a wan.py results file: table, headline, bytes per token, wire accounting, simulator, plots.
 
-    python -m benchmarks.wan_report benchmarks/results/wan-quick.json --report out.md --plots docs/img/wan-quick
+    python -m benchmarks.harness.wan_report benchmarks/results/wan-quick.json --report out.md --plots docs/img/wan-quick
 
 The simulator comparison runs ``opendiloco-stream simulate`` (in-process, same flags as the CLI)
 with each run's measured step time, link rate, H, P, payload bits and group size, once with no
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.harness.results import markdown_table, plot_bars, read_result
-from benchmarks.wan_records import clean, mean, rounds_per_peer
+from benchmarks.harness.wan_records import clean, mean, rounds_per_peer
 
 LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
 SIM_METHOD = {"data-parallel": "data-parallel", "diloco": "diloco", "streaming": "streaming",
