@@ -166,7 +166,7 @@ def stop(procs: list[subprocess.Popen], topo: netns.Topology, nodes: list[str]) 
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    netns.kill_namespace_processes([topo.ns(n) for n in nodes])  # p2pd, averagers, anything orphaned
+    netns.kill_namespace_processes([topo.ns(n) for n in nodes])  # p2pd, DHTs, anything orphaned
     for p in procs:
         p.wait(10)
 
@@ -197,7 +197,7 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
         for r in range(spec.peers):
             argv = peer_argv(topo, spec, r, run_id, addrs, workdir, matchmaking_s)
             if pin:
-                argv = ["taskset", "-c", str(pin[r % len(pin)]), *argv]  # its DHT, averagers and p2pd inherit it
+                argv = ["taskset", "-c", str(pin[r % len(pin)]), *argv]  # its DHT and p2pd inherit it
             with open(workdir / f"peer-{r}.log", "w") as log:  # the child keeps its own copy of the fd
                 procs.append(subprocess.Popen(topo.exec_argv(f"p{r}", argv), cwd=REPO, start_new_session=True,
                                               stdout=log, stderr=subprocess.STDOUT))
