@@ -15,7 +15,7 @@ Reported per preset: tokens/s over the timed steps, peak GPU memory
 (``torch.cuda.max_memory_allocated``, reset per preset), the inner step's mean, ``diloco.step()``'s
 mean and max (the max is a sync step) and its share of the step time (the sum of ``diloco.step()``
 times over the sum of step times). The one-member ``LocalSwarm`` encodes, reduces and decodes inside
-``diloco.step()`` (on the host); a peer does that in its averager process, in the background. So the
+``diloco.step()`` (on the host); a peer does that in its averaging service, in the background. So the
 time inside the transport's ``all_reduce`` is reported on its own, with the wrapper's share without
 it. The plain loop (the same steps without the wrapper, ``--no-plain`` skips it) gives the reference
 tokens/s and peak memory, measured in the same run. A codec check (``--codec-numel``, 0 skips it)
@@ -74,7 +74,7 @@ def _sync(device: torch.device) -> None:
 
 class _TimedTransport:
     """Seconds spent inside a transport's ``all_reduce`` (the one-member LocalSwarm's encode, reduce,
-    decode: what a peer's averager process does in the background)."""
+    decode: what a peer's averaging service does in the background)."""
 
     def __init__(self, transport: Any):
         self.seconds = 0.0
@@ -171,7 +171,7 @@ def _row(name: str, args: argparse.Namespace, wrapper: bool, params: int, peak: 
             "peak_memory_gib": peak / 2**30, "inner_step_ms": 1e3 * sum(inner) / len(inner),
             "wrapper_step_ms_mean": 1e3 * sum(outer) / len(outer), "wrapper_step_ms_max": 1e3 * max(outer),
             "wrapper_share": sum(outer) / total,
-            # what a peer does in the background (its averager process), here inline in diloco.step()
+            # what a peer does in the background (its averaging service), here inline in diloco.step()
             "transport_in_process_ms_mean": 1e3 * in_transport / len(inner),
             "wrapper_share_without_transport": (sum(outer) - in_transport) / (total - in_transport),
             "loss_first": losses[0], "loss_last": losses[-1]}

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m benchmarks.live_group --out benchmarks/results/live-group.json
 
-Six ``HivemindTransport`` peers (``benchmarks/harness/loopback.py``: one process each, own DHT,
-averager and p2p daemon), no ``target_group_size``, default timeouts (matchmaking 5 s, request 3 s,
+Six ``HivemindTransport`` peers (``benchmarks/harness/loopback.py``: one process each, own DHT
+and p2p daemon), no ``target_group_size``, default timeouts (matchmaking 5 s, request 3 s,
 presence ttl 10 s), one fragment of 1000 fp32 elements, rounds driven by this script:
 
 1. rounds 0-2 with the 6 peers (round 0 is a cold start: no target yet);
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in (0, 1, 2):
             rows.append(run_round(swarm, swarm.peers, rnd, "6 peers" + (" (cold start)" if rnd == 0 else "")))
         killed_at = time.monotonic()
-        for victim in swarm.peers[4:]:  # their sessions: DHT, averager and p2p daemon die too
+        for victim in swarm.peers[4:]:  # their sessions: DHT and p2p daemon die too
             victim.kill()
         survivors = swarm.peers[:4]
         rows.append(run_round(swarm, survivors, 3, "2 peers killed just before (they announced it)"))

@@ -5,7 +5,7 @@
     python -m benchmarks.soak --minutes M [--numel N] [--sample-s S] [--out PATH]
 
 Peers are ``LoopbackSwarm`` processes (benchmarks/harness/loopback.py: each its own session with its
-DHT, averager processes and p2pd). Rounds: one fragment of ``--numel`` fp32 values (default 1M,
+DHT process and p2pd). Rounds: one fragment of ``--numel`` fp32 values (default 1M,
 4 MB), fp32 codec, all 3 peers in every round, back to back. A sampler thread reads the resident
 set size (VmRSS, /proc; psutil is not needed) of every process in every peer's session every
 ``--sample-s`` seconds, the parent included. Per process: first and last RSS, peak, and growth per

@@ -17,8 +17,8 @@ tokens: the straggler processed fewer per round). All peers share this machine's
 
 ``--cpu-load K`` starves the machine of CPU: K busy processes (one pure-Python spin loop each,
 started before the scenario's peers and killed by PID after them) compete with the peers, their
-DHTs, averagers and p2p daemons for the cores. ``--straggler-cpu PCT`` starves the straggler
-alone: it runs, with the DHT, averager and p2p daemon processes it forks, in a cgroup limited to
+DHTs and p2p daemons for the cores. ``--straggler-cpu PCT`` starves the straggler
+alone: it runs, with the DHT and p2p daemon processes it starts, in a cgroup limited to
 PCT % of one core (root; the cgroup is removed afterwards). ``--scenarios`` picks which scenarios run.
 """
 

@@ -90,7 +90,8 @@ def measure(codec_name: str, numel: int, peers: int = 3, repeats: int = 3, seed:
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_freed_memory: bool = True) -> dict:
     """Median over ``repeats`` of each peer's work, and the floor; checks the averages.
 
-    ``keep_freed_memory``: set this process's malloc as the averager's (it stays so afterwards)."""
+    ``keep_freed_memory``: set this process's malloc as the forked averagers of earlier
+    versions had it (it stays so afterwards)."""
     torch.set_num_threads(1)  # as the peers
     if keep_freed_memory:
         keep_freed_chunks()

@@ -6,7 +6,7 @@
         results = swarm.call_all("all_reduce", (0, 0), seed=1, weight=1.0)
 
 Each peer is a spawned process that starts its own session (so killing its process group takes
-its DHT, averagers and p2pd with it, as a machine failure would), creates a ``hivemind.DHT``
+its DHT process and p2pd with it, as a machine failure would), creates a ``hivemind.DHT``
 bootstrapped from peer 0 and a transport, then serves commands over a pipe (see ``_Peer``).
 ``LoopbackSwarm.close`` stops every peer and SIGKILLs the process group of any that lingers.
 A shared ``signal`` event lets code running inside a peer (fault injection in tests) tell the
@@ -157,7 +157,7 @@ def _recv(conn) -> Any:
 
 
 def _enter_netns(name: str) -> None:
-    """Move this process (and so everything it forks later: DHT, averagers, p2pd) into the network
+    """Move this process (and so everything it starts later: DHT, p2pd) into the network
     namespace ``/var/run/netns/<name>`` (``ip netns add``); needs root. Python 3.11 has no os.setns."""
     import ctypes
 
@@ -172,10 +172,10 @@ def _enter_netns(name: str) -> None:
 def _peer_main(conn, index: int, initial_peers: list, transport_cls: str, transport_kwargs: dict, signal_event,
                netns: Optional[str] = None, host: str = "127.0.0.1") -> None:
     global _SIGNAL
-    os.setsid()  # our own process group: DHT, averagers and p2pd die with us when the parent kills it
+    os.setsid()  # our own process group: DHT and p2pd die with us when the parent kills it
     if netns:
         _enter_netns(netns)
-    mp.set_start_method("fork", force=True)  # a spawned child inherits 'spawn'; hivemind averagers fork
+    mp.set_start_method("fork", force=True)  # a spawned child inherits 'spawn'; hivemind forks its DHT
     _SIGNAL = signal_event
     torch.set_num_threads(1)  # N peers share the machine's cores
     if os.environ.get("ODS_LOOPBACK_LOG"):  # e.g. ODS_LOOPBACK_LOG=INFO to see what peers do
@@ -322,7 +322,7 @@ class LoopbackSwarm:
         deadline = time.monotonic() + timeout
         for peer in self.peers:
             peer.process.join(max(0.1, deadline - time.monotonic()))
-        for peer in self.peers:  # the session may hold orphans (p2pd, averagers) even if the peer exited
+        for peer in self.peers:  # the session may hold orphans (p2pd, the DHT) even if the peer exited
             if peer.pid is not None:
                 kill_session(peer.pid, timeout=5, hard=True)
             peer.process.join(5)
