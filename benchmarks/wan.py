@@ -183,7 +183,7 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
         with PeerProcesses(workdir, grace=GRACE_S, topology=topo) as run:
             run.bootstrap(run_id, node="boot")
             before, t0 = {n: topo.counters(n) for n in nodes}, time.monotonic()
-            # taskset: the peer's DHT, averagers and p2pd inherit its CPU
+            # taskset: the peer's DHT and p2pd inherit its CPU
             peers = [run.peer(f"peer-{r}", *peer_flags(topo, spec, r, run_id, workdir, matchmaking_s), node=f"p{r}",
                               prefix=["taskset", "-c", str(pin[r % len(pin)])] if pin else ())
                      for r in range(spec.peers)]

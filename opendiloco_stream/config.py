@@ -219,7 +219,7 @@ class TrainConfig(_Strict):
 
 
 class NetConfig(_Strict):
-    """Networking (hivemind DHT and averagers)."""
+    """Networking (hivemind DHT and the averaging service)."""
 
     run_id: str = Field("opendiloco", description="the run (DHT namespace) to use",
                         json_schema_extra=cli(metavar="NAME"))

@@ -241,7 +241,7 @@ def test_state_flattens_and_restores_nested_structures():
 
 def test_a_round_ends_only_once_its_thread_jobs_are_done_and_later_jobs_never_run():
     """Cancelling the task that awaits an executor job does not stop its thread, and such a job may
-    write the averager's shared buffers (what was sent, over the input; the average). RoundJobs.finish
+    write the round's tensors (what was sent, the average). RoundJobs.finish
     (run()'s end) waits for it; a job queued before the end and started after it does nothing."""
     import concurrent.futures
 

@@ -127,20 +127,6 @@ def test_the_native_decoder_checks_sizes_before_reading():
         native.dequantize(torch.zeros(50, dtype=torch.uint8), 100, 64, step, lut, torch.empty(99))
 
 
-def test_copy_finite():
-    assert native.available()
-    x = torch.randn(100_003)
-    dst = torch.empty_like(x)
-    assert native.copy_finite(x, dst) and torch.equal(dst, x)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        y = x.clone()
-        y[-1] = bad
-        assert not native.copy_finite(y, dst)
-        assert torch.equal(dst[:-1], y[:-1])
-    with pytest.raises(ValueError):
-        native.copy_finite(x, torch.empty(3))
-
-
 def test_stochastic_rounding_and_gpu_style_inputs_stay_in_torch():
     # stochastic rounding draws from a torch generator: the same draws with the kernels loaded or not
     x = torch.randn(1000)
@@ -164,12 +150,13 @@ def test_the_native_weighted_mean_is_the_torch_one_bit_for_bit():
         assert torch.equal(got, want), (weights, n)
 
 
-def test_fresh_copy_is_a_clone():
-    for src in (torch.randn(3_000_001), torch.randn(100), torch.randn(4, 2_000_000)[:, ::2]):
-        out = native.fresh_copy(src)
-        assert torch.equal(out, src) and out.data_ptr() != src.data_ptr() and out.shape == src.shape
-        src.add_(1.0)
-        assert not torch.equal(out, src)  # its own memory
+def test_empty_huge_gives_fp32_tensors_of_their_own():
+    for n in (0, 100, 3_000_001):
+        a, b = native.empty_huge(n), native.empty_huge(n)
+        assert a.dtype == torch.float32 and a.shape == (n,) and a.device.type == "cpu"
+        a.fill_(1.0)
+        b.fill_(2.0)
+        assert n == 0 or (a.data_ptr() != b.data_ptr() and bool((a == 1.0).all()))
 
 
 @pytest.mark.parametrize("fmt", ["topk-int2", "topk-int4"])

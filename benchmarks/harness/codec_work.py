@@ -62,8 +62,9 @@ def _round_bytes(codec, tensors, weights, layout, norm_bound):
 def peer_work(codec, tensors, weights, me: int, layout, contrib, results, norm_bound=DEFAULT_NORM_BOUND):
     """Peer ``me``'s computation in one round; returns (seconds, its average)."""
     n, numel = len(tensors), tensors[me].numel()
-    sent, average = torch.empty(numel), torch.empty(numel)
     t0 = time.perf_counter()
+    # as the runner: fresh tensors for the average (and, lossy, what was sent), the trainer's own
+    sent, average = native.empty_huge(numel), native.empty_huge(numel)
     own = [[_own_chunk(codec, tensors[me], sent, lo, hi) for lo, hi in layout.chunks[q]] for q in range(n)]
     part = PartReducer(codec, layout.chunks[me], [OK] * n, norm_bound)
     for s in range(n):
@@ -80,10 +81,7 @@ def peer_work(codec, tensors, weights, me: int, layout, contrib, results, norm_b
         if q != me:
             for j, (lo, hi) in enumerate(layout.chunks[q]):
                 decode_result(codec, results[q][j], final, weights, hi - lo, out=average[lo:hi])
-    out = native.fresh_copy(average)  # the host's copy of the result (and of what was sent, if lossy)
-    if codec.name != "fp32":
-        native.fresh_copy(sent)
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, average
 
 
 def measure(codec_name: str, numel: int, peers: int = 3, repeats: int = 3, seed: int = 0,

@@ -104,7 +104,7 @@ class PeerProcesses:
         """SIGTERM (peers stop at a safe point), wait ``grace``, then kill their process trees.
 
         Stopping every process (``procs`` None) also kills whatever is left in the namespaces
-        used (p2pd, averagers, anything orphaned) and closes the log files."""
+        used (p2pd, DHT processes, anything orphaned) and closes the log files."""
         stop_processes(list(self.procs if procs is None else procs), grace=self.grace if grace is None else grace)
         if procs is None:
             if self.topology is not None and self.nodes:

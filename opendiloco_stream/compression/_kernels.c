@@ -40,18 +40,6 @@ int ods_block_absmax(const float *x, int64_t n, int64_t block, float *amax)
     return bad;
 }
 
-/* dst = src, and whether src holds NaN or Inf (one pass instead of a check and a copy). */
-int ods_copy_finite(const float *src, float *dst, int64_t n)
-{
-    uint32_t bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float v = src[i];
-        bad |= magnitude_bits(v) >= 0x7f800000u;
-        dst[i] = v;
-    }
-    return (int)bad;
-}
-
 /* 4-bit encode, round to nearest with ties to the smaller magnitude: y = clamp(x / step, -top,
  * top), magnitude = how many of the 7 midpoints between levels lie strictly below |y|, sign =
  * y < 0. A block with step 0 (all zeros) divides by 1. */

@@ -15,11 +15,9 @@ in torch as before (``native.available()`` is False and ``native.why_not()`` say
 
 What runs here: the 4-bit and int8 encoders (``blockwise.quantize``), the 4- and 8-bit decoders
 (``blockwise.dequantize``), the sparse codecs' top-k selection (``sparse.quantize``), the
-reducer's weighted mean (``transport/reduce.py``) and the hivemind
-lane's copy of an outer gradient into the averager's buffer with its finite check. ``fresh_copy``
-(huge-page result copies) needs no compiler. The hivemind transport loads the kernels before it
-forks an averager, so the averager inherits them. ctypes releases the GIL during a call, so
-encoder threads run these kernels in parallel.
+reducer's weighted mean (``transport/reduce.py``). ``empty_huge`` (the fresh tensors a round
+decodes into, backed by huge pages) needs no compiler. ctypes releases the GIL during a call, so
+the averaging service's codec threads run these kernels in parallel with each other and the trainer.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ _why_not: Optional[str] = None
 _I64 = ctypes.c_int64
 _SIGNATURES = {
     "ods_block_absmax": (ctypes.c_int, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p]),
-    "ods_copy_finite": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, _I64]),
     "ods_quantize4": (None, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]),
     "ods_quantize_int8": (None, [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p]),
@@ -119,8 +116,8 @@ _off = False  # inside ``disabled()``
 
 
 def _fresh_lock_in_child() -> None:
-    # a fork while another thread held the lock would leave it held forever in the child (an
-    # averager process), and its first kernel call would hang: the child starts with a free one
+    # a fork while another thread held the lock would leave it held forever in the child (e.g. a
+    # DHT process forked by hivemind), and its first kernel call would hang: the child starts with a free one
     global _lock
     _lock = threading.Lock()
 
@@ -200,13 +197,6 @@ def block_absmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, bool]:
     return amax, not bad
 
 
-def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """``dst.copy_(src)`` for fp32 tensors of one size; returns whether src is all finite."""
-    if src.numel() != dst.numel():
-        raise ValueError(f"copy of {src.numel()} values into {dst.numel()}")
-    return not _library().ods_copy_finite(src.data_ptr(), dst.data_ptr(), src.numel())
-
-
 def quantize4(x: torch.Tensor, block: int, step: torch.Tensor, mids: torch.Tensor, top: float) -> torch.Tensor:
     out = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
     _library().ods_quantize4(x.data_ptr(), x.numel(), block, step.data_ptr(), mids.data_ptr(), top, out.data_ptr())
@@ -278,17 +268,16 @@ def _libc() -> Optional[ctypes.CDLL]:
         return None
 
 
-def fresh_copy(src: torch.Tensor) -> torch.Tensor:
-    """``src.clone()`` of a large CPU tensor into memory asked to be backed by transparent huge
-    pages (``madvise``, Linux): a fresh 40 MB tensor otherwise costs 10k page faults, more than the
-    copy itself (10M fp32: 10 ms -> 4 ms here). Elsewhere, or for small tensors, a plain clone."""
-    libc = _libc()
-    nbytes = src.numel() * src.element_size()
-    if libc is None or src.device.type != "cpu" or nbytes < 4 * _HUGE or not src.is_contiguous():
-        return src.clone()
-    out = torch.empty_like(src)
+def empty_huge(numel: int) -> torch.Tensor:
+    """``torch.empty(numel)`` (fp32, CPU) in memory asked to be backed by transparent huge pages
+    (``madvise``, Linux): a fresh 40 MB tensor otherwise costs 10k page faults when first written,
+    more than the writing itself (10M fp32: 10 ms -> 4 ms here). Elsewhere, or small: plain empty."""
+    out = torch.empty(int(numel), dtype=torch.float32)
+    libc, nbytes = _libc(), out.numel() * 4
+    if libc is None or nbytes < 4 * _HUGE:
+        return out
     start = (out.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
     end = (out.data_ptr() + nbytes) & ~(_HUGE - 1)
     if end > start:
         libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    return out.copy_(src)
+    return out

@@ -1,12 +1,12 @@
 """Run authorization: one shared run key, and an HMAC proof at every door a peer could come in by.
 
-hivemind 1.1.12's p2pd has no libp2p private-network (pre-shared key) option: anyone who can reach
+hivemind 1.1's p2pd has no libp2p private-network (pre-shared key) option: anyone who can reach
 a peer's port can connect to it. So the key works one level up (threat model: docs/security.md):
 
 * **DHT records** (:class:`RunKeyValidator`): a keyed node signs every record it stores (an
   HMAC-SHA256 over key, subkey, value and expiration) and rejects unsigned or foreign-signed ones,
   both when asked to store them and in answers to its lookups. Only key holders write the run's
-  keys: metrics, state donors, fingerprints, the averagers' matchmaking declarations (whose keys
+  keys: metrics, state donors, fingerprints, the rounds' matchmaking announcements (whose keys
   cannot be listed in advance, hence every record). One key is exempt: the run's public key-id
   header (``net/join.py``), so that a peer with a wrong key or none learns why it is refused.
 * **Groups** (:class:`Admission`): each member's gathered metadata carries a proof bound to its

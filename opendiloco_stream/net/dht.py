@@ -45,9 +45,9 @@ class NetError(ConfigError):
 
 
 def check_run_id(run_id: str) -> str:
-    """Return ``run_id`` if usable in DHT keys and averager prefixes, else raise NetError."""
+    """Return ``run_id`` if usable in DHT keys and fragment prefixes, else raise NetError."""
     if not _RUN_ID_RE.fullmatch(run_id or ""):
-        # hivemind group keys are "<prefix>.0b<bits>": a '.' in the prefix breaks them
+        # matchmaking keys are "<prefix>_r<round>.match": a '.' in the prefix would blur them
         raise NetError(f"run id {run_id!r} is not usable: use 1-64 letters, digits, '-' or '_' (e.g. 'llama-150m_v2')")
     return run_id
 
@@ -58,10 +58,10 @@ def run_prefix(run_id: str) -> str:
 
 
 def run_key(run_id: str, *parts: str) -> str:
-    """The DHT key (or averager prefix) of ``parts`` within a run, e.g. ``run_key("r1", "metrics")``.
+    """The DHT key (or fragment prefix) of ``parts`` within a run, e.g. ``run_key("r1", "metrics")``.
 
     The brackets end the run id unambiguously, so run "a" never reads run "a_b"'s keys. No '.' is
-    produced: hivemind averagers use the prefix in keys of the form ``<prefix>.0b<bits>``.
+    produced: matchmaking uses the prefix in keys of the form ``<prefix>_r<round>.match``.
     """
     for part in parts:
         if not part or "." in part:

@@ -1,7 +1,7 @@
 """Running a peer cleanly: one process group, signals as a flag, no orphaned p2pd.
 
-hivemind starts helper processes behind your back: the DHT forks a process that spawns ``p2pd``,
-each averager forks another. If the training process dies on a signal, those keep running (seen
+hivemind starts helper processes behind your back: the DHT forks a process that spawns
+``p2pd``. If the training process dies on a signal, those keep running (seen
 with hivemind 1.1.12; docs/architecture.md, "Processes"). The pieces here keep them together and
 take them down:
 
@@ -189,7 +189,7 @@ def kill_stray_daemons(existing: Iterable[int] = (), timeout: float = 2.0, name:
 def new_session() -> bool:
     """Make this process the leader of a new session and process group, where that is safe.
 
-    A peer launched by a script or a test then forms one process group with its DHT, averager and
+    A peer launched by a script or a test then forms one process group with its DHT and
     p2pd children, and ``os.killpg(os.getpgid(pid), ...)`` reaches all of them. An interactive job
     is left alone: the shell already gave it its own process group, and leaving the terminal's
     session would make Ctrl+C stop reaching it. Returns True if a new session was created.
@@ -227,7 +227,7 @@ class GracefulShutdown:
     Handlers are installed only in the main thread (Python delivers signals there). The handler
     takes no lock (a lock held by the interrupted code would deadlock it): it sets a flag and
     writes a byte to a pipe that :meth:`wait` selects on. Processes forked while it is active (the
-    DHT, averagers) inherit the handler; in them it passes SIGTERM on to their own children and
+    the DHT) inherit the handler; in them it passes SIGTERM on to their own children and
     then dies of the signal, so killing a helper never orphans its p2pd.
     """
 
@@ -266,7 +266,7 @@ class GracefulShutdown:
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if os.getpid() != self._owner_pid:
-            # a forked helper (DHT, averager): pass the signal on to its own children (p2pd), then
+            # a forked helper (the DHT process): pass the signal on to its own children (p2pd), then
             # die as it would have without us, instead of orphaning them
             _send(signal.SIGTERM, descendants(os.getpid()))
             signal.signal(signum, signal.SIG_DFL)
@@ -330,7 +330,7 @@ def _after_fork_in_child() -> None:
 
 
 def die_with_parent() -> None:
-    """Make every Python process forked from now on (hivemind's DHT and averager processes) get
+    """Make every Python process forked from now on (hivemind's DHT process) get
     SIGTERM when this process dies, even by SIGKILL, so they can stop their p2pd and exit.
 
     Linux only (``prctl(PR_SET_PDEATHSIG)``); a no-op elsewhere. Call once, early, in the peer.

@@ -1,7 +1,7 @@
 """Can other peers open a connection to this one? A dial-back service and a dial probe.
 
 A peer that others cannot dial can still connect out, join the DHT and even look healthy, but the
-averagers of other peers fail to reach it and every round it takes part in times out. The only way
+averaging services of other peers fail to reach it and every round it takes part in times out. The only way
 to know is to be dialed from the outside:
 
 * :class:`DialbackService` runs next to a DHT node (``opendiloco-stream bootstrap`` starts one). A

@@ -8,7 +8,7 @@ every member of a group holds bit-identical results.
 Contract (docs/architecture.md, "The transport contract"):
 
 * ``all_reduce(key, tensor, weight)`` returns immediately with a :class:`SyncHandle`; the work runs
-  in the background (thread, averager process, ...).
+  in the background (a thread, an event loop, ...).
 * Groups form only among peers calling with the same ``key`` (and, for networked transports, the
   same run id). ``key = (fragment, round)``; data-parallel uses ``(fragment, inner_step)``.
 * ``handle.wait(timeout)`` returns a :class:`SyncResult` or raises :class:`SyncFailed`; it never
@@ -128,7 +128,7 @@ class Transport(abc.ABC):
         """Declare up front the flat size of every fragment this peer will reduce.
 
         Called once by StreamingDiLoCo before the first ``all_reduce``. Networked transports build
-        their fixed-size averagers here (hivemind averagers fork a process per tensor set).
+        their per-fragment state here (the hivemind transport: one endpoint per fragment).
         """
 
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:

@@ -161,8 +161,8 @@ class FailedAddresses:
 
 
 class DirectListener:
-    """One averager's listening socket: bound in the host (so the port is known before the fork),
-    served inside the averager process (:func:`serve_connections`)."""
+    """One fragment endpoint's listening socket (bound in a trainer thread, so the port is known
+    before any round), served on the averaging service's loop (:func:`serve_connections`)."""
 
     def __init__(self, bind_host: str, advertise: Sequence[str], port: int = 0):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -358,17 +358,17 @@ class _Incoming:
 
 
 class RunningGroups:
-    """The averager's running groups (``_running_groups``: group id -> future of its runner) and a
+    """An endpoint's running groups (group id -> future of its runner) and a
     wake-up for the streams that wait for one. A groupmate's stream often arrives before our own
     round is registered (its BEGIN_ALLREDUCE came first, or this process is short of CPU): it waits
     for the registration itself, not on a poll (which added up to 20 ms to each early stream)."""
 
     def __init__(self, groups: dict):
         self.groups = groups
-        self._changed: Optional[asyncio.Event] = None  # created by the first waiter, in the averager's loop
+        self._changed: Optional[asyncio.Event] = None  # created by the first waiter, in the service's loop
 
     def notify(self) -> None:
-        """A group was registered (the averager calls this, in its loop)."""
+        """A group was registered (the endpoint calls this, in the service's loop)."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -392,7 +392,7 @@ class RunningGroups:
 
 async def serve_connections(listener: DirectListener, groups: RunningGroups, prefix: str, wait_s: float,
                              security: Optional[DirectSecurity] = None) -> None:
-    """Accept direct connections forever (the averager's task; cancel it to stop).
+    """Accept direct connections forever (the endpoint's task; cancel it to stop).
 
     A sender may connect before our own round is registered in ``groups``, so a hello waits for
     its group up to ``wait_s`` (the longest silence tolerated before a first contribution).

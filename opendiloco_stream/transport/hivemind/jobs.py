@@ -1,11 +1,11 @@
 """A round's work on executor threads, so that the round ends only once none of it still runs.
 
-The runner encodes, checks, reduces and decodes chunks on the averager's executor threads
-(``run_in_executor``), and several of those jobs write the averager's shared buffers: what was sent
-over the input, the average into the output. Cancelling the task that awaits a job does not stop
-the thread. Without this, a round cancelled or timed out mid-job could end while a thread still
-wrote its buffers, and those writes could land in the next round of the same fragment: in the
-host's next tensor, as it is staged, or in the next round's average.
+The runner encodes, checks, reduces and decodes chunks on the averaging service's executor threads
+(``run_in_executor``), and several of those jobs write the round's tensors: what was sent, the
+average. Cancelling the task that awaits a job does not stop the thread. Each round decodes into
+tensors of its own, so a late write cannot reach another round; still, a round (and the lane
+waiting for it) must not end while its threads work on the trainer's outer gradient or compete
+with the next round for the codec threads.
 
 :class:`RoundJobs` counts the jobs running; :meth:`RoundJobs.finish` refuses new ones (a job queued
 before it but started after it does nothing) and waits until the running ones are done. The runner

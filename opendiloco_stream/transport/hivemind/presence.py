@@ -67,7 +67,7 @@ async def prune_pending_gets(_dht: DHT, node: Any) -> int:
 
     hivemind 1.1.12 keeps one (empty, once the lookup finished) ``SortedSet`` per key ever looked up
     and never deletes it. Every round of a run looks up new keys (this module's per-round keys, the
-    averagers' matchmaking keys), so a long run's DHT process grew by ~8 kB per round (71-74 MB/h in
+    matchmaking's per-round keys), so a long run's DHT process grew by ~8 kB per round (71-74 MB/h in
     the 30-minute soak, docs/benchmarks.md). Removing an empty entry is what hivemind would do if it
     cleaned up: a later lookup of the key makes a new one."""
     pending = node.pending_get_requests

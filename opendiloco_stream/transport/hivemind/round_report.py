@@ -69,7 +69,7 @@ def round_phases(start: float, step: float, marks: dict, end: float) -> dict[str
     """Seconds spent in each phase of a round (``SyncResult.phases``), from the host's and the
     runner's wall-clock marks. A phase this peer did not run (no part to reduce) is left out.
 
-    prepare: checks and copy into the averager; matchmaking: until the group started its round;
+    prepare: the finite check (and a copy to the CPU, if needed); matchmaking: until the group started its round;
     contributions: until every contribution to our part arrived; verdicts: until the reducers'
     verdicts did; reduce: our part averaged and encoded; results: until every part's average
     arrived; drain: until groupmates finished reading our part's average; finish: until the host

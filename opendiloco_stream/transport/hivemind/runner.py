@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
-from opendiloco_stream.compression import Codec
+from opendiloco_stream.compression import Codec, native
 from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddresses, make_hello, parse_address
 from opendiloco_stream.transport.hivemind.seal import DirectSecurity, new_salt
 from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
@@ -89,9 +89,9 @@ class HvAllReduceRunner:
                               and type(self).encode_contribution is HvAllReduceRunner.encode_contribution)
         # the average is decoded straight into the tensor the trainer receives; what we sent, into
         # its own (none under fp32): a round holds no copy of the outer gradient
-        self.result = torch.empty(tensor.numel(), dtype=torch.float32) if result is None else result
+        self.result = native.empty_huge(tensor.numel()) if result is None else result
         if sent is None and not self.sent_is_input:
-            sent = torch.empty(tensor.numel(), dtype=torch.float32)
+            sent = native.empty_huge(tensor.numel())
         self.sent = sent
         self.bytes_sent = self.bytes_received = 0
         # reducer state: decoded contributions to my part, their squared norms, per-sender status

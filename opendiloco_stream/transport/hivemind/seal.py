@@ -10,7 +10,7 @@ exchange with that peer through the round's usual failure path: nothing it carri
 - the group secret: the group id (drawn by the leader; members learn it only over hivemind's
   authenticated, encrypted streams) and, in a run with a run key, an HMAC of the group id under
   that key, so that a leak of a group id alone does not open a keyed run's bytes;
-- a salt: 16 random bytes the sender draws (``os.urandom``, safe in forked averagers) for this
+- a salt: 16 random bytes the sender draws (``os.urandom``, distinct in every process) for this
   connection and sends in its hello;
 - the prefix (run and fragment), the sender's and the reducer's index in the group and the
   direction (``to-reducer``: contributions and verdict; ``to-sender``: results).
@@ -109,7 +109,7 @@ class Channel:
 
 
 class DirectSecurity:
-    """How one averager protects its direct connections: sealed (the default) or plaintext
+    """How one fragment endpoint protects its direct connections: sealed (the default) or plaintext
     (measuring only), and the run key's part in the keys (``auth``: a ``net.auth.RunAuth``, or None)."""
 
     def __init__(self, plaintext: bool = False, auth: Optional[Any] = None):
@@ -138,5 +138,5 @@ class DirectSecurity:
 
 
 def new_salt() -> bytes:
-    """A connection's salt: from the kernel, so forked averagers never draw the same one."""
+    """A connection's salt: from the kernel, so no two processes ever draw the same one."""
     return os.urandom(SALT_BYTES)

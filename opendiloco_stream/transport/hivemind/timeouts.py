@@ -6,7 +6,7 @@ Every wait of a round has a bound, and the bounds nest (each must fit in the nex
     next_chunk_timeout  <  allreduce_timeout
     round_bound = matchmaking_time + request_timeout + allreduce_timeout + BACKSTOP_S + GRACE_S  <=  window_s
 
-- ``request_timeout``: one matchmaking request to a potential leader (hivemind).
+- ``request_timeout``: one matchmaking request to a potential leader, or one DHT call.
 - ``matchmaking_time``: how long a peer waits for others to join its group before the round
   starts with whoever is there (at once when ``target_group_size`` peers are there).
 - ``next_chunk_timeout``: the longest silence tolerated inside a stream (between two chunks, and
@@ -39,9 +39,9 @@ ALLREDUCE_FLOOR_S = 10.0
 CPU_S_PER_ELEMENT = 5e-7
 # A chunk may share the link with this many concurrent streams (one per groupmate).
 STREAMS = 8
-# hivemind's own allreduce_timeout sits this much above ours, as a backstop.
+# slack between the runner's own deadline and the handle's bound (the round's last messages)
 BACKSTOP_S = 2.0
-# Pipes between the host and the averager process, thread wake-ups.
+# Thread wake-ups between the lane and the service loop, scheduling.
 GRACE_S = 1.0
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class RoundTimeouts:
 
     @property
     def group_deadline(self) -> float:
-        """From the start of a round: a group must be formed by then (hivemind's step timeout)."""
+        """From the start of a round: a group must be formed by then."""
         return self.matchmaking + self.request
 
     @property
