@@ -77,6 +77,8 @@ class _Round:
     target: Optional[int]
     deadline: float  # event-loop time the window ends
     leading: bool = False
+    following: Optional[PeerID] = None  # the leader this peer last chose, if not itself
+    decided: asyncio.Event = field(default_factory=asyncio.Event)  # it has chosen once
     members: dict = field(default_factory=dict)  # follower PeerID -> gathered bytes, in join order
     outcome: Optional[asyncio.Future] = None  # Group, or a PeerID to follow instead, or an exception
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -175,6 +177,8 @@ class Matchmaker:
             candidates = await self._candidates(r, excluded)
             leader = hint if hint is not None and hint in candidates else (candidates[0] if candidates else None)
             hint = None
+            r.following = None if leader == self.me else leader
+            r.decided.set()
             if leader == self.me:
                 self._lead(r)
                 if r.target is not None and 1 + len(r.members) >= r.target:
@@ -191,8 +195,8 @@ class Matchmaker:
                 return answer
             if isinstance(answer, PeerID):
                 hint = answer
-            else:
-                excluded[leader] = time.monotonic() + EXCLUDE_S
+            else:  # refused (not leading: briefly; full, dead or stalled: for a while)
+                excluded[leader] = time.monotonic() + (self.poll_s if answer == "not leading" else EXCLUDE_S)
                 await asyncio.sleep(min(0.02, max(0.0, r.deadline - loop.time())))
 
     def _lead(self, r: _Round) -> None:
@@ -229,7 +233,8 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ follower side
     async def _join(self, r: _Round, leader: PeerID) -> Any:
-        """Ask ``leader`` to take us: the ``Group`` it formed, a ``PeerID`` it says to follow, or None."""
+        """Ask ``leader`` to take us: the ``Group`` it formed, a ``PeerID`` it says to follow,
+        "not leading" (it follows nobody we know of yet), or None (full, dead, stalled)."""
         loop = asyncio.get_event_loop()
         request = averaging_pb2.JoinRequest(group_key=match_key(self.prefix, r.index), gather=r.gathered,
                                             client_mode=self.client_mode, expiration=get_dht_time() + r.deadline - loop.time())
@@ -253,13 +258,15 @@ class Matchmaker:
                 await stream.aclose()
 
     @staticmethod
-    def _suggested(msg: averaging_pb2.MessageFromLeader) -> Optional[PeerID]:
-        if msg.code == averaging_pb2.NOT_A_LEADER and msg.suggested_leader:
-            try:
-                return PeerID(msg.suggested_leader)
-            except Exception:
-                return None
-        return None
+    def _suggested(msg: averaging_pb2.MessageFromLeader) -> Any:
+        if msg.code != averaging_pb2.NOT_A_LEADER:
+            return None
+        if not msg.suggested_leader:
+            return "not leading"
+        try:
+            return PeerID(msg.suggested_leader)
+        except Exception:
+            return None
 
     def _group_from(self, msg: averaging_pb2.MessageFromLeader, leader: PeerID) -> Optional[Group]:
         peer_ids = tuple(PeerID(p) for p in msg.ordered_peer_ids)
@@ -273,9 +280,18 @@ class Matchmaker:
                        ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         peer = context.remote_id
         r = self._round_of(request.group_key)
+        if r is not None and not r.decided.is_set():  # announced, but it has not read the others yet
+            try:
+                await asyncio.wait_for(r.decided.wait(), 2 * self.poll_s)
+            except asyncio.TimeoutError:
+                pass
         if r is None or not r.leading or r.outcome.done():
-            full = r is not None and r.leading and r.outcome.done()
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL if full else averaging_pb2.NOT_A_LEADER)
+            if r is not None and r.leading:
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
+            else:
+                follows = r.following if r is not None and r.following != peer else None
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_A_LEADER,
+                                                      suggested_leader=follows.to_bytes() if follows else b"")
             return
         if r.target is not None and 1 + len(r.members) >= r.target:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
