@@ -45,7 +45,7 @@ def start_peer(tmp: Path, name: str, addrs: list[str], *flags: str, env=None) ->
 
 
 #: the benchmarks that start peer processes (run through :func:`run_benchmark`)
-PEER_BENCHMARKS = ("group_scaling", "join_state", "live_group", "monitor_page", "peer_memory", "prematch", "prometheus_scrape", "soak",
+PEER_BENCHMARKS = ("group_scaling", "join_state", "live_group", "monitor_page", "peer_memory", "prematch", "prometheus_scrape", "service_gil", "soak",
                    "straggler", "transport_rounds", "wan")
 
 
