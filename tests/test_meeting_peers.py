@@ -151,12 +151,13 @@ def test_three_peers_started_apart_meet_in_groups_of_three(tmp_path, mode):
 
 
 @pytest.mark.timeout(480)
-def test_three_eager_peers_started_together_average_in_groups_of_three(tmp_path):
-    """Three eager peers launched at once: after the first round of each fragment, every round
-    they all ran is one group of three (with hivemind's matchmaking, some rounds split into a pair
-    and a peer alone). A third peer that came up late under load is covered by min_share."""
-    records = _run_swarm(tmp_path, "meet3-eager", MODES["eager"], [0.0, 0.0, 0.0])
-    _assert_met(records, _first_rounds("eager"), min_share=0.2)
+@pytest.mark.parametrize("mode", ["blocking", "overlap", "eager"])
+def test_three_peers_started_together_average_in_groups_of_three(tmp_path, mode):
+    """Three peers launched at once: after the first round of each fragment, every round they all
+    ran is one group of three (with hivemind's matchmaking, eager rounds sometimes split into a
+    pair and a peer alone). A peer that came up late under load is covered by min_share."""
+    records = _run_swarm(tmp_path, f"meet3t-{mode}", MODES[mode], [0.0, 0.0, 0.0])
+    _assert_met(records, _first_rounds(mode), min_share=0.2)
 
 
 @pytest.mark.timeout(300)
