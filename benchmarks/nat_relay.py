@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.harness.nat import NatTopology, unavailable_reason
+from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.results import write_result
 
 _NODE = r"""
@@ -96,25 +95,19 @@ def run(seconds: float, relay: bool, announce_circuit: bool = False) -> dict:
     boot_opts = {"use_relay": relay, **({"force_reachability": "public"} if relay else {})}
     peer_opts = {"use_relay": relay, "use_auto_relay": relay, **({"force_reachability": "private"} if relay else {}),
                  "announce_circuit": announce_circuit}
-    env = {**os.environ, "GOLOG_LOG_LEVEL": "warn,autorelay=debug", "HIVEMIND_LOGLEVEL": "DEBUG"}
+    env = {"GOLOG_LOG_LEVEL": "warn,autorelay=debug", "HIVEMIND_LOGLEVEL": "DEBUG"}
     with tempfile.TemporaryDirectory(prefix="ods-nat-relay-") as workdir, NatTopology(public=0, natted=2) as topo:
         boot_opts["ip"] = topo.ip("boot")
-        procs = [subprocess.Popen(topo.exec_argv(node, [sys.executable, "-c", _NODE, node, workdir, json.dumps(opts),
-                                                        str(seconds)]),
-                                  stdout=open(Path(workdir) / f"{node}.log", "w"), stderr=subprocess.STDOUT, env=env)
-                 for node, opts in (("boot", boot_opts), ("n0", peer_opts), ("n1", peer_opts))]
-        try:
+        with PeerProcesses(Path(workdir), grace=5.0, topology=topo) as launched:  # stops them all on the way out
+            procs = [launched.launch(node, [sys.executable, "-c", _NODE, node, workdir, json.dumps(opts), str(seconds)],
+                                     node=node, env=env)
+                     for node, opts in (("boot", boot_opts), ("n0", peer_opts), ("n1", peer_opts))]
             for p in procs[1:]:
                 p.wait(seconds + 120)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
         report = {"relay": relay, "announce_circuit": announce_circuit, "seconds": seconds,
                   **{n: _summary(Path(workdir) / f"{n}.jsonl") for n in ("n0", "n1")}}
         for node, p in zip(("boot", "n0", "n1"), procs):
-            if p.returncode not in (0, None, -9):  # the node's own summary (the relay node's: in errors)
+            if p.returncode not in (0, None, -9, -15):  # the node's own summary (the relay node's: in errors)
                 where = report.setdefault("errors", {}) if node == "boot" else report[node]
                 where["error" if node != "boot" else node] = (Path(workdir) / f"{node}.log").read_text()[-600:]
         return report

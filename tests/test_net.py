@@ -394,6 +394,28 @@ def test_kill_process_tree_reaches_grandchildren_that_ignore_sigterm():
         kill_process_tree(proc.pid, timeout=1)
 
 
+def test_kill_session_finds_the_orphans_of_a_leader_that_already_exited():
+    """A session leader (a peer started with ``start_new_session``) that exits leaves its child (a
+    DHT process) re-parented to init: ``session_members`` finds it by session id and
+    ``kill_session`` stops it. (The session id was read from the wrong /proc field, so every
+    LoopbackSwarm whose peer died first, e.g. the state donor that exits mid-download, left its
+    DHT process and p2pd running after the suite.)"""
+    from opendiloco_stream.net.lifecycle import kill_session, session_members
+
+    script = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(c.pid, flush=True)")
+    leader = subprocess.Popen([sys.executable, "-c", script], text=True, stdout=subprocess.PIPE, start_new_session=True)
+    orphan = int(_readline(leader, 30))
+    try:
+        assert leader.wait(10) == 0  # the leader is gone, its child lives on in its session
+        assert is_running(orphan) and session_members(leader.pid) == [orphan]
+        assert kill_session(leader.pid, timeout=5, hard=True) == [orphan]
+        assert not is_running(orphan)
+    finally:
+        if is_running(orphan):
+            os.kill(orphan, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------------------------- commands
 
 

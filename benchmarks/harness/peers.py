@@ -68,7 +68,14 @@ class PeerProcesses:
 
         ``node``: run inside that namespace of the topology; ``prefix``: argv run before python
         (e.g. entering a cgroup) that ``exec``s it."""
-        argv = [*prefix, sys.executable, "-m", "opendiloco_stream", *command]
+        return self.launch(name, [*prefix, sys.executable, "-m", "opendiloco_stream", *command], node=node, env=env,
+                           stdout=stdout)
+
+    def launch(self, name: str, argv: Sequence[str], *, node: Optional[str] = None, env: Optional[dict] = None,
+               stdout: Any = None) -> subprocess.Popen:
+        """Any ``argv`` as ``name``, in its own session (log: ``workdir/NAME.log``), inside the
+        topology's namespace ``node`` if given: stopped with the others by :meth:`stop`."""
+        argv = list(argv)
         if node is not None:
             argv = self.topology.exec_argv(node, argv)
             self.nodes.add(node)

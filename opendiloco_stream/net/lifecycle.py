@@ -27,7 +27,7 @@ from typing import Iterable, Optional
 
 
 def _stat_map(field: int) -> dict[int, int]:
-    """pid -> the ``field``-th number after the state in /proc/PID/stat (0: ppid, 3: session id)."""
+    """pid -> the ``field``-th number after the state in /proc/PID/stat (0: ppid, 1: process group, 2: session id)."""
     out: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -50,7 +50,7 @@ def _ppid_map() -> dict[int, int]:
 
 def session_members(sid: int) -> list[int]:
     """Every live process of session ``sid``, orphans re-parented away from its leader included."""
-    return [pid for pid, session in _stat_map(3).items() if session == sid and is_running(pid)]
+    return [pid for pid, session in _stat_map(2).items() if session == sid and is_running(pid)]
 
 
 def descendants(pid: int) -> list[int]:
