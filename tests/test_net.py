@@ -223,26 +223,6 @@ def test_a_dht_process_killed_by_a_signal_never_leaves_its_p2pd_behind():
     assert not any(is_running(p) for p in p2pd)
 
 
-@pytest.mark.network
-def test_a_dht_process_that_had_to_be_killed_leaves_the_next_dht_start_working(caplog):
-    """hivemind's future locks are shared by every process forked after import: a DHT process
-    SIGKILLed while it holds one (it does, briefly, on every result) would leave every later DHT
-    start in this process hanging. A DHT process that ignores SIGTERM (stopped: SIGSTOP) is killed
-    by ``stop_dht``, which then resets hivemind's future backend (``MPFuture.reset_backend``); a DHT
-    started afterwards in this process answers."""
-    first = start_dht(NetConfig(), start_timeout=30)
-    os.kill(first.pid, signal.SIGSTOP)  # SIGTERM stays pending: only SIGKILL ends it
-    with caplog.at_level("WARNING", logger="opendiloco_stream.net.dht"):
-        stop_dht(first, timeout=1.0)
-    assert not is_running(first.pid)
-    assert "had to be killed" in caplog.text
-    dht = start_dht(NetConfig(), start_timeout=30)
-    try:
-        assert dht.is_alive() and dht.get_visible_maddrs()
-    finally:
-        stop_dht(dht)
-
-
 # ---------------------------------------------------------------------------------- metrics
 
 

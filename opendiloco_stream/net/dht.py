@@ -229,18 +229,6 @@ def explain_start_error(e: BaseException, net: NetConfig, host: Sequence[str]) -
 _CHILDREN: "weakref.WeakKeyDictionary[Any, dict[int, str]]" = weakref.WeakKeyDictionary()
 
 
-def _reset_futures_after_kill(dht: Any) -> None:
-    """After a DHT process of this process was SIGKILLed: reset hivemind's cross-process future
-    locks (``MPFuture.reset_backend``, its public last resort). A process killed by a signal while
-    it held one (it does, for microseconds, on every result it sends) would leave every later DHT
-    start in this process hanging. Futures still pending here are lost: those of the killed DHT
-    could not complete anyway."""
-    from hivemind.utils.mpfuture import MPFuture
-
-    logger.warning("the DHT process %s had to be killed: resetting hivemind's future backend", dht.pid)
-    MPFuture.reset_backend()
-
-
 def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
               record_validators: Iterable[Any] = (), **dht_kwargs: Any):
     """Start a ``hivemind.DHT`` for ``net`` and wait until it serves; raise NetError with the fix.
@@ -314,5 +302,6 @@ def stop_dht(dht: Any, timeout: float = 5.0) -> None:
     killed = terminate_pids(children + ([pid] if pid is not None else []), timeout)
     if pid is not None:
         dht.join(1.0)
-        if pid in killed:
-            _reset_futures_after_kill(dht)
+        if pid in killed:  # hivemind's futures are guarded by cross-process locks it may have held
+            logger.warning("the DHT process %s had to be killed; if a later DHT start in this process hangs, "
+                           "restart the process", pid)
