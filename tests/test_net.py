@@ -223,6 +223,35 @@ def test_a_dht_process_killed_by_a_signal_never_leaves_its_p2pd_behind():
     assert not any(is_running(p) for p in p2pd)
 
 
+def _hold_shared_bytes_lock():
+    from hivemind.utils.mpfuture import SharedBytes
+
+    SharedBytes._lock.acquire()
+    time.sleep(120)
+
+
+@pytest.mark.network
+def test_a_process_killed_holding_hivemind_lock_does_not_hang_the_next_dht_start(caplog):
+    """hivemind's MPFuture locks are shared by every process forked after import: a DHT or averager
+    process SIGKILLed while it holds one (it does, briefly, on every result) left every later DHT
+    start in this process hanging (the suite's test_net timeouts). A real forked process takes the
+    lock and is SIGKILLed; start_dht resets the lock and starts."""
+    import multiprocessing as mp
+
+    child = mp.get_context("fork").Process(target=_hold_shared_bytes_lock, daemon=True)
+    child.start()
+    time.sleep(1.0)  # it has the lock now
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    with caplog.at_level("WARNING", logger="opendiloco_stream.net.dht"):
+        dht = start_dht(NetConfig(), start_timeout=30)
+    try:
+        assert "held by a process that died" in caplog.text
+        assert dht.is_alive() and dht.get_visible_maddrs()
+    finally:
+        stop_dht(dht)
+
+
 # ---------------------------------------------------------------------------------- metrics
 
 
