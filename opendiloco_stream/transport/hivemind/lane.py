@@ -16,6 +16,7 @@ group's metadata then holds the weight predicted at that time.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import queue
@@ -286,8 +287,6 @@ class _Lane:
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
                      early: Optional[_Early], current: _Current) -> tuple:
         """(On the service's loop.) The group, formed ahead or now, then the exchange."""
-        import asyncio
-
         group = None
         if early is not None:
             try:
