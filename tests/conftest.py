@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from tests.support import peers as _peers  # noqa: F401  (registers the peer launchers)
+from tests.support.hivemind_locks import unstick_hivemind_locks
 from tests.support.markers import unmarked_peer_tests
 
 
@@ -40,3 +41,11 @@ def _free_port_range(count: int, host: str = "0.0.0.0") -> int:
 def free_port_range():
     """``free_port_range(count)``: the first of ``count`` consecutive free TCP ports."""
     return _free_port_range
+
+
+@pytest.fixture(autouse=True)
+def _hivemind_locks_free():
+    """Before every test: hivemind's cross-process locks are not held by a DHT process an earlier
+    test killed (tests/support/hivemind_locks.py: the test process starts many DHTs, a peer one)."""
+    unstick_hivemind_locks()
+    yield

@@ -751,6 +751,33 @@ def test_a_joiner_announces_its_next_round_of_every_fragment():
     assert fresh_link.expected == [[(0, 0), (1, 0)]] and fresh.step_count == 0 and fresh.at_initial_model()
 
 
+def test_a_donor_at_the_initial_model_hands_out_the_marker_only_while_its_rounds_take_newcomers():
+    """Eager trains on while its first round runs: a donor still at the initial model whose round
+    is closed to newcomers (it has its group, or waits only for the peers it counted) serves its
+    state after the round landed, not the initial-model marker: a joiner starting from the initial
+    model could not be in that round and would stay its outer step behind the others."""
+    link = _SlowLinkTransport()
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    donor = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=4, num_fragments=1,
+                                                                            mode="eager"), blocks=list(model))
+    data = torch.randn(5, 8)
+    for _ in range(5):  # round 0 launched at step 4, in flight at step 5
+        model(data).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        donor.step()
+    handle = link.handles[0]
+    assert donor.at_initial_model() and not handle.done()
+    assert donor._shared_state() == {"step": 0, "initial": True}  # a handle without the method: as before
+    handle.takes_newcomers = lambda: True  # a cold start's first round, still matching
+    assert donor._shared_state() == {"step": 0, "initial": True}
+    handle.takes_newcomers = lambda: False  # its group formed (or it counts only the peers it knew)
+    state = donor._shared_state()
+    assert not state.get("initial") and state["step"] == 5
+    assert state["fragments"][0]["pending"] is not None and link.waits == [((0, 0), False)]  # landed first
+
+
 class _PrematchRecorder(_SlowLinkTransport):
     """Records every ``prematch`` and every round's launch, with the inner step each came at."""
 

@@ -156,3 +156,51 @@ def test_the_where_to_change_what_table_names_files_and_names_that_exist():
                                         found.read_text(), re.M):
                 missing.append(ref)
     assert not missing, f"docs/architecture.md names what is not there: {missing}"
+
+
+# names a hivemind object goes by in the package (a DHT, its p2p client, a node, a future...)
+_HIVEMIND_OBJECTS = {"dht", "p2p", "node", "daemon", "averager", "future", "mpfuture", "servicer"}
+
+
+def _hivemind_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to something imported from hivemind."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "hivemind":
+            names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "hivemind")
+    return names
+
+
+def _private_uses(tree: ast.AST, hivemind: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases}
+            found += [f"class {node.name}({b})" for b in bases & hivemind]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            owner = value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else ""
+            if owner in hivemind or owner.lower().lstrip("_") in _HIVEMIND_OBJECTS:
+                found.append(f"{owner}.{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_the_package_neither_subclasses_hivemind_nor_reads_its_private_attributes():
+    """The averaging service uses hivemind's public DHT and p2p APIs only (docs/architecture.md):
+    no class derives from a hivemind class, and no ``._name`` is read off a name imported from
+    hivemind or off an object named as hivemind's are (``dht``, ``p2p``, ``node``...)."""
+    offenders = []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        offenders += [f"{path.relative_to(ROOT)}: {use}" for use in _private_uses(tree, _hivemind_names(tree))]
+    assert offenders == []
+
+
+def test_the_private_use_check_sees_a_subclass_and_a_private_read():
+    tree = ast.parse("from hivemind import DecentralizedAverager, DHT\nfrom hivemind.utils.mpfuture import MPFuture\n"
+                     "class A(DecentralizedAverager):\n    pass\n"
+                     "x = MPFuture._update_lock\ny = self.dht._node\nz = self._lock\n")
+    assert _private_uses(tree, _hivemind_names(tree)) == [
+        "class A(DecentralizedAverager)", "MPFuture._update_lock (line 5)", "dht._node (line 6)"]

@@ -14,10 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+from opendiloco_stream.testing import faults
 from opendiloco_stream.train.loop import read_metrics
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -27,17 +29,18 @@ H, P, STEPS = 10, 2, 40
 TINY = [*(["--log-level", os.environ["MEET_LOG"]] if os.environ.get("MEET_LOG") else []), "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
 
 
-def _peer(tmp: Path, name: str, addrs: list[str], run_id: str, *flags: str) -> subprocess.Popen:
+def _peer(tmp: Path, name: str, addrs: list[str], run_id: str, *flags: str, env: Optional[dict] = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", run_id,
            "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS), *TINY, *flags,
            "--metrics-file", str(tmp / f"{name}.jsonl")]
     return subprocess.Popen(cmd, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true"})
+                            start_new_session=True, env={**os.environ, "ODS_DILOCO__RECORD_DIGESTS": "true", **(env or {})})
 
 
-def _run_swarm(tmp: Path, run_id: str, flags: list[str], starts: list[float], timeout: float = 300) -> list[list[dict]]:
+def _run_swarm(tmp: Path, run_id: str, flags: list[str], starts: list[float], timeout: float = 300,
+               env: Optional[dict] = None) -> list[list[dict]]:
     """Start one peer per entry of ``starts`` (seconds after the first), wait for all, return each
-    peer's records."""
+    peer's records. ``env``: extra environment of every peer (a slower step: ``faults.env``)."""
     boot, addrs = start_bootstrap(tmp, run_id)
     procs = [boot]
     try:
@@ -45,7 +48,7 @@ def _run_swarm(tmp: Path, run_id: str, flags: list[str], starts: list[float], ti
         for i, at in enumerate(starts):
             if t0 is not None:
                 time.sleep(max(0.0, t0 + at - time.monotonic()))
-            procs.append(_peer(tmp, f"p{i}", addrs, run_id, *flags, "--shard", f"{i}/{len(starts)}"))
+            procs.append(_peer(tmp, f"p{i}", addrs, run_id, *flags, "--shard", f"{i}/{len(starts)}", env=env))
             if t0 is None:  # "5 s apart": 5 s after the first peer is up (its start-up time varies with load)
                 _wait_up(tmp / "p0.log", procs[-1])
                 t0 = time.monotonic()
@@ -148,6 +151,20 @@ def test_three_peers_started_apart_meet_in_groups_of_three(tmp_path, mode):
     round on, every round is a group of three; that is at least a fifth of the first peers' rounds."""
     records = _run_swarm(tmp_path, f"meet3-{mode}", MODES[mode], [0.0, 0.0, 5.0])
     _assert_met(records, _first_rounds(mode), min_share=0.2)
+
+
+@pytest.mark.timeout(480)
+def test_an_eager_third_peer_5s_later_averages_in_groups_of_three_from_its_first_round(tmp_path):
+    """Eager peers never wait at a sync: two of them train the tiny model's 40 steps in 5-9 s here,
+    about the third's start-up, and a third that comes after the swarm has ended finds no donor and
+    trains alone (what the first version of this test saw). Steps slowed to 1 s keep the first two
+    training while the third starts, and space the swarm's rounds 5 s apart, more than a download
+    takes here (at 0.4 s a step, 2 s apart, the donor that paused to serve fell behind the other
+    peer, and all 3 downloads of the joiner came a round late: ``join_stale``). The joiner downloads
+    their state and is in every group of three from its first round on."""
+    records = _run_swarm(tmp_path, "meet3-eager", MODES["eager"], [0.0, 0.0, 5.0], env=faults.env(step_delay_s=1.0))
+    _assert_met(records, _first_rounds("eager"), min_share=0.2)
+    assert any(r["event"] == "joined" for r in records[2]), "the third peer did not join the running swarm"
 
 
 @pytest.mark.timeout(480)

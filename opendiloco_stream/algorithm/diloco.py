@@ -261,14 +261,29 @@ class StreamingDiLoCo(HasSyncLog):
         """What a late joiner downloads: ``state_dict()``, or, while theta_bar is still the initial
         model (peers started together), ``{"step": 0, "initial": True}`` at once, without waiting
         for a step that holds the lock (a blocking round's matchmaking): the joiner keeps its own
-        initial model, the same for the same seed, and meets this peer in the first rounds."""
-        if self.at_initial_model():
+        initial model, the same for the same seed, and meets this peer in the first rounds.
+
+        Not the marker while one of this peer's launched rounds is closed to newcomers (a
+        non-blocking rule trains on while its first rounds run; a round that has its group, or
+        waits only for the peers it counted): the joiner could not be in it, and from the
+        initial model it would stay that round's outer step behind everyone. It gets the state
+        after the round landed instead, as any late joiner."""
+        if self.at_initial_model() and not self._rounds_closed():
             return {"step": 0, "initial": True}
         t0 = time.monotonic()
         state = self.state_dict()  # waits for a step in progress, then for the rounds in flight
         logger.info("state of step %d for a joiner in %.2fs (a step in progress and the rounds in flight "
                     "land first)", state["step"], time.monotonic() - t0)
         return state
+
+    def _rounds_closed(self) -> bool:
+        """Whether a launched round not yet applied is closed to newcomers (``takes_newcomers``)."""
+        for r in self.rules:
+            pending = r.pending
+            takes = getattr(pending.handle, "takes_newcomers", None) if pending is not None else None
+            if takes is not None and not takes():  # duck-typed handles may lack it
+                return True
+        return False
 
     def load_state_dict(self, state: dict[str, Any], *, joiner: bool = False) -> None:
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local

@@ -229,28 +229,6 @@ def explain_start_error(e: BaseException, net: NetConfig, host: Sequence[str]) -
 _CHILDREN: "weakref.WeakKeyDictionary[Any, dict[int, str]]" = weakref.WeakKeyDictionary()
 
 
-def unstick_hivemind_locks(timeout: float = 1.0) -> bool:
-    """Reset hivemind's cross-process MPFuture locks if a dead process holds one; True if it did.
-
-    hivemind 1.1.12 guards its futures with ``multiprocessing`` locks created at import and shared
-    by every process forked afterwards (``MPFuture._update_lock``, ``_initialization_lock``,
-    ``SharedBytes._lock``). A DHT process killed by a signal while it holds one (it
-    does, for microseconds, on every result it sends) leaves it held for good: every later DHT
-    start in this process hangs (the new DHT cannot create or deliver a future). A lock that stays
-    held for ``timeout`` seconds is such a lock; hivemind's own ``MPFuture.reset_backend`` then
-    replaces them (futures pending in this process are lost: they could not complete anyway)."""
-    from hivemind.utils.mpfuture import MPFuture, SharedBytes
-
-    for lock in (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock):
-        if not lock.acquire(timeout=timeout):
-            logger.warning("a hivemind cross-process lock is held by a process that died (killed by a signal?): "
-                           "resetting hivemind's future backend")
-            MPFuture.reset_backend()
-            return True
-        lock.release()
-    return False
-
-
 def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
               record_validators: Iterable[Any] = (), **dht_kwargs: Any):
     """Start a ``hivemind.DHT`` for ``net`` and wait until it serves; raise NetError with the fix.
@@ -274,7 +252,6 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
         identity = str(Path(net.identity_path).expanduser())
         ensure_identity(identity)
     timeout = start_timeout if start_timeout is not None else 2 * net.daemon_startup_timeout + 10
-    unstick_hivemind_locks()  # a DHT killed earlier in this process may have left one held
     if net.relay:  # a reservation on a relay, found among the initial peers (p2pd's trusted relays)
         dht_kwargs = {"use_relay": True, "use_auto_relay": True, "force_reachability": "private", **dht_kwargs}
     dht = hivemind.DHT(

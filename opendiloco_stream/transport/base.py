@@ -91,6 +91,13 @@ class SyncHandle(abc.ABC):
             time.sleep(min(0.005, left))
         return True
 
+    def takes_newcomers(self) -> bool:
+        """Whether a peer that was not counted in this round can still be in its group: the round
+        is queued, or matching with no count of peers to wait for (a cold start's first round,
+        which waits its whole window for whoever comes) long enough for a newcomer to reach it.
+        Transports without matchmaking: False."""
+        return False
+
     def abandon(self) -> bool:
         """Give the round up if it is still waiting for its group (queued, or in matchmaking): it
         then fails at once with reason "matchmaking" instead of waiting out its window. A peer that

@@ -58,6 +58,9 @@ class HivemindSyncHandle(SyncHandle):
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
+    def takes_newcomers(self) -> bool:
+        return not self.done() and self.lane is not None and self.lane.takes_newcomers(self)
+
     def abandon(self) -> bool:
         return self.done() or (self.lane is not None and self.lane.abandon(self))
 
@@ -96,6 +99,12 @@ def _classify(error: BaseException, formed: bool) -> tuple[str, str]:
     return "failed", repr(error)
 
 
+# A peer that joins with the initial-model marker (peers started together) needs a few seconds to
+# reach a round the others are matching: its start, a step, and presence's beat to see the round
+# launched. A round whose window ends sooner is closed to it: it downloads the state after the round.
+NEWCOMER_LEAD_S = 3.0
+
+
 class _Early:
     """A group being formed ahead of its round (``_Lane.prematch``)."""
 
@@ -113,8 +122,9 @@ class _Prematch:
 class _Current:
     """The round the worker runs now: its coroutine's future and whether its group formed."""
 
-    def __init__(self, handle: HivemindSyncHandle):
-        self.handle, self.future = handle, None
+    def __init__(self, handle: HivemindSyncHandle, expected: Optional[int] = None, window: float = 0.0):
+        self.handle, self.future, self.expected = handle, None, expected  # expected: the group's target
+        self.match_deadline = time.monotonic() + window  # when its matchmaking window ends
         self.formed = threading.Event()
 
 
@@ -155,6 +165,16 @@ class _Lane:
         group's metadata now. If no group forms in time, or the next round submitted is another
         one, the early group is dropped and the round matches as usual."""
         self._queue.put(_Prematch(tuple(key), float(weight), float(lead_s)))
+
+    def takes_newcomers(self, handle: HivemindSyncHandle) -> bool:
+        """Whether ``handle``'s round is queued, or matching with no target (see ``SyncHandle``)
+        for at least ``NEWCOMER_LEAD_S`` more seconds."""
+        with self._lock:
+            current = self._current
+            if current is None or current.handle is not handle:
+                return True  # queued or being prepared: its plan counts whoever announced by then
+            return (current.expected is None and not current.formed.is_set()
+                    and current.match_deadline - time.monotonic() >= NEWCOMER_LEAD_S)
 
     def abandon(self, handle: HivemindSyncHandle) -> bool:
         """Fail ``handle`` now if its round has no group yet (queued, being prepared, or matching:
@@ -272,7 +292,7 @@ class _Lane:
                                    f"part from round {round_index + 1} on (the others did not count it)")
             return
         expected = self.target if plan is None else plan.target
-        current = _Current(handle)
+        current = _Current(handle, expected, self.timeouts.matchmaking)
         with self._lock:
             if handle.done():  # abandoned (or closed) while it was prepared
                 if early is not None:

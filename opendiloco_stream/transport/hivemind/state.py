@@ -244,6 +244,8 @@ class StateSharing:
 
     async def _load(self, deadline: float, progress: Optional[Callable[[dict], None]]) -> Optional[dict]:
         donors = await self._donors()
+        if not donors:
+            logger.info("no state donor of the run is announced: this peer starts from its own initial model")
         random.shuffle(donors)
         held: dict[str, torch.Tensor] = {}  # digest -> whole tensor received from a donor that failed
         for i, donor in enumerate(donors):
