@@ -136,11 +136,26 @@ def test_an_eager_peer_5s_later_averages_in_every_round_from_its_first_with_the_
 
 
 @pytest.mark.timeout(420)
-def test_two_key_holders_started_together_meet_in_blocking_mode(tmp_path):
+@pytest.mark.parametrize("mode", ["blocking", "overlap", "eager"])
+def test_two_key_holders_started_together_meet(tmp_path, mode):
+    """With a run key every join carries an admission proof and every group is checked: the same
+    meeting as without one."""
     key = tmp_path / "run.key"
     key.write_text(KEY + "\n")
-    records = _run_swarm(tmp_path, "meet-key", [*MODES["blocking"], "--run-key-file", str(key)], [0.0, 0.0])
-    _assert_met(records, _first_rounds("blocking"))
+    records = _run_swarm(tmp_path, f"meet-key-{mode}", [*MODES[mode], "--run-key-file", str(key)], [0.0, 0.0])
+    _assert_met(records, _first_rounds(mode))
+
+
+@pytest.mark.timeout(420)
+def test_an_eager_key_holder_5s_later_averages_in_every_round_from_its_first(tmp_path):
+    """A key holder 5 s later downloads the state with a proof both ways (net/auth.py) and is in
+    every round from its first on; steps slowed as for the third eager peer below."""
+    key = tmp_path / "run.key"
+    key.write_text(KEY + "\n")
+    records = _run_swarm(tmp_path, "meet5-key-eager", [*MODES["eager"], "--run-key-file", str(key)], [0.0, 5.0],
+                         env=faults.env(step_delay_s=1.0))
+    _assert_met(records, _first_rounds("eager"), min_share=0.25)
+    assert any(r["event"] == "joined" for r in records[1]), "the second peer did not join the running swarm"
 
 
 @pytest.mark.timeout(480)
