@@ -112,8 +112,8 @@ def test_two_peers_started_together_average_together_after_the_first_round_of_ea
     _assert_met(records, _first_rounds(mode))
 
 
-# Naive-delayed with a peer 5 s later is not here: it meets only after several rounds
-# (docs/reliability.md, "peers started apart").
+# Naive-delayed with a peer 5 s later: its own test below, with slowed steps (unslowed, the
+# first peer's 40 steps are over about when the second is up, as for eager).
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("mode", ["blocking", "overlap", "data-parallel"])
 def test_two_peers_started_5s_apart_average_together_after_the_first_round_of_each_fragment(tmp_path, mode):
@@ -123,6 +123,14 @@ def test_two_peers_started_5s_apart_average_together_after_the_first_round_of_ea
     they met; a step is not an outer round, so data-parallel may lose its first two."""
     records = _run_swarm(tmp_path, f"meet5-{mode}", MODES[mode], [0.0, 5.0])
     _assert_met(records, _first_rounds(mode) | ({(0, 2)} if mode == "data-parallel" else set()))
+
+
+@pytest.mark.timeout(420)
+def test_a_naive_delayed_peer_5s_later_averages_in_every_round_from_its_first_with_the_swarm(tmp_path):
+    """Naive-delayed trains on like eager: the joiner downloads the state (the first peer's outer
+    step at each launch ends the initial model) and averages in every round from its first."""
+    records = _run_swarm(tmp_path, "meet5-naive", MODES["naive-delayed"], [0.0, 5.0], env=faults.env(step_delay_s=1.0))
+    _assert_met(records, _first_rounds("naive-delayed"), min_share=0.25)
 
 
 @pytest.mark.timeout(420)
