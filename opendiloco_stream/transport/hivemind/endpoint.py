@@ -110,25 +110,34 @@ class FragmentEndpoint:
         """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed."""
         return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target)
 
-    async def run_round(self, group: Group, tensor: torch.Tensor, formed: Optional[Any] = None) -> tuple:
+    def round_buffers(self, numel: int) -> tuple:
+        """(average, sent): tensors of the service's pool (``buffers.py``) for a round of ``numel``
+        elements to decode into (``sent`` None under fp32, where what was sent is the input itself)."""
+        pool = self.service.buffers
+        return pool.take(numel), (None if self.codec.name == "fp32" else pool.take(numel))
+
+    async def run_round(self, group: Group, tensor: torch.Tensor, formed: Optional[Any] = None,
+                        result: Optional[torch.Tensor] = None, sent: Optional[torch.Tensor] = None) -> tuple:
         """The all-reduce of ``tensor`` (flat fp32, on the CPU) with ``group``.
 
         Returns ``(summary, average, sent)``: the round's metadata (``round_report.round_summary``),
-        the average (a fresh tensor) and what this peer sent (``tensor`` itself under fp32).
-        ``formed``: a ``threading.Event`` set once the group exists (the lane's abandon reads it)."""
+        the average (a fresh tensor: ``result`` if given) and what this peer sent (``tensor`` itself
+        under fp32; else ``sent`` if given). ``formed``: a ``threading.Event`` set once the group
+        exists (the lane's abandon reads it)."""
         running = asyncio.get_event_loop().create_future()
         self.running[group.group_id] = running
         self.groups.notify()
         try:
             if formed is not None:
                 formed.set()
-            runner = self._runner(group, tensor, running)
+            runner = self._runner(group, tensor, running, result, sent)
             summary = await runner.run()
             return summary, runner.result, (tensor if summary.get("sent_is_input") else runner.sent)
         finally:
             self.running.pop(group.group_id, None)
 
-    def _runner(self, group: Group, tensor: torch.Tensor, running: asyncio.Future) -> HvAllReduceRunner:
+    def _runner(self, group: Group, tensor: torch.Tensor, running: asyncio.Future,
+                result: Optional[torch.Tensor] = None, sent: Optional[torch.Tensor] = None) -> HvAllReduceRunner:
         try:
             why = None if self.admission is None else self.admission.check_group(group.peer_ids, group.gathered)
             if why is not None:  # a leader that admitted an outsider: reduce nothing with it
@@ -136,7 +145,8 @@ class FragmentEndpoint:
             runner = self.runner_cls(
                 p2p=self.service.p2p, handler=self.aggregate_name, prefix=self.prefix, group=group, tensor=tensor,
                 codec=self.codec, timeouts=self.timeouts, norm_bound=self.norm_bound,
-                direct_failed=self.direct_failed if self.direct else None, direct_security=self.direct_security)
+                direct_failed=self.direct_failed if self.direct else None, direct_security=self.direct_security,
+                result=result, sent=sent)
         except RoundError as e:
             running.set_exception(e)
             running.exception()  # retrieved: a late sender's handler may never look at it

@@ -307,15 +307,20 @@ class _Lane:
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
                      early: Optional[_Early], current: _Current) -> tuple:
         """(On the service's loop.) The group, formed ahead or now, then the exchange."""
+        # the buffers the round decodes into, faulted in on an executor thread while the group forms
+        buffers = asyncio.get_event_loop().run_in_executor(None, self.endpoint.round_buffers, flat.numel())
         group = None
         if early is not None:
             try:
                 group = await asyncio.wrap_future(early.future)
             except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
                 logger.info("fragment %d: no group formed ahead for round %s: matching now", self.fragment, key)
-        if group is None:
-            group = await self.endpoint.form_group(key, weight, target, self.timeouts.matchmaking)
-        return await self.endpoint.run_round(group, flat, formed=current.formed)
+        try:
+            if group is None:
+                group = await self.endpoint.form_group(key, weight, target, self.timeouts.matchmaking)
+        finally:
+            result, sent = await buffers  # (also on failure: the executor thread is not left behind)
+        return await self.endpoint.run_round(group, flat, formed=current.formed, result=result, sent=sent)
 
     def _stage(self, handle: HivemindSyncHandle, tensor: torch.Tensor) -> Optional[torch.Tensor]:
         """The tensor as the round reads it (``cpu_fp32``); None (``handle`` failed) if it is not

@@ -20,6 +20,8 @@ import logging
 import threading
 from typing import Any, Coroutine, Optional
 
+from opendiloco_stream.transport.hivemind.buffers import BufferPool
+
 logger = logging.getLogger(__name__)
 
 # hivemind logs a stream broken by a peer that left with a traceback; the round reports it as SyncFailed.
@@ -46,6 +48,7 @@ class AveragingService:
         self.loop = asyncio.new_event_loop()
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(CODEC_THREADS, "ods-codec"))
         self._dht_pool = concurrent.futures.ThreadPoolExecutor(DHT_THREADS, "ods-dht")
+        self.buffers = BufferPool()  # what rounds decode into, shared by the fragments (buffers.py)
         self._thread = threading.Thread(target=self.loop.run_forever, name="ods-averaging", daemon=True)
         self._thread.start()
         self.closed = False
@@ -100,6 +103,7 @@ class AveragingService:
         except Exception as e:
             logger.debug("the averaging service's p2p client did not close cleanly: %r", e)
         self._stop_loop(timeout)
+        self.buffers.clear()
 
     def _stop_loop(self, timeout: float = 5.0) -> None:
         pending: Optional[concurrent.futures.Future] = None
