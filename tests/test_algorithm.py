@@ -587,15 +587,20 @@ class _SlowLinkTransport:
         return h
 
 
-def test_eager_waits_only_for_a_round_that_took_the_whole_window():
-    """Eager (corrected, on arrival) never waits for a round that lands in time, and waits at the next
-    sync only for a round that has not landed by then: the fix adds no waiting."""
-    link = _SlowLinkTransport()
+def _eager_h4(link):
+    """Eager, H = 4, P = 1 over ``link``: (diloco, model, its SGD optimizer, a batch)."""
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     diloco = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=4, num_fragments=1,
                                                                              mode="eager"), blocks=list(model))
-    data = torch.randn(5, 8)
+    return diloco, model, opt, torch.randn(5, 8)
+
+
+def test_eager_waits_only_for_a_round_that_took_the_whole_window():
+    """Eager (corrected, on arrival) never waits for a round that lands in time, and waits at the next
+    sync only for a round that has not landed by then: the fix adds no waiting."""
+    link = _SlowLinkTransport()
+    diloco, model, opt, data = _eager_h4(link)
     for t in range(1, 13):
         model(data).pow(2).mean().backward()
         opt.step()
@@ -757,11 +762,7 @@ def test_a_donor_at_the_initial_model_hands_out_the_marker_only_while_its_rounds
     state after the round landed, not the initial-model marker: a joiner starting from the initial
     model could not be in that round and would stay its outer step behind the others."""
     link = _SlowLinkTransport()
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    donor = StreamingDiLoCo(model, opt, transport=link, config=DiLoCoConfig(inner_steps=4, num_fragments=1,
-                                                                            mode="eager"), blocks=list(model))
-    data = torch.randn(5, 8)
+    donor, model, opt, data = _eager_h4(link)
     for _ in range(5):  # round 0 launched at step 4, in flight at step 5
         model(data).pow(2).mean().backward()
         opt.step()
