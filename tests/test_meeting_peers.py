@@ -193,8 +193,12 @@ def test_an_eager_third_peer_5s_later_averages_in_groups_of_three_from_its_first
 def test_three_peers_started_together_average_in_groups_of_three(tmp_path, mode):
     """Three peers launched at once: after the first round of each fragment, every round they all
     ran is one group of three (with hivemind's matchmaking, eager rounds sometimes split into a
-    pair and a peer alone). A peer that came up late under load is covered by min_share."""
-    records = _run_swarm(tmp_path, f"meet3t-{mode}", MODES[mode], [0.0, 0.0, 0.0])
+    pair and a peer alone). A peer that came up late under load is covered by min_share. Eager
+    runs with 1 s steps: unslowed, a peer whose start-up took a few seconds longer asked for the
+    state while the others' first rounds were formed, got it after they landed, three times a
+    round late, and joined as the 5-9 s run ended (once in a full suite)."""
+    slow = {"env": faults.env(step_delay_s=1.0), "steps": SLOW_STEPS} if mode == "eager" else {}
+    records = _run_swarm(tmp_path, f"meet3t-{mode}", MODES[mode], [0.0, 0.0, 0.0], **slow)
     _assert_met(records, _first_rounds(mode), min_share=0.2)
 
 
