@@ -207,6 +207,7 @@ def test_identity_path_keeps_the_peer_id_and_stop_leaves_no_p2pd(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_dht_process_killed_by_a_signal_never_leaves_its_p2pd_behind():
     from opendiloco_stream.net.lifecycle import GracefulShutdown, wait_gone
+    from tests.support.hivemind_locks import unstick_hivemind_locks
 
     with GracefulShutdown():  # forked under it, the DHT process passes SIGTERM on to its p2pd
         dht = start_dht(NetConfig())
@@ -215,6 +216,9 @@ def test_a_dht_process_killed_by_a_signal_never_leaves_its_p2pd_behind():
         assert wait_gone(p2pd + [dht.pid], 30) == []
         stop_dht(dht)
 
+    # the killed DHT process may have held a hivemind lock: this test starts another in this
+    # process (a fresh-clone suite hung here without it; tests/support/hivemind_locks.py)
+    unstick_hivemind_locks()
     dht = start_dht(NetConfig())
     p2pd = _p2pd_under(dht.pid)
     os.kill(dht.pid, signal.SIGKILL)  # nothing runs in the DHT process: its p2pd is orphaned (re-parented)...
