@@ -33,7 +33,7 @@ class BufferPool:
         self.keep = int(keep)
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
-        self.allocated = 0  # blocks made (a test and the round report read it)
+        self.allocated = 0  # blocks made (counted under the lock; tests read it)
 
     def take(self, numel: int) -> torch.Tensor:
         """A tensor of ``numel`` fp32 elements (contents undefined), pages faulted in."""
@@ -43,7 +43,8 @@ class BufferPool:
             block = free.pop() if free else None
         if block is None:
             block = native.touched_huge(numel).numpy()  # the block keeps its torch storage alive
-            self.allocated += 1
+            with self._lock:
+                self.allocated += 1
         view = block[:]  # a new array object over the block: only the tensor below holds it
         weakref.finalize(view, self._give_back, block)
         return torch.from_numpy(view)
