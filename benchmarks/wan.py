@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m benchmarks.wan --quick --out benchmarks/results/wan-quick.json
     sudo .venv/bin/python -m benchmarks.wan --rates 5,20,100 --out benchmarks/results/wan-full.json
+    sudo .venv/bin/python -m benchmarks.wan --time-to-loss --out benchmarks/results/wan-time-to-loss.json
     sudo .venv/bin/python -m benchmarks.wan --cleanup          # remove leftovers of killed runs
 
 For each link rate R and each mode (data-parallel, DiLoCo blocking P=1, streaming blocking,
@@ -17,6 +18,10 @@ a run that times out or fails is recorded with its status. Processes start and s
 harness (``benchmarks/harness/peers.py``); namespaces and every process in them are removed at
 the end, on Ctrl+C and on SIGTERM. Without root / ``ip netns`` it says why and exits 0 without
 numbers. The report (table, ratios, simulator comparison, plots) is ``benchmarks/harness/wan_report.py``.
+
+``--time-to-loss``: the peers evaluate every 10 steps, and the report gives per link the training
+time each mode needs to reach blocking streaming fp32's final eval loss (the other runs get twice
+the steps to get there) and a plot of eval loss against time (``benchmarks/harness/wan_time_to_loss.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.harness import netns, wan_report
+from benchmarks.harness import wan_time_to_loss as ttl
 from benchmarks.harness import wan_records as wr
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.results import command_line, environment, write_result
@@ -65,6 +71,7 @@ class RunSpec:
     steps: int
     link_mbit: float
     peers: int
+    eval_every: int = 0  # --time-to-loss: evaluations along the way (the eval-loss-against-time curve)
 
     @property
     def name(self) -> str:
@@ -90,7 +97,7 @@ def dp_steps(args: argparse.Namespace, rate: float, peers: int, codec: str) -> i
     """Data-parallel syncs every step: bound its steps so that it needs about ``--dp-budget`` s of link."""
     probe = RunSpec("data-parallel", "data-parallel", codec, 1, 0, args.inner_steps, 1, rate, peers)
     per_step = expected_network_s(probe) + args.step_time_guess
-    return int(max(args.dp_min_steps, min(args.steps, args.dp_budget // per_step)))
+    return int(max(args.dp_min_steps, min(args.steps * args.longer, args.dp_budget // per_step)))
 
 
 def plan(args: argparse.Namespace) -> list[RunSpec]:
@@ -103,7 +110,10 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
             codecs = args.codecs_for.get(label, args.codecs)
             for codec in codecs:
                 steps = dp_steps(args, rate, args.peers, codec) if label == "data-parallel" else args.steps
-                specs.append(RunSpec(label, mode, codec, fragments, tau, args.inner_steps, steps, rate, args.peers))
+                if label != "data-parallel" and (label, codec) != ttl.REFERENCE:
+                    steps = int(steps * args.longer)  # room to reach the reference's final loss
+                specs.append(RunSpec(label, mode, codec, fragments, tau, args.inner_steps, steps, rate, args.peers,
+                                     args.eval_every))
     if args.baseline:  # no sync at all (H > steps): the traffic that is not ours (DHT, metrics)
         steps = min(args.steps, 20)  # a rate per second is all it measures
         specs.insert(0, RunSpec("idle", "blocking", "fp32", 1, 0, steps + 1, steps, args.rates[0], args.peers))
@@ -127,6 +137,8 @@ def peer_flags(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, work
              "--checkpoint-dir", str(workdir / f"ckpt-{rank}"), "--matchmaking-time", f"{matchmaking_s:g}"]
     if spec.mode == "overlap":
         flags += ["--overlap-steps", str(spec.overlap_steps)]
+    if spec.eval_every:
+        flags += ["--eval-every", str(spec.eval_every)]
     return flags
 
 
@@ -216,6 +228,7 @@ def make_record(spec: RunSpec, metrics: list[list[dict]], iface: dict[str, dict[
     per_peer = [wr.peer_figures(recs, spec.mode, iface.get(f"p{r}", {}), wr.tail_rounds(workdir / f"ckpt-{r}"),
                                 other_bps, elapsed) for r, recs in enumerate(metrics)]
     rec.update(wr.aggregate(per_peer))
+    rec["eval_curve"] = ttl.curve(metrics)
     rec["per_peer"] = per_peer
     return rec
 
@@ -228,6 +241,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Needs root and `ip netns` (exits 0 with the reason otherwise).")
     p.add_argument("--quick", action="store_true", help="one link rate (5 Mbit/s), fp32 for every mode + eager fp4")
+    p.add_argument("--time-to-loss", action="store_true",
+                   help="wall time to reach streaming fp32's final eval loss: data-parallel, DiLoCo, streaming fp32, "
+                        "eager fp4-e3m0 and topk-int2, evaluating every --eval-every steps; the other runs get "
+                        "--longer x the steps (data-parallel: x its link budget)")
+    p.add_argument("--eval-every", type=int, help="peers evaluate every N steps (default 0, --time-to-loss 10)")
+    p.add_argument("--longer", type=float, help="--time-to-loss: steps of the runs other than the reference, "
+                   "as a multiple of --steps (default 2)")
     p.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 5,20,100)")
     p.add_argument("--modes", help=f"subset of {','.join(MODES)} (default: all)")
     p.add_argument("--codecs", help="codecs of the streaming modes (default fp32,fp16,int8,fp4-e3m0)")
@@ -255,12 +275,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--cleanup", action="store_true", help="remove namespaces/processes left by earlier runs and exit")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.time_to_loss:
+        args.modes = args.modes or "data-parallel,diloco,streaming,streaming-eager"
+        args.codecs = args.codecs or "fp32,fp4-e3m0,topk-int2"
+    args.eval_every = args.eval_every if args.eval_every is not None else (10 if args.time_to_loss else 0)
+    args.longer = args.longer or (2.0 if args.time_to_loss else 1.0)
     args.rates = [float(x) for x in (args.rates or ("5" if args.quick else "5,20,100")).split(",")]
     args.modes = (args.modes or ",".join(MODES)).split(",")
     args.codecs = (args.codecs or ("fp32,fp4-e3m0" if args.quick else "fp32,fp16,int8,fp4-e3m0")).split(",")
     args.dp_codecs = args.dp_codecs.split(",")
     args.steps = args.steps or (40 if args.quick else 100)
-    args.dp_budget = args.dp_budget or (30.0 if args.quick else 60.0)
+    args.dp_budget = (args.dp_budget or (30.0 if args.quick else 60.0)) * args.longer
     for m in args.modes:
         if m not in MODES:
             p.error(f"--modes: unknown mode {m!r}; use some of {', '.join(MODES)}")
@@ -271,6 +296,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.codecs_for = {"data-parallel": args.dp_codecs, "diloco": ["fp32"]}
     if args.quick:
         args.codecs_for.update({"streaming": ["fp32"], "streaming-tau1": ["fp32"]})
+    if args.time_to_loss:  # the reference, and eager at the two codecs a slow link would use
+        args.codecs_for.update({"streaming": ["fp32"], "streaming-eager": [c for c in args.codecs if c != "fp32"]})
     return args
 
 

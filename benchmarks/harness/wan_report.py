@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.harness.results import markdown_table, plot_bars, read_result
+from benchmarks.harness import wan_time_to_loss as ttl
 from benchmarks.harness.wan_records import clean, mean, rounds_per_peer
 
 LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
@@ -233,6 +234,7 @@ def finish(records: list[dict[str, Any]], report: Optional[str], plots: Optional
     env = next((r.get("environment") for r in records if r.get("environment")), {})
     parts = [f"Command: `{env.get('command', '?')}` (commit {env.get('git_commit')}, {env.get('cpu_count')} CPUs, "
              f"{env.get('date_utc')})", "", "### Runs", "", table(records), "", "### Headline", "", *headline(records),
+             *(["### Time to loss", "", *ttl.section(records)] if ttl.rows(records) else []),
              "### Bytes per token", "", *bytes_per_token(records), "",
              "### Interface counters vs our accounting", "", *accounting(records, fit), "",
              "### Simulator vs measured", "", *simulator(simulator_rows(records))]
@@ -243,6 +245,8 @@ def finish(records: list[dict[str, Any]], report: Optional[str], plots: Optional
         Path(report).write_text(text)
     if plots:
         draw(records, plots)
+        if ttl.rows(records):
+            ttl.draw(records, f"{plots}-time-to-loss.png")
     return text
 
 

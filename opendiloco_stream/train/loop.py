@@ -177,7 +177,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     report = WorkerReport(rank=rank, params=sum(p.numel() for p in w.model.parameters()),
                           outer_gradient_numel=sum(f.numel for f in w.diloco.fragments))
     report.eval_loss_initial = w.evaluate()
-    emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial})
+    emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial, "wall_s": 0.0})
     if data_position is not None:  # a streamed dataset resumes at the recorded position, not by re-reading
         w.batches = train_source.batches(rank, world_size, cfg.train.batch_size, position=data_position)
     else:
@@ -314,8 +314,9 @@ def _train_loop(w: _Worker, report: WorkerReport, start_step: int,
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
             e0 = time.perf_counter()
             ev_loss = w.evaluate()
+            w.emit({"event": "eval", "rank": w.rank, "step": step + 1, "eval_loss": ev_loss,
+                    "wall_s": round(e0 - wall_start - eval_s, 3)})
             eval_s += time.perf_counter() - e0
-            w.emit({"event": "eval", "rank": w.rank, "step": step + 1, "eval_loss": ev_loss})
         if tc.checkpoint_dir and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
             w.save(step + 1)
         if w.should_stop is not None and w.should_stop():
@@ -330,6 +331,7 @@ def _finish(w: _Worker, report: WorkerReport, start_step: int, recent: list[floa
     """After the loop: the last checkpoint, the rounds in flight landed, the final evaluations."""
     diloco, rank = w.diloco, w.rank
     end_step = diloco.step_count
+    t0, eval_s = time.perf_counter(), 0.0  # the final eval's wall_s: the loop's, plus landing what is in flight
     # the data-parallel wait happens inside opt.step(): move it from compute to communication
     if diloco.waits_in_optimizer_step:
         report.compute_s = max(0.0, report.compute_s - diloco.stats.wait_s)
@@ -337,12 +339,16 @@ def _finish(w: _Worker, report: WorkerReport, start_step: int, recent: list[floa
         w.save(end_step)
     if diloco.in_flight:
         # the rounds still in flight land in the final model (finish); the loss before is kept for comparison
+        e0 = time.perf_counter()
         report.eval_loss_before_finish = w.evaluate()
+        eval_s = time.perf_counter() - e0
         w.emit({"event": "eval", "rank": rank, "step": end_step, "stage": "before-finish",
                 "eval_loss": report.eval_loss_before_finish})
         diloco.finish()
+    landed_s = time.perf_counter() - t0 - eval_s
     report.eval_loss = w.evaluate()
-    w.emit({"event": "eval", "rank": rank, "step": end_step, "eval_loss": report.eval_loss})
+    w.emit({"event": "eval", "rank": rank, "step": end_step, "eval_loss": report.eval_loss,
+            "wall_s": round(report.wall_s + landed_s, 3)})
     consensus = diloco.global_params()  # the run's consensus model: theta_bar in every fragment
     if consensus is not None:
         with consensus:

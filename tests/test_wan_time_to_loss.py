@@ -1,0 +1,75 @@
+"""benchmarks/wan.py --time-to-loss: the runs it plans, and how the report reads a run's eval curve.
+
+The curves here come from a real ``local`` run's metrics (4 workers, their ``eval`` records with
+``wall_s``); the WAN runs themselves need root and namespaces (tests/test_wan_netns.py covers that layer).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import wan
+from benchmarks.harness import wan_time_to_loss as ttl
+from opendiloco_stream.train.loop import read_metrics
+
+
+def test_time_to_loss_plans_the_five_runs_per_link_with_room_to_reach_the_target():
+    args = wan.parse_args(["--time-to-loss", "--no-baseline"])
+    specs = wan.plan(args)
+    assert [s.link_mbit for s in specs] == [5.0] * 5 + [20.0] * 5 + [100.0] * 5
+    at5 = {(s.label, s.codec): s for s in specs if s.link_mbit == 5.0}
+    assert set(at5) == {("data-parallel", "fp32"), ("diloco", "fp32"), ("streaming", "fp32"),
+                        ("streaming-eager", "fp4-e3m0"), ("streaming-eager", "topk-int2")}
+    assert at5["streaming", "fp32"].steps == 100  # the reference trains the usual steps
+    assert at5["diloco", "fp32"].steps == at5["streaming-eager", "topk-int2"].steps == 200
+    assert all(s.eval_every == 10 for s in specs)
+    flags = wan.peer_flags(_Topo(), at5["streaming-eager", "fp4-e3m0"], 0, "run", wan.Path("/tmp"), 10.0)
+    assert flags[flags.index("--eval-every") + 1] == "10" and flags[flags.index("--mode") + 1] == "eager"
+    # without the flag nothing changes: no evaluations, the same steps for every streaming run
+    plain = wan.plan(wan.parse_args(["--quick", "--no-baseline"]))
+    assert all(s.eval_every == 0 for s in plain) and {s.steps for s in plain if s.label != "data-parallel"} == {40}
+
+
+class _Topo:
+    def ip(self, node: str) -> str:
+        return "10.0.0.1"
+
+
+def test_reach_time_interpolates_between_evaluations_and_says_when_never():
+    points = [[0, 0.0, 5.0], [10, 10.0, 3.0], [20, 20.0, 2.0], [30, 30.0, 2.5]]
+    assert ttl.reach_time(points, 2.5) == pytest.approx(15.0)
+    assert ttl.reach_time(points, 3.0) == pytest.approx(10.0)
+    assert ttl.reach_time(points, 1.9) is None
+    assert ttl.reach_time(points, 6.0) == 0.0
+
+
+@pytest.mark.slow
+def test_curves_from_a_real_run_give_each_mode_its_time_to_the_reference_loss(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "opendiloco_stream", "local", "--workers", "2", "--mode", "blocking",
+                           "--fragments", "2", "--inner-steps", "5", "--steps", "20", "--model", "tiny", "--seq-len",
+                           "32", "--batch-size", "4", "--eval-every", "5", "--no-progress", "--metrics-file",
+                           str(metrics)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = read_metrics(metrics)
+    per_rank = [[r for r in recs if r.get("rank") == k] for k in (0, 1)]
+    curve = ttl.curve(per_rank)
+    assert [p[0] for p in curve] == [0, 5, 10, 15, 20]  # the evaluated steps, the final one included
+    walls = [p[1] for p in curve]
+    assert walls[0] == 0.0 and walls == sorted(walls) and walls[-1] > 0
+    summary = next(r for r in recs if r["event"] == "summary")
+    assert curve[-1][2] == pytest.approx(summary["eval_loss"], rel=1e-4)
+    # the same run as the reference and as a run that stops learning half-way
+    ref = {"mode": "streaming", "codec": "fp32", "link_mbit": 5.0, "status": "ok", "eval_curve": curve}
+    stalled = {**ref, "mode": "streaming-eager", "codec": "fp4-e3m0",
+               "eval_curve": [p if i < 3 else [p[0], p[1], curve[2][2]] for i, p in enumerate(curve)]}
+    rows = {r["mode"]: r for r in ttl.rows([ref, stalled])}
+    assert rows["streaming"]["time_s"] <= curve[-1][1] and rows["streaming"]["vs_reference"] == 1.0
+    assert rows["streaming-eager"]["time_s"] is None and rows["streaming-eager"]["best_loss"] == curve[2][2]
+    text = "\n".join(ttl.section([ref, stalled]))
+    assert "not reached" in text and f"{rows['streaming']['time_s']:.1f} s" in text
+    ttl.draw([ref, stalled], str(tmp_path / "ttl.png"))
+    assert (tmp_path / "ttl.png").stat().st_size > 10_000
