@@ -746,3 +746,33 @@ def test_transport_settings_come_from_netconfig_not_repeated_defaults():
     assert (defaults.matchmaking_time, defaults.request_timeout, defaults.link_mbit, defaults.norm_bound) == (
         net.matchmaking_time, net.request_timeout, net.link_mbit, net.norm_bound)
     assert default_hivemind_settings(codec="topk-int2").block_size == load_config(environ={}).diloco.sparse_chunk
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_a_group_of_clients_only_fails_naming_the_cause_and_a_listener_makes_it_form():
+    """Two peers that both accept no connections (client mode) reach the same round: none can lead
+    or reduce, so the round fails after its window with reason "clients" and a message that says
+    what to do, not the generic "matchmaking". With one of the two listening, the next round
+    forms and averages exactly (the client reduces no part)."""
+    kwargs = dict(codec="fp32", target_group_size=2, matchmaking_time=3.0, request_timeout=1.0)
+    clients = LoopbackSwarm(2, run_id="hvclients", transport_kwargs=dict(client_mode=True, **kwargs))
+    try:
+        clients.start()
+        clients.call_all("prepare", {0: N}, timeout=120)
+        failed = clients.call_all("all_reduce", key=(0, 0), numel=N, timeout=60, per_peer=[dict(seed=1), dict(seed=2)])
+        for r in failed:
+            assert not r["ok"] and r["reason"] == "clients", r
+            assert "all clients" in r["message"] and "--relay" in r["message"], r["message"]
+    finally:
+        clients.close()
+    mixed = LoopbackSwarm(2, run_id="hvmixed", transport_kwargs=kwargs, peer_overrides={1: dict(client_mode=True)})
+    try:
+        mixed.start()
+        mixed.call_all("prepare", {0: N}, timeout=120)
+        both = mixed.call_all("all_reduce", key=(0, 0), numel=N, timeout=60, per_peer=[dict(seed=1), dict(seed=2)])
+        assert all(r["ok"] and r["group_size"] == 2 for r in both), both
+        assert torch.allclose(both[0]["average"], (make_tensor(1, N) + make_tensor(2, N)) / 2, rtol=1e-6, atol=1e-7)
+        assert torch.equal(both[0]["average"], both[1]["average"])
+    finally:
+        mixed.close()

@@ -104,6 +104,9 @@ class AloneWatch:
         "matchmaking": "no other peer of the run reached the same round in its matchmaking window "
                        "(none running, all out of reach, or all clients: a group needs one peer that "
                        "accepts connections; check --initial-peers and `doctor`)",
+        "clients": "every peer that reached its rounds is a client (none accepts connections, e.g. all behind "
+                   "NAT), so nobody can lead a group or reduce: give one peer a reachable address "
+                   "(--announce-maddrs / --public-ip) or all of them a relay (peer --relay, bootstrap --relay)",
         "joining": "this peer sits out its first rounds in a running swarm",
         "timeout": "rounds time out before a group forms (a slow or unreachable swarm)",
         "alone": "a group of one: no other peer of the run joined its rounds",

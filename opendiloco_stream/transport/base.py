@@ -34,7 +34,8 @@ class SyncFailed(RuntimeError):
     def __init__(self, message: str, *, key: Hashable = None, reason: str = "failed"):
         super().__init__(message)
         self.key = key
-        #: short machine-readable cause: "timeout", "partial", "matchmaking", "rejected", "closed"
+        #: short machine-readable cause: "timeout", "partial", "matchmaking", "clients" (only peers that
+        #: accept no connections reached the round), "rejected", "closed"
         self.reason = reason
 
 

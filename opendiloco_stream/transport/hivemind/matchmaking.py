@@ -45,6 +45,15 @@ EXCLUDE_S = 1.0  # how long a peer that refused us (full, not leading) is passed
 class MatchmakingFailed(Exception):
     """No group formed for the round within its window."""
 
+    reason = "matchmaking"  # the round's failure reason (``SyncResult.reason``)
+
+
+class NoPeerAcceptsConnections(MatchmakingFailed):
+    """Other peers reached the round, but none of them (nor this one) accepts connections: every one
+    of them is a client, so nobody could lead the group or reduce a part."""
+
+    reason = "clients"
+
 
 @dataclass(frozen=True)
 class Group:
@@ -82,6 +91,8 @@ class _Round:
     members: dict = field(default_factory=dict)  # follower PeerID -> gathered bytes, in join order
     outcome: Optional[asyncio.Future] = None  # Group, or a PeerID to follow instead, or an exception
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    clients: set = field(default_factory=set)  # other peers seen announcing the round in client mode
+    led: bool = False  # some peer that can lead was seen (or this peer can lead)
 
 
 class Matchmaker:
@@ -129,16 +140,20 @@ class Matchmaker:
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         for subkey, item in entries.items():
             value = getattr(item, "value", None)
-            if not (isinstance(value, (list, tuple)) and len(value) == 2 and value[0] is True and value[1] is False):
+            if not (isinstance(value, (list, tuple)) and len(value) == 2 and value[1] is False):
                 continue
             try:
                 peer = PeerID.from_base58(str(subkey))
             except Exception:
                 continue
-            if excluded.get(peer, 0.0) <= now:
+            if value[0] is not True:
+                if peer != self.me:
+                    r.clients.add(peer)
+            elif excluded.get(peer, 0.0) <= now:
                 out.add(peer)
         if not self.client_mode:
             out.add(self.me)
+        r.led = r.led or bool(out)
         return sorted(out, key=lambda p: p.to_bytes())
 
     # ------------------------------------------------------------------ forming a group
@@ -221,7 +236,14 @@ class Matchmaker:
         r.changed.clear()
 
     def _finish(self, r: _Round, at_deadline: bool) -> Group:
-        """As the leader: the group of this peer and its members (``MatchmakingFailed`` if alone)."""
+        """As the leader: the group of this peer and its members (``MatchmakingFailed`` if alone;
+        ``NoPeerAcceptsConnections`` if only clients ever reached the round)."""
+        if at_deadline and r.clients and not r.led:
+            raise NoPeerAcceptsConnections(
+                f"{self.prefix}: round {r.index}: no group formed: this peer and the {len(r.clients)} other(s) that "
+                "reached the round are all clients (none accepts connections, so none can lead or reduce): give "
+                "one peer a reachable address (--announce-maddrs / --public-ip) or all of them a relay "
+                "(peer --relay, bootstrap --relay); see docs/networking.md")
         if not r.leading or not r.members:
             raise MatchmakingFailed(f"{self.prefix}: round {r.index}: no group formed"
                                     + (" (window over)" if at_deadline else ""))
