@@ -273,6 +273,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--plots", help="write PNG plots with this path prefix, e.g. docs/img/wan")
     p.add_argument("--workdir", help="metrics and logs of each run (default: a temporary folder)")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces/processes left by earlier runs and exit")
+    p.add_argument("--plan", action="store_true", help="print the runs (one JSON object each, with the peer "
+                   "flags of peer 0) and exit: no root needed")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.time_to_loss:
@@ -303,6 +305,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.plan:
+        for spec in plan(args):
+            flags = peer_flags(netns.Topology(peers=spec.peers), spec, 0, "RUN", Path("WORKDIR"), args.matchmaking_time)
+            print(json.dumps({**vars(spec), "name": spec.name, "peer_flags": flags}))
+        return 0
     reason = netns.unavailable_reason()
     if reason is not None:
         print(f"wan.py: WAN emulation unavailable here, nothing measured: {reason}", file=sys.stderr)

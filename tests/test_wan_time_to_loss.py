@@ -6,36 +6,39 @@ The curves here come from a real ``local`` run's metrics (4 workers, their ``eva
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks import wan
 from benchmarks.harness import wan_time_to_loss as ttl
 from opendiloco_stream.train.loop import read_metrics
+from tests.support.peers import REPO
+
+
+def _plan(*flags: str) -> list[dict]:
+    """``python -m benchmarks.wan --plan``: prints the runs and exits, starting nothing (no root)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.wan", "--plan", "--no-baseline", *flags], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
 
 
 def test_time_to_loss_plans_the_five_runs_per_link_with_room_to_reach_the_target():
-    args = wan.parse_args(["--time-to-loss", "--no-baseline"])
-    specs = wan.plan(args)
-    assert [s.link_mbit for s in specs] == [5.0] * 5 + [20.0] * 5 + [100.0] * 5
-    at5 = {(s.label, s.codec): s for s in specs if s.link_mbit == 5.0}
+    specs = _plan("--time-to-loss")
+    assert [s["link_mbit"] for s in specs] == [5.0] * 5 + [20.0] * 5 + [100.0] * 5
+    at5 = {(s["label"], s["codec"]): s for s in specs if s["link_mbit"] == 5.0}
     assert set(at5) == {("data-parallel", "fp32"), ("diloco", "fp32"), ("streaming", "fp32"),
                         ("streaming-eager", "fp4-e3m0"), ("streaming-eager", "topk-int2")}
-    assert at5["streaming", "fp32"].steps == 100  # the reference trains the usual steps
-    assert at5["diloco", "fp32"].steps == at5["streaming-eager", "topk-int2"].steps == 200
-    assert all(s.eval_every == 10 for s in specs)
-    flags = wan.peer_flags(_Topo(), at5["streaming-eager", "fp4-e3m0"], 0, "run", wan.Path("/tmp"), 10.0)
+    assert at5["streaming", "fp32"]["steps"] == 100  # the reference trains the usual steps
+    assert at5["diloco", "fp32"]["steps"] == at5["streaming-eager", "topk-int2"]["steps"] == 200
+    flags = at5["streaming-eager", "fp4-e3m0"]["peer_flags"]
     assert flags[flags.index("--eval-every") + 1] == "10" and flags[flags.index("--mode") + 1] == "eager"
     # without the flag nothing changes: no evaluations, the same steps for every streaming run
-    plain = wan.plan(wan.parse_args(["--quick", "--no-baseline"]))
-    assert all(s.eval_every == 0 for s in plain) and {s.steps for s in plain if s.label != "data-parallel"} == {40}
-
-
-class _Topo:
-    def ip(self, node: str) -> str:
-        return "10.0.0.1"
+    plain = _plan("--quick")
+    assert all(s["eval_every"] == 0 and "--eval-every" not in s["peer_flags"] for s in plain)
+    assert {s["steps"] for s in plain if s["label"] != "data-parallel"} == {40}
 
 
 def test_reach_time_interpolates_between_evaluations_and_says_when_never():
