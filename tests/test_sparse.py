@@ -424,6 +424,57 @@ def test_error_feedback_in_the_parameters_restarts_from_what_was_not_sent(mode, 
     assert min(checked) >= 6
 
 
+@pytest.mark.parametrize("mode,extra", [("overlap", {"overlap_steps": 1}), ("eager", {"eager_rule": "merge"}),
+                                        ("eager", {"eager_rule": "overlap"})])
+def test_a_merge_carries_the_unsent_part_once(mode, extra):
+    # The merge rules keep alpha of the local parameters' deviation from theta_bar, and the unsent
+    # part u = d - sent is in that deviation: after the merge, error feedback moves the local
+    # parameters by the remaining (1 - alpha) x u, not by u (which carried (1 + alpha) x u into
+    # the next outer gradient: a part never sent grew 1.5x a round and an eager topk-int2 run
+    # diverged). Hand-computed from what the step saw: q (local before), theta_bar before and
+    # after, d (handed) and sent; LocalSwarm lands each round one step after its launch.
+    alpha = 0.5
+    config = DiLoCoConfig(inner_steps=4, num_fragments=2, mode=mode, codec="topk-int2", alpha=alpha, **extra)
+    swarm = LocalSwarm(num_workers=2, codec="topk-int2", block_size=64, density=0.05)
+    recorders = [_Recorder(swarm.transport(r)) for r in range(2)]
+    checked = [0, 0]
+    torch.manual_seed(0)
+    data = [torch.randn(6, 32) for _ in range(2)]
+    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
+
+    def worker(rank):
+        torch.manual_seed(1)
+        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rec = recorders[rank]
+        dl = StreamingDiLoCo(model, opt, transport=rec, config=config, blocks=list(model))
+        for _ in range(16):
+            model(data[rank]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            seen = set(rec.results)
+            before = {f.index: (flat(f.fragment.params), flat(f.outer)) for f in dl.frags}
+            dl.step()
+            for key in set(rec.results) - seen:  # rounds applied in this step
+                f = dl.frags[key[0]]
+                q, outer_old = before[key[0]]
+                outer_new, local = flat(f.outer), flat(f.fragment.params)
+                d, sent = rec.handed[key], rec.results[key].sent
+                u = d - sent
+                assert u.abs().sum() > 0  # a sparse round leaves most of d unsent
+                launch = outer_old - d  # the local parameters when the round was launched
+                if extra.get("eager_rule") == "merge":
+                    merged = q + (1 - alpha) * (outer_new - launch)
+                else:
+                    merged = alpha * q + (1 - alpha) * outer_new
+                assert torch.allclose(local, merged - (1 - alpha) * u, atol=1e-6)
+                checked[rank] += 1
+        dl.close()
+
+    swarm.run(worker)
+    assert min(checked) >= 6
+
+
 def test_error_feedback_in_the_parameters_resumes_exactly(tmp_path):
     # the unsent part lives in the model's parameters between rounds: a checkpoint of model +
     # optimizer + StreamingDiLoCo resumes bit-exactly (eager, on-arrival, a sparse codec)

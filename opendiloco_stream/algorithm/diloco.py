@@ -204,13 +204,20 @@ class StreamingDiLoCo(HasSyncLog):
             f.unsent = (pending.sent_input - result.sent) * self.config.error_feedback_decay
         return result, reason, waited
 
-    def keep_unsent(self, f: FragmentState) -> None:
+    def keep_unsent(self, f: FragmentState, scale: float = 1.0) -> None:
         """Error feedback in the parameters: after a round's result is applied, the local
         parameters move by minus what this peer did not send, so the inner loop goes on from its
         own unsent progress and the next outer gradient (taken against theta_bar, or ``start``)
-        carries it, instead of re-learning it and adding it to a residual buffer."""
+        carries it, instead of re-learning it and adding it to a residual buffer.
+
+        ``scale``: the part of it still to move. A rule that restarts the local parameters moves
+        all of it (1). A merge that keeps alpha of the local parameters' deviation from theta_bar
+        has already kept alpha of the unsent part (it is in that deviation): it moves the rest,
+        ``1 - alpha``, so the unsent part is carried exactly once (moving all of it carried
+        ``1 + alpha`` of it into the next outer gradient: a part never sent grew by that factor
+        every round until the run diverged)."""
         if f.unsent is not None:
-            f.set_local([q - u for q, u in zip(f.local(), f.split(f.unsent))])
+            f.set_local([q - scale * u for q, u in zip(f.local(), f.split(f.unsent))])
             f.unsent = None
 
     def consume(self, f: FragmentState, pending: _Pending, applied: bool = False,

@@ -134,7 +134,7 @@ class Overlap(SyncRule):
 
         if self.host.consume(f, pending, applied=True, apply=merge) is None:
             self.host.log.stats.local_only_steps += 1
-        self.host.keep_unsent(f)
+        self.host.keep_unsent(f, scale=1.0 - self.config.alpha)  # the merge kept alpha of it
 
     def merged(self, local: list[torch.Tensor], before: list[torch.Tensor], pending: _Pending) -> list[torch.Tensor]:
         """The local parameters after the merge (``before``: theta_bar before the round's step)."""
