@@ -20,8 +20,9 @@ the end, on Ctrl+C and on SIGTERM. Without root / ``ip netns`` it says why and e
 numbers. The report (table, ratios, simulator comparison, plots) is ``benchmarks/harness/wan_report.py``.
 
 ``--time-to-loss``: the peers evaluate every 10 steps, and the report gives per link the training
-time each mode needs to reach blocking streaming fp32's final eval loss (the other runs get twice
-the steps to get there) and a plot of eval loss against time (``benchmarks/harness/wan_time_to_loss.py``).
+time each mode needs to reach blocking streaming fp32's final eval loss (every run has the same
+steps and learning-rate schedule; a run that ends above the target says "not reached") and a plot
+of eval loss against time (``benchmarks/harness/wan_time_to_loss.py``).
 """
 
 from __future__ import annotations
@@ -243,11 +244,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one link rate (5 Mbit/s), fp32 for every mode + eager fp4")
     p.add_argument("--time-to-loss", action="store_true",
                    help="wall time to reach streaming fp32's final eval loss: data-parallel, DiLoCo, streaming fp32, "
-                        "eager fp4-e3m0 and topk-int2, evaluating every --eval-every steps; the other runs get "
-                        "--longer x the steps (data-parallel: x its link budget)")
+                        "eager fp4-e3m0 and topk-int2, evaluating every --eval-every steps, all with the same "
+                        "steps and schedule (data-parallel: fewer if its link budget says so)")
     p.add_argument("--eval-every", type=int, help="peers evaluate every N steps (default 0, --time-to-loss 10)")
-    p.add_argument("--longer", type=float, help="--time-to-loss: steps of the runs other than the reference, "
-                   "as a multiple of --steps (default 2)")
+    p.add_argument("--longer", type=float, help="steps of the runs other than the reference (streaming fp32), as "
+                   "a multiple of --steps, and data-parallel's link budget (default 1: every run the same schedule)")
     p.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 5,20,100)")
     p.add_argument("--modes", help=f"subset of {','.join(MODES)} (default: all)")
     p.add_argument("--codecs", help="codecs of the streaming modes (default fp32,fp16,int8,fp4-e3m0)")
@@ -257,7 +258,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
     p.add_argument("--fragments", type=int, default=2, help="P of the streaming modes (default 2; tiny has 4 blocks)")
     p.add_argument("--dp-budget", type=float, help="data-parallel runs get about this many seconds of link "
-                   "time (default 60, --quick 30)")
+                   "time (default 60, --quick 30, --time-to-loss 150)")
     p.add_argument("--matchmaking-time", type=float, default=10.0,
                    help="peers' matchmaking_time (default 10 s, the trainer's is 5 s: peers start seconds apart "
                         "on a loaded machine and eager peers drift)")
@@ -281,13 +282,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.modes = args.modes or "data-parallel,diloco,streaming,streaming-eager"
         args.codecs = args.codecs or "fp32,fp4-e3m0,topk-int2"
     args.eval_every = args.eval_every if args.eval_every is not None else (10 if args.time_to_loss else 0)
-    args.longer = args.longer or (2.0 if args.time_to_loss else 1.0)
+    args.longer = args.longer or 1.0
     args.rates = [float(x) for x in (args.rates or ("5" if args.quick else "5,20,100")).split(",")]
     args.modes = (args.modes or ",".join(MODES)).split(",")
     args.codecs = (args.codecs or ("fp32,fp4-e3m0" if args.quick else "fp32,fp16,int8,fp4-e3m0")).split(",")
     args.dp_codecs = args.dp_codecs.split(",")
     args.steps = args.steps or (40 if args.quick else 100)
-    args.dp_budget = (args.dp_budget or (30.0 if args.quick else 60.0)) * args.longer
+    # --time-to-loss: data-parallel gets the time to show where its curve goes (100 steps from 20 Mbit/s)
+    args.dp_budget = (args.dp_budget or (30.0 if args.quick else 150.0 if args.time_to_loss else 60.0)) * args.longer
     for m in args.modes:
         if m not in MODES:
             p.error(f"--modes: unknown mode {m!r}; use some of {', '.join(MODES)}")

@@ -25,14 +25,15 @@ def _plan(*flags: str) -> list[dict]:
     return [json.loads(line) for line in run.stdout.splitlines()]
 
 
-def test_time_to_loss_plans_the_five_runs_per_link_with_room_to_reach_the_target():
+def test_time_to_loss_plans_the_five_runs_per_link_on_one_schedule():
     specs = _plan("--time-to-loss")
     assert [s["link_mbit"] for s in specs] == [5.0] * 5 + [20.0] * 5 + [100.0] * 5
     at5 = {(s["label"], s["codec"]): s for s in specs if s["link_mbit"] == 5.0}
     assert set(at5) == {("data-parallel", "fp32"), ("diloco", "fp32"), ("streaming", "fp32"),
                         ("streaming-eager", "fp4-e3m0"), ("streaming-eager", "topk-int2")}
-    assert at5["streaming", "fp32"]["steps"] == 100  # the reference trains the usual steps
-    assert at5["diloco", "fp32"]["steps"] == at5["streaming-eager", "topk-int2"]["steps"] == 200
+    # one schedule for all: the same steps (data-parallel: as many as its link budget allows)
+    assert {s["steps"] for s in at5.values() if s["label"] != "data-parallel"} == {100}
+    assert at5["data-parallel", "fp32"]["steps"] < 100
     flags = at5["streaming-eager", "fp4-e3m0"]["peer_flags"]
     assert flags[flags.index("--eval-every") + 1] == "10" and flags[flags.index("--mode") + 1] == "eager"
     # without the flag nothing changes: no evaluations, the same steps for every streaming run
