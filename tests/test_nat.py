@@ -74,15 +74,21 @@ def test_a_peer_behind_nat_is_a_client_in_every_group_after_the_first_round(tmp_
 def test_two_peers_behind_nat_without_a_relay_train_alone_and_say_why(tmp_path):
     """Both behind NAT, only the bootstrap public: each finds the bootstrap cannot dial it, becomes
     a client, and no group ever forms (hivemind's matchmaking needs a peer that accepts
-    connections). Every round fails for "clients" (each saw the other announce the round as a
-    client) after one matchmaking window (about 8 s measured), the peers train alone to the end,
+    connections). Every round fails, for "clients" (each saw the other announce the round as a
+    client) after one matchmaking window (about 8 s measured), or, when one peer has fallen behind
+    the other over those windows, given up as the catch-up does; the peers train alone to the end,
     and say so with the fix: no round hangs, none averages."""
     with NatTopology(public=0, natted=2) as topo:
         records = _train(tmp_path, topo, "nat2", ["n0", "n1"], {}, timeout=240)
     for node, recs in records.items():
         assert "nobody can open a connection to this peer" in (tmp_path / f"{node}.log").read_text()
         syncs = [r for r in recs if r["event"] == "sync"]
-        assert len(syncs) == STEPS // H * P and all(not r["ok"] and r["reason"] == "clients" for r in syncs), syncs
+        assert len(syncs) == STEPS // H * P and not any(r["ok"] for r in syncs), syncs
+        # each round fails for "clients" after its window, unless the peer, behind the other after
+        # those windows, gave up a round the other had moved past (the catch-up's "matchmaking")
+        clients = [r for r in syncs if r["reason"] == "clients"]
+        assert all(r in clients or "caught up with the swarm" in r["message"] for r in syncs), syncs
+        assert len(clients) > len(syncs) // 2, syncs
         assert all(r["wait_s"] < 20 for r in syncs), [r["wait_s"] for r in syncs]
         [alone] = [r for r in recs if r["event"] == "warning" and r["kind"] == "alone"]
         assert "every peer that reached its rounds is a client" in alone["message"] and "--relay" in alone["message"]
