@@ -381,6 +381,14 @@ def test_eager_with_a_sparse_codec_swaps_exactly_what_this_peer_sent(monkeypatch
         assert any(torch.allclose(estimate - d * share, o * (1 - share), atol=1e-6) for o in others)
 
 
+def _four_layer_peer(config: DiLoCoConfig, transport) -> tuple[nn.Module, torch.optim.Optimizer, StreamingDiLoCo]:
+    """A 4 x Linear(32, 32) model (same initialization on every peer), SGD, wrapped with ``config``."""
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt, StreamingDiLoCo(model, opt, transport=transport, config=config, blocks=list(model))
+
+
 @pytest.mark.parametrize("mode,decay", [("blocking", 1.0), ("blocking", 0.5), ("naive-delayed", 1.0)])
 def test_error_feedback_in_the_parameters_restarts_from_what_was_not_sent(mode, decay):
     # error_feedback_mode = "parameters" (the default): after a round's result is applied, the local
@@ -395,11 +403,8 @@ def test_error_feedback_in_the_parameters_restarts_from_what_was_not_sent(mode, 
     data = [torch.randn(6, 32) for _ in range(2)]
 
     def worker(rank):
-        torch.manual_seed(1)
-        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         rec = recorders[rank]
-        dl = StreamingDiLoCo(model, opt, transport=rec, config=config, blocks=list(model))
+        model, opt, dl = _four_layer_peer(config, rec)
         assert dl.error_feedback is None
         for _ in range(16):
             model(data[rank]).pow(2).mean().backward()
@@ -443,11 +448,8 @@ def test_a_merge_carries_the_unsent_part_once(mode, extra):
     flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
 
     def worker(rank):
-        torch.manual_seed(1)
-        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         rec = recorders[rank]
-        dl = StreamingDiLoCo(model, opt, transport=rec, config=config, blocks=list(model))
+        model, opt, dl = _four_layer_peer(config, rec)
         for _ in range(16):
             model(data[rank]).pow(2).mean().backward()
             opt.step()
