@@ -75,8 +75,9 @@ def test_two_peers_behind_nat_without_a_relay_train_alone_and_say_why(tmp_path):
     """Both behind NAT, only the bootstrap public: each finds the bootstrap cannot dial it, becomes
     a client, and no group ever forms (hivemind's matchmaking needs a peer that accepts
     connections). Every round fails, for "clients" (each saw the other announce the round as a
-    client) after one matchmaking window (about 8 s measured), or, when one peer has fallen behind
-    the other over those windows, given up as the catch-up does; the peers train alone to the end,
+    client) after one matchmaking window (about 8 s measured), or for "matchmaking" in a first
+    round the other peer had not reached yet, or given up as the catch-up does when one peer has
+    fallen behind the other over those windows; the peers train alone to the end,
     and say so with the fix: no round hangs, none averages."""
     with NatTopology(public=0, natted=2) as topo:
         records = _train(tmp_path, topo, "nat2", ["n0", "n1"], {}, timeout=240)
@@ -84,10 +85,12 @@ def test_two_peers_behind_nat_without_a_relay_train_alone_and_say_why(tmp_path):
         assert "nobody can open a connection to this peer" in (tmp_path / f"{node}.log").read_text()
         syncs = [r for r in recs if r["event"] == "sync"]
         assert len(syncs) == STEPS // H * P and not any(r["ok"] for r in syncs), syncs
-        # each round fails for "clients" after its window, unless the peer, behind the other after
-        # those windows, gave up a round the other had moved past (the catch-up's "matchmaking")
+        # each round fails for "clients" after its window, except: a first round the other peer,
+        # seconds slower to start, had not announced yet (plain "matchmaking": nobody else was
+        # there), and a round a peer behind the other gave up (the catch-up's "matchmaking")
         clients = [r for r in syncs if r["reason"] == "clients"]
-        assert all(r in clients or "caught up with the swarm" in r["message"] for r in syncs), syncs
+        assert all(r in clients or (r["reason"] == "matchmaking" and (
+            r["round"] == 0 or "caught up with the swarm" in r["message"])) for r in syncs), syncs
         assert len(clients) > len(syncs) // 2, syncs
         assert all(r["wait_s"] < 20 for r in syncs), [r["wait_s"] for r in syncs]
         [alone] = [r for r in recs if r["event"] == "warning" and r["kind"] == "alone"]
