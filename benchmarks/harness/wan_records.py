@@ -18,6 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+#: the benchmark's modes, in the order every table lists them
+LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 32 (timestamps on), once per frame the veth counts
 
 

@@ -20,9 +20,8 @@ from typing import Any, Optional
 
 from benchmarks.harness.results import markdown_table, plot_bars, read_result
 from benchmarks.harness import wan_time_to_loss as ttl
-from benchmarks.harness.wan_records import clean, mean, rounds_per_peer
+from benchmarks.harness.wan_records import LABELS, clean, mean, rounds_per_peer
 
-LABELS = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
 SIM_METHOD = {"data-parallel": "data-parallel", "diloco": "diloco", "streaming": "streaming",
               "streaming-tau1": "streaming-overlap-fp4", "streaming-eager": "eager-fp4"}
 CODEC_BITS = {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "fp8-e4m3": 8.0, "fp4-e3m0": 4.0, "fp4-e2m1": 4.0}

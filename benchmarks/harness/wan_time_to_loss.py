@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.harness.results import markdown_table
-from benchmarks.harness.wan_records import mean
+from benchmarks.harness.wan_records import LABELS, mean
 
 REFERENCE = ("streaming", "fp32")
-ORDER = ["data-parallel", "diloco", "streaming", "streaming-tau1", "streaming-eager"]
 
 
 def curve(metrics: list[list[dict[str, Any]]]) -> list[list[float]]:
@@ -52,16 +51,16 @@ def reach_time(points: list[list[float]], target: float) -> Optional[float]:
 
 
 def _runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = [r for r in records if r["mode"] in ORDER and len(r.get("eval_curve") or []) >= 2]
-    return sorted(out, key=lambda r: (r["link_mbit"], ORDER.index(r["mode"]), r["codec"]))
+    out = [r for r in records if r["mode"] in LABELS and len(r.get("eval_curve") or []) >= 2]
+    return sorted(out, key=lambda r: (r["link_mbit"], LABELS.index(r["mode"]), r["codec"]))
 
 
 def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run with a curve: its target (the reference's final loss at its link) and time to it."""
-    out = []
-    for r in _runs(records):
-        ref = next((x for x in _runs(records) if x["link_mbit"] == r["link_mbit"]
-                    and (x["mode"], x["codec"]) == REFERENCE and x["status"] == "ok"), None)
+    runs, out = _runs(records), []
+    refs = {x["link_mbit"]: x for x in runs if (x["mode"], x["codec"]) == REFERENCE and x["status"] == "ok"}
+    for r in runs:
+        ref = refs.get(r["link_mbit"])
         if ref is None:
             continue
         target = ref["eval_curve"][-1][2]
