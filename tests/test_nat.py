@@ -37,22 +37,17 @@ def _syncs(records: list[dict]) -> dict[tuple, dict]:
     return {(r["fragment"], r["round"]): r for r in records if r["event"] == "sync"}
 
 
-@pytest.fixture
-def one_natted(tmp_path):
-    with NatTopology(public=2, natted=1) as topo:
-        yield topo
-
-
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("client", ["--client-mode", "detected"])
-def test_a_peer_behind_nat_is_a_client_in_every_group_after_the_first_round(tmp_path, one_natted, client):
+def test_a_peer_behind_nat_is_a_client_in_every_group_after_the_first_round(tmp_path, client):
     """3 peers: two public, one behind a masquerading router that drops inbound connections, in
     client mode (it reduces no part): given, or chosen by the peer itself when the bootstrap
-    could not dial it back. After the first round of each fragment, every round on every peer
-    averaged all three with the same result: the public peers reduced the NATed peer's parts."""
-    topo = one_natted
+    could not dial it back - that case behind a symmetric NAT (a new port for every connection),
+    which a client crosses as well. After the first round of each fragment, every round on every
+    peer averaged all three with the same result: the public peers reduced the NATed peer's parts."""
     flags = ["--client-mode"] if client == "--client-mode" else []
-    records = _train(tmp_path, topo, "nat1", ["p0", "p1", "n0"], {"n0": flags})
+    with NatTopology(public=2, natted=1, symmetric=client == "detected") as topo:
+        records = _train(tmp_path, topo, "nat1", ["p0", "p1", "n0"], {"n0": flags})
     detected = "nobody can open a connection to this peer"
     assert (detected in (tmp_path / "n0.log").read_text()) == (client == "detected")
     assert not any(detected in (tmp_path / f"{p}.log").read_text() for p in ("p0", "p1"))
@@ -123,3 +118,15 @@ def test_doctor_on_a_peer_behind_nat_says_so_and_what_to_do(tmp_path):
         assert "[warn] dial-back" in out and "client mode: fine, this peer only connects out" in out, out
         assert "[ok] nat: behind NAT" in out and "client mode: it connects out only" in out, out
         assert code == 0 and "all checks passed" in out, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_the_router_maps_ports_like_a_home_router_or_a_symmetric_nat(symmetric):
+    """The topology's two kinds of NAT, checked from outside: connections from one private port to
+    three public nodes arrive from one port (the private one, kept: an endpoint-independent mapping,
+    which hole punching can use) or, behind a symmetric NAT, from three different ports."""
+    with NatTopology(public=2, natted=1, symmetric=symmetric) as topo:
+        ports = topo.mapped_ports("n0", ["boot", "p0", "p1"], sport=40000)
+    assert (ports == [40000] * 3) == (not symmetric), ports
+    assert len(set(ports)) == (3 if symmetric else 1), ports

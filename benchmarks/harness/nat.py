@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from typing import Optional
 
 from benchmarks.harness import netns
@@ -43,6 +44,26 @@ table ip ods_nat {{
         iifname "wan0" ct state new {verdict}
     }}
 }}
+"""
+
+
+#: accepts one connection and prints the source port it came from
+_SEEN_PORT = r"""
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); s.settimeout(20)
+print(s.getsockname()[1], flush=True)
+c, (_, port) = s.accept()
+print(port, flush=True)
+"""
+
+#: connects from one fixed local port to each (host, port) in turn, SO_REUSEADDR so it may reuse it
+_FROM_PORT = r"""
+import socket, sys, time
+sport = int(sys.argv[1])
+for target in sys.argv[2:]:
+    host, port = target.rsplit(":", 1)
+    c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    c.bind(("0.0.0.0", sport)); c.settimeout(20); c.connect((host, int(port))); time.sleep(0.2); c.close()
 """
 
 
@@ -112,3 +133,23 @@ class NatTopology(Topology):
                              verdict=self.inbound)
         subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
                        capture_output=True, timeout=20)
+
+    def mapped_ports(self, node: str, targets: list[str], sport: int = 40000) -> list[int]:
+        """The source port each public node of ``targets`` sees when ``node`` connects to it from
+        its own port ``sport``: the same port for all under an endpoint-independent mapping (this
+        topology's default masquerade keeps ``sport`` itself when free), a different one for each
+        under a symmetric NAT. How the test and the benchmark show which kind a router is."""
+        py = sys.executable
+        servers = [subprocess.Popen(self.exec_argv(t, [py, "-c", _SEEN_PORT, self.ip(t)]), stdout=subprocess.PIPE,
+                                    text=True) for t in targets]
+        try:
+            ports = [srv.stdout.readline().strip() for srv in servers]
+            subprocess.run(self.exec_argv(node, [py, "-c", _FROM_PORT, str(sport),
+                                                 *(f"{self.ip(t)}:{p}" for t, p in zip(targets, ports))]),
+                           check=True, capture_output=True, timeout=60)
+            return [int(srv.stdout.readline().strip()) for srv in servers]
+        finally:
+            for srv in servers:
+                if srv.poll() is None:
+                    srv.kill()
+                srv.wait(5)

@@ -1,0 +1,181 @@
+"""Training through NAT, measured: who averaged with whom, from when, and which way the bytes went.
+
+    python -m benchmarks.nat_train --natted 2 --relay --out benchmarks/results/nat-train-relay.json
+    python -m benchmarks.nat_train --natted 2 --relay --symmetric            # both behind symmetric NATs
+    python -m benchmarks.nat_train --natted 2 --relay --relays 4 --public 3  # 4 relays: the bootstrap + 3 more
+    python -m benchmarks.nat_train --natted 2 --relay --rate 20             # the routers' uplinks at 20 Mbit/s
+    python -m benchmarks.nat_train --public 2 --natted 1 --symmetric --client-mode --steps 40
+
+Builds :class:`benchmarks.harness.nat.NatTopology` (the bootstrap and ``--public`` peers on a
+public bridge, ``--natted`` peers each behind its own masquerading router; ``--symmetric``: a new
+port per connection), starts a bootstrap in ``boot`` (``--relay``: a circuit relay, and the NATed
+peers reserve a slot on it with ``peer --relay``; ``--relays K``: K relay bootstraps, the first
+K - 1 public nodes running one instead of a peer) and one ``peer`` per remaining node, all
+started together, training the tiny model (blocking, H = 10, P = 2 unless told). While they run,
+each sync record is stamped with the time it appeared, so the report says when the first round
+averaged. Afterwards it counts the bytes on every public node's interface: a relayed round's bytes
+cross the relay twice, a direct one (hole punched, or through a listening peer) not at all.
+
+Per peer: rounds, averaged rounds, group sizes, failure reasons, the first averaged round's time,
+payload bytes; for the run: whether every round all peers averaged had one digest, and each relay's
+bytes against the peers' payload. Results are in docs/networking.md ("Behind NAT"). Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.nat import NatTopology, unavailable_reason
+from benchmarks.harness.peers import PeerProcesses
+from benchmarks.harness.results import write_result
+from opendiloco_stream.train.metrics_file import MetricsTail
+
+RUN_ID = "nattrain"
+
+
+def train_flags(args: argparse.Namespace) -> list[str]:
+    return ["--run-id", RUN_ID, "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1",
+            "--no-progress", "--mode", args.mode, "--fragments", str(args.fragments), "--inner-steps",
+            str(args.inner_steps), "--steps", str(args.steps)]
+
+
+def node_flags(args: argparse.Namespace, topo: NatTopology, node: str) -> list[str]:
+    """A public peer listens on its bridge address; a NATed one on every interface (so it announces
+    its private address, as behind a real NAT), with ``--relay`` / ``--client-mode`` if asked."""
+    if node not in topo.private:
+        return ["--host-maddrs", f"/ip4/{topo.ip(node)}/tcp/0"]
+    return ["--relay"] * args.relay + ["--client-mode"] * args.client_mode
+
+
+def start_relays(run: PeerProcesses, topo: NatTopology, args: argparse.Namespace) -> list[str]:
+    """The bootstrap in ``boot`` and ``--relays - 1`` more in the first public nodes; the public
+    nodes that host one; every bootstrap's addresses become the peers' initial peers."""
+    flags = ["--relay"] if args.relay else []
+    addrs = run.bootstrap(RUN_ID, *flags, node="boot")
+    hosts = topo.public_peers()[:args.relays - 1]
+    for node in hosts:
+        addr_file = run.workdir / f"relay-{node}.addrs"
+        run.start(f"relay-{node}", ["bootstrap", "--run-id", RUN_ID, "--addr-file", str(addr_file), "--host-maddrs",
+                                    f"/ip4/{topo.ip(node)}/tcp/0", "--initial-peers", *addrs, *flags], node=node)
+        deadline = time.monotonic() + 60
+        while not (addr_file.exists() and addr_file.read_text().strip()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"relay in {node} did not come up: {(run.workdir / f'relay-{node}.log').read_text()[-600:]}")
+            time.sleep(0.1)
+        run.addrs = run.addrs + addr_file.read_text().split()
+    return hosts
+
+
+def watch(run: PeerProcesses, nodes: list[str], procs: list, timeout: float, t0: float) -> dict[str, list[dict]]:
+    """Each peer's records, each sync record stamped with ``t`` (seconds since ``t0`` when it
+    appeared, polled every 0.5 s), until every peer exited or ``timeout``."""
+    tails = {n: MetricsTail(run.workdir / f"{n}.jsonl") for n in nodes}
+    records: dict[str, list[dict]] = {n: [] for n in nodes}
+    deadline = t0 + timeout
+    while True:
+        done = all(p.poll() is not None for p in procs)
+        now = round(time.monotonic() - t0, 1)
+        for n, tail in tails.items():
+            records[n] += [{**r, "t": now} if r.get("event") == "sync" else r for r in tail.read(final=done)]
+        if done:
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"peers still running after {timeout:g} s")
+        time.sleep(0.5)
+
+
+def peer_row(node: str, records: list[dict]) -> dict[str, Any]:
+    syncs = [r for r in records if r["event"] == "sync"]
+    ok = [r for r in syncs if r["ok"]]
+    with_others = [r for r in ok if r["group_size"] > 1]
+    summary = next((r for r in records if r["event"] == "summary"), {})
+    return {"node": node, "rounds": len(syncs), "averaged": len(with_others),
+            "group_sizes": dict(sorted(Counter(r["group_size"] for r in ok).items())),
+            "failed": dict(Counter(r.get("reason") for r in syncs if not r["ok"])),
+            "first_averaged_s": with_others[0]["t"] if with_others else None,
+            "first_averaged_round": [with_others[0]["fragment"], with_others[0]["round"]] if with_others else None,
+            "averaged_after_first": f"{len(with_others)}/{len([r for r in syncs if with_others and r['t'] >= with_others[0]['t']])}",
+            "wait_s_median": round(statistics.median(r["wait_s"] for r in with_others), 3) if with_others else None,
+            "payload_sent_bytes": sum(r.get("bytes_sent", 0) for r in ok),
+            "payload_received_bytes": sum(r.get("bytes_received", 0) for r in ok),
+            "eval_loss": summary.get("eval_loss"), "wall_time_s": summary.get("wall_time_s")}
+
+
+def agreement(records: dict[str, list[dict]]) -> dict[str, int]:
+    """Rounds every peer averaged with all of them, and how many of those had one digest."""
+    by_round = [{(r["fragment"], r["round"]): r for r in recs if r["event"] == "sync" and r["ok"]}
+                for recs in records.values()]
+    n = len(records)
+    full = [k for k in set.intersection(*(set(b) for b in by_round)) if all(b[k]["group_size"] == n for b in by_round)]
+    same = [k for k in full if len({b[k].get("digest") for b in by_round}) == 1]
+    return {"rounds_with_all": len(full), "same_digest": len(same)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="ods-nat-train-") as workdir, \
+            NatTopology(public=args.public, natted=args.natted, symmetric=args.symmetric) as topo:
+        if args.rate:
+            topo.shape(args.rate, latency_ms=100.0)  # every router's uplink (and public peer's), both ways
+        with PeerProcesses(Path(workdir), grace=5.0, topology=topo) as launched:
+            t0 = time.monotonic()
+            hosts = start_relays(launched, topo, args)
+            relays = ["boot", *hosts]
+            nodes = [n for n in topo.public_peers() if n not in hosts] + topo.private
+            before = {n: topo.counters(n) for n in relays + topo.routers}
+            procs = [launched.peer(node, *train_flags(args), *node_flags(args, topo, node), "--shard",
+                                   f"{i}/{len(nodes)}", node=node, env={"ODS_DILOCO__RECORD_DIGESTS": "true"})
+                     for i, node in enumerate(nodes)]
+            records = watch(launched, nodes, procs, args.timeout, t0)
+            after = {n: topo.counters(n) for n in relays + topo.routers}
+            errors = {n: (Path(workdir) / f"{n}.log").read_text()[-800:] for n, p in zip(nodes, procs) if p.returncode}
+    rows = [peer_row(n, records[n]) for n in nodes]
+    payload = sum(r["payload_sent_bytes"] for r in rows)
+    links = {n: {k: after[n][k] - before[n][k] for k in ("rx_bytes", "tx_bytes")} for n in after}
+    return {"rows": rows, "agreement": agreement(records), "links": links, "payload_sent_bytes": payload,
+            "relay_rx_over_payload": {n: round(links[n]["rx_bytes"] / payload, 3) if payload else None for n in relays},
+            "errors": errors or None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--public", type=int, default=0, help="public peers (default 0)")
+    ap.add_argument("--natted", type=int, default=2, help="peers behind NAT, each behind its own router (default 2)")
+    ap.add_argument("--symmetric", action="store_true", help="the routers map every connection to a new port")
+    ap.add_argument("--relay", action="store_true", help="bootstrap --relay, and peer --relay on the NATed peers")
+    ap.add_argument("--relays", type=int, default=1, help="relay bootstraps: boot and the first K-1 public nodes")
+    ap.add_argument("--client-mode", action="store_true", help="the NATed peers run with --client-mode")
+    ap.add_argument("--rate", type=float, help="shape every router's and public peer's link to this many Mbit/s")
+    ap.add_argument("--mode", default="blocking")
+    ap.add_argument("--fragments", type=int, default=2)
+    ap.add_argument("--inner-steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    ap.add_argument("--out", type=Path, help="write the report (JSON) here")
+    args = ap.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"nat_train: {reason}", file=sys.stderr)
+        return 2
+    if args.relays > 1 and args.public < args.relays - 1:
+        ap.error(f"--relays {args.relays} needs --public >= {args.relays - 1} (the extra relays run in public nodes)")
+    t0 = time.monotonic()
+    report = run(args)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    print(json.dumps({"settings": settings, **report}, indent=2))
+    if args.out:
+        rows = report.pop("rows")
+        write_result(args.out, settings=settings, rows=rows, benchmark="nat_train", **report,
+                     wall_s=round(time.monotonic() - t0, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
