@@ -2,15 +2,15 @@
 
     python -m benchmarks.nat_train --natted 2 --relay --out benchmarks/results/nat-train-relay.json
     python -m benchmarks.nat_train --natted 2 --relay --symmetric            # both behind symmetric NATs
-    python -m benchmarks.nat_train --natted 2 --relay --relays 4 --public 3  # 4 relays: the bootstrap + 3 more
+    python -m benchmarks.nat_train --natted 2 --relay --relays 4            # 4 relay bootstraps on one machine
     python -m benchmarks.nat_train --natted 2 --relay --rate 20             # the routers' uplinks at 20 Mbit/s
     python -m benchmarks.nat_train --public 2 --natted 1 --symmetric --client-mode --steps 40
 
 Builds :class:`benchmarks.harness.nat.NatTopology` (the bootstrap and ``--public`` peers on a
 public bridge, ``--natted`` peers each behind its own masquerading router; ``--symmetric``: a new
 port per connection), starts a bootstrap in ``boot`` (``--relay``: a circuit relay, and the NATed
-peers reserve a slot on it with ``peer --relay``; ``--relays K``: K relay bootstraps, the first
-K - 1 public nodes running one instead of a peer) and one ``peer`` per remaining node, all
+peers reserve a slot on it with ``peer --relay``; ``--relays K``: K relay bootstraps, all in
+``boot``, or with ``--spread-relays`` the first K - 1 public nodes running one instead of a peer) and one ``peer`` per remaining node, all
 started together, training the tiny model (blocking, H = 10, P = 2 unless told). While they run,
 each sync record is stamped with the time it appeared, so the report says when the first round
 averaged. Afterwards it counts the bytes on every public node's interface: a relayed round's bytes
@@ -56,22 +56,24 @@ def node_flags(args: argparse.Namespace, topo: NatTopology, node: str) -> list[s
 
 
 def start_relays(run: PeerProcesses, topo: NatTopology, args: argparse.Namespace) -> list[str]:
-    """The bootstrap in ``boot`` and ``--relays - 1`` more in the first public nodes; the public
-    nodes that host one; every bootstrap's addresses become the peers' initial peers."""
+    """The bootstrap in ``boot`` and ``--relays - 1`` more, in ``boot`` too (one public machine)
+    or, with ``--spread-relays``, one in each of the first public nodes; returns the public nodes
+    that host one. Every bootstrap's addresses become the peers' initial peers."""
     flags = ["--relay"] if args.relay else []
     addrs = run.bootstrap(RUN_ID, *flags, node="boot")
-    hosts = topo.public_peers()[:args.relays - 1]
-    for node in hosts:
-        addr_file = run.workdir / f"relay-{node}.addrs"
-        run.start(f"relay-{node}", ["bootstrap", "--run-id", RUN_ID, "--addr-file", str(addr_file), "--host-maddrs",
-                                    f"/ip4/{topo.ip(node)}/tcp/0", "--initial-peers", *addrs, *flags], node=node)
+    hosts = topo.public_peers()[:args.relays - 1] if args.spread_relays else ["boot"] * (args.relays - 1)
+    for i, node in enumerate(hosts, start=1):
+        name = f"relay{i}-{node}"
+        addr_file = run.workdir / f"{name}.addrs"
+        run.start(name, ["bootstrap", "--run-id", RUN_ID, "--addr-file", str(addr_file), "--host-maddrs",
+                         f"/ip4/{topo.ip(node)}/tcp/0", "--initial-peers", *addrs, *flags], node=node)
         deadline = time.monotonic() + 60
         while not (addr_file.exists() and addr_file.read_text().strip()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"relay in {node} did not come up: {(run.workdir / f'relay-{node}.log').read_text()[-600:]}")
+                raise RuntimeError(f"{name} did not come up: {(run.workdir / f'{name}.log').read_text()[-600:]}")
             time.sleep(0.1)
         run.addrs = run.addrs + addr_file.read_text().split()
-    return hosts
+    return [h for h in hosts if h != "boot"]
 
 
 def watch(run: PeerProcesses, nodes: list[str], procs: list, timeout: float, t0: float) -> dict[str, list[dict]]:
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--natted", type=int, default=2, help="peers behind NAT, each behind its own router (default 2)")
     ap.add_argument("--symmetric", action="store_true", help="the routers map every connection to a new port")
     ap.add_argument("--relay", action="store_true", help="bootstrap --relay, and peer --relay on the NATed peers")
-    ap.add_argument("--relays", type=int, default=1, help="relay bootstraps: boot and the first K-1 public nodes")
+    ap.add_argument("--relays", type=int, default=1, help="relay bootstraps, all in boot (one public machine)")
+    ap.add_argument("--spread-relays", action="store_true", help="the extra relays in the first public nodes instead")
     ap.add_argument("--client-mode", action="store_true", help="the NATed peers run with --client-mode")
     ap.add_argument("--rate", type=float, help="shape every router's and public peer's link to this many Mbit/s")
     ap.add_argument("--mode", default="blocking")
@@ -164,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"nat_train: {reason}", file=sys.stderr)
         return 2
-    if args.relays > 1 and args.public < args.relays - 1:
-        ap.error(f"--relays {args.relays} needs --public >= {args.relays - 1} (the extra relays run in public nodes)")
+    if args.spread_relays and args.public < args.relays - 1:
+        ap.error(f"--spread-relays with --relays {args.relays} needs --public >= {args.relays - 1}")
     t0 = time.monotonic()
     report = run(args)
     settings = {k: v for k, v in vars(args).items() if k != "out"}

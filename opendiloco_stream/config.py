@@ -242,7 +242,8 @@ class NetConfig(_Strict):
                               "every group it joins; not done for a local run or in client mode")
     relay: bool = Field(False, description="behind NAT with no port to open: be reachable through the "
                         "initial peers' circuit relay (a bootstrap started with --relay); takes ~3 minutes to "
-                        "set up, and every byte of this peer's rounds crosses the relay (docs/networking.md)")
+                        "set up unless 4 relays are among the initial peers, and every byte of this peer's rounds "
+                        "crosses a relay (docs/networking.md)")
     daemon_startup_timeout: float = Field(30.0, gt=0, description="bound on starting the p2p daemon (s)")
     run_key_file: Optional[str] = Field(None, description="file holding the run key: only peers with the same key "
                                         "join the run's groups, write its DHT records and download its state "

@@ -22,8 +22,8 @@ from typing import Optional
 import pytest
 
 from opendiloco_stream.config import NetConfig
-from opendiloco_stream.net.dht import (NetError, ensure_identity, listen_maddrs, run_key, start_dht, stop_dht,
-                                       visible_maddrs)
+from opendiloco_stream.net.dht import (RELAY_CANDIDATES, NetError, ensure_identity, listen_maddrs,
+                                       relay_wait_warning, run_key, start_dht, stop_dht, visible_maddrs)
 from opendiloco_stream.net.lifecycle import descendants, is_running, kill_process_tree, process_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -600,3 +600,18 @@ def test_doctor_bad_input_exits_2_with_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("opendiloco-stream doctor: error: initial peer '203.0.113.7:31337' is not a valid multiaddr")
     assert "\n" not in err
+
+
+def test_a_relayed_peer_with_fewer_than_four_relays_is_told_it_waits_three_minutes():
+    """p2pd's autorelay reserves a slot once it knows RELAY_CANDIDATES relays, or after 3 minutes
+    (measured: benchmarks/nat_train.py, 190-197 s with one relay, 30 s with four). Addresses of one
+    node count once; four nodes, on one machine or not, need no warning."""
+    ids = ["12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE", "12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq",
+           "12D3KooWSyjaEpPzb2NDcTKRJKtHmE6SHqjmFB5NjRnRBkHwEjnM", "12D3KooWHKh35u9Yg8nR3jzPAdGbX4UD4oUwrJNAVi7LuNR3kW7M"]
+    one = [f"/ip4/203.0.113.7/tcp/31337/p2p/{ids[0]}", f"/ip4/203.0.113.7/udp/31337/quic-v1/p2p/{ids[0]}"]
+    warning = relay_wait_warning(one)
+    assert warning and "1 relay(s)" in warning and "about 3 minutes" in warning and "bootstrap --relay" in warning
+    four = [f"/ip4/203.0.113.7/tcp/{31337 + i}/p2p/{pid}" for i, pid in enumerate(ids)]
+    assert RELAY_CANDIDATES == 4 and relay_wait_warning(four) is None
+    assert "3 relay(s)" in relay_wait_warning(four[:3])
+

@@ -107,6 +107,23 @@ def _is_loopback(maddr) -> bool:
     return False
 
 
+#: go-libp2p's autorelay (in hivemind's p2pd) waits for this many relay candidates before it
+#: reserves a slot, or for its boot delay (3 minutes) with fewer
+RELAY_CANDIDATES = 4
+
+
+def relay_wait_warning(initial_peers: list[str]) -> Optional[str]:
+    """What a ``--relay`` peer is told when its initial peers are fewer than ``RELAY_CANDIDATES``
+    distinct nodes: its first ~3 minutes are alone (None when there are enough)."""
+    nodes = {str(m).rstrip("/").rsplit("/p2p/", 1)[-1] for m in initial_peers}
+    if len(nodes) >= RELAY_CANDIDATES:
+        return None
+    return (f"--relay with {len(nodes)} relay(s) among the initial peers: the p2p daemon waits about 3 minutes for "
+            f"{RELAY_CANDIDATES} before it reserves a slot, and this peer trains alone until then; start "
+            f"{RELAY_CANDIDATES} `bootstrap --relay` (one public machine is enough, one port each) and pass all "
+            f"of them as --initial-peers to average from the first rounds (docs/networking.md)")
+
+
 def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
     """``(host_maddrs, announce_maddrs)`` for ``net``, shortcuts resolved and every address validated."""
     initial = [parse_maddr(p, what="initial peer", example=EXAMPLE_PEER, need_peer_id=True) for p in net.initial_peers]
@@ -252,8 +269,11 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
         identity = str(Path(net.identity_path).expanduser())
         ensure_identity(identity)
     timeout = start_timeout if start_timeout is not None else 2 * net.daemon_startup_timeout + 10
-    if net.relay:  # a reservation on a relay, found among the initial peers (p2pd's trusted relays)
+    if net.relay:  # a reservation on a relay that p2pd's autorelay finds among the DHT's peers (docs/networking.md)
         dht_kwargs = {"use_relay": True, "use_auto_relay": True, "force_reachability": "private", **dht_kwargs}
+        warning = relay_wait_warning(net.initial_peers)
+        if warning:
+            logger.warning(warning)
     dht = hivemind.DHT(
         initial_peers=list(net.initial_peers) or None, start=False, host_maddrs=host,
         announce_maddrs=announce or None, identity_path=identity, client_mode=net.client_mode,
