@@ -119,6 +119,16 @@ def test_doctor_on_a_peer_behind_nat_says_so_and_what_to_do(tmp_path):
         assert "[ok] nat: behind NAT" in out and "client mode: it connects out only" in out, out
         assert code == 0 and "all checks passed" in out, out
 
+        # through a relay: its own address (not the relay's in the circuit address it announces) is
+        # compared, and one relay among the initial peers means a ~3-minute wait for the slot
+        code, out = _doctor(run, "doctor-relay", "--relay")
+        nat = [line for line in out.splitlines() if line.startswith("[warn] nat:")]
+        assert nat == [f"[warn] nat: behind NAT: this machine announces {topo.ip('n0')} but the bootstrap sees it "
+                       f"as {topo.public_ip('n0')} (a router translates its address); --relay: reached through the "
+                       f"relays among the initial peers, after a wait"], out
+        assert "1 relay(s) among the initial peers" in out and "about 3 minutes" in out, out
+        assert "[skip] data port: --relay" in out and code == 0 and "all checks passed" in out, out
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("symmetric", [False, True])

@@ -14,7 +14,9 @@ In order, each check printed as it completes:
 5. ``nat``       the bootstrap says which address this machine's connections come from; when
                  it is none of this machine's own, the peer is behind NAT, and the check says
                  whether that is a problem (nobody can dial it and it is not a client) and what
-                 to do: client mode, a forwarded port with ``--public-ip``, or ``--relay``.
+                 to do: client mode, a forwarded port with ``--public-ip``, or ``--relay``; with
+                 ``--relay`` it says whether enough relays are among the initial peers to
+                 reserve a slot at once (4; with fewer the p2p daemon waits ~3 minutes).
 6. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
                  TCP D, and the bootstrap opens a TCP connection to D at each address that passed
                  check 4 (skipped for random data ports, ``--no-direct`` and client mode).
@@ -33,13 +35,14 @@ import ipaddress
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from opendiloco_stream.config import NetConfig
 from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, ip4_of, listen_maddrs,
-                                       rank_maddrs, run_key)
+                                       rank_maddrs, relay_wait_warning, run_key)
 from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.metrics import metrics_validators
 from opendiloco_stream.net.reachability import (probe_dial, probe_tcp, request_dialback, request_observed,
@@ -91,12 +94,27 @@ def _reach_fix(net: NetConfig) -> str:
             "(net.client_mode = true)")
 
 
+def _route_source(initial_peers: list[str]) -> list[str]:
+    """This machine's address on its route to the first IPv4 initial peer, as ``/ip4/A`` (none if
+    unknown). A UDP socket's connect picks the route and sends nothing."""
+    ip = next((ip4_of(m) for m in initial_peers if ip4_of(m)), "")
+    if not ip:
+        return []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, 9))
+        except OSError:
+            return []
+        return [f"/ip4/{s.getsockname()[0]}"]
+
+
 def _nat_fix(net: NetConfig, public: str) -> str:
     port = net.port or 31337
     return (f"train as a client (--client-mode / net.client_mode = true: it connects out, others reduce "
             f"its parts); or forward TCP and UDP {port} on the router to this machine and run with --port "
             f"{port} --public-ip {public}; where no peer of the run can open a port: --relay here and on "
-            f"the bootstrap (its rounds then cross the bootstrap; docs/networking.md, \"Behind NAT\")")
+            f"4 relay bootstraps given as --initial-peers (bootstrap --relay; its rounds then cross a relay; "
+            f"docs/networking.md, \"Behind NAT\")")
 
 
 class _Doctor:
@@ -213,6 +231,9 @@ class _Doctor:
         local_only = why_local is not None
         self.reached = [m for m, err in results.items() if err is None]
         failed = "; ".join(f"{m}: {err}" for m, err in results.items() if err is not None)
+        if not self.reached and self.net.relay:
+            return Check("dial-back", "warn", f"no announced address could be dialed ({failed}); --relay: others "
+                         "reach this peer through a relay once its p2p daemon reserved a slot there (see nat)")
         if not self.reached and self.net.client_mode:
             return Check("dial-back", "warn", f"no announced address could be dialed ({failed}); client mode: "
                          "fine, this peer only connects out")
@@ -236,7 +257,8 @@ class _Doctor:
         except (LookupError, TimeoutError) as e:
             return Check("nat", "skip", f"the bootstrap does not say where it sees this machine from ({e})")
         seen = sorted({ip4_of(m) for m in observed} - {""})
-        own = sorted({ip for ip in map(ip4_of, [*self.ours_maddrs, *self.host])
+        ours = [m for m in self.ours_maddrs if "/p2p-circuit" not in str(m)]  # a relay's address is not ours
+        own = sorted({ip for ip in map(ip4_of, [*ours, *self.host, *_route_source(self.net.initial_peers)])
                       if ip and not ipaddress.ip_address(ip).is_loopback} - {"0.0.0.0"})
         if not seen:
             return Check("nat", "skip", "the bootstrap sees no IPv4 connection from this machine")
@@ -248,12 +270,24 @@ class _Doctor:
             return Check("nat", "ok", f"{detail}; reachable anyway at {' '.join(self.reached)} (a forwarded port)")
         if self.net.client_mode:
             return Check("nat", "ok", f"{detail}; client mode: it connects out only, which works behind NAT")
+        if self.net.relay:
+            return self._relayed(detail)
         return Check("nat", "FAIL", f"{detail}; nobody can open a connection to it", _nat_fix(self.net, seen[0]))
+
+    def _relayed(self, detail: str) -> Check:
+        """Behind NAT with ``--relay``: fine, once enough relays are among the initial peers."""
+        relays = f"{detail}; --relay: reached through the relays among the initial peers"
+        wait = relay_wait_warning(self.net.initial_peers)
+        if wait:
+            return Check("nat", "warn", f"{relays}, after a wait", wait)
+        return Check("nat", "ok", f"{relays} (every byte of its rounds crosses one)")
 
     async def data_port(self) -> Check:
         net, name = self.net, "data port"
         if net.client_mode:
             return Check(name, "skip", "client mode: this peer reduces no part and listens on no data port")
+        if net.relay:
+            return Check(name, "skip", "--relay: every byte goes through the p2p daemon (encrypted), relayed")
         if not net.direct:
             return Check(name, "skip", "--no-direct: every byte goes through the p2p daemon (encrypted)")
         if not net.data_port:
