@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness.nat import NatTopology, unavailable_reason
+from benchmarks.harness.nat import NatTopology, exit_if_unavailable
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.results import write_result
 
@@ -121,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="each NATed node announces the relay's circuit address itself (announce_maddrs)")
     ap.add_argument("--out", type=Path, help="write the report (JSON) here")
     args = ap.parse_args(argv)
-    reason = unavailable_reason()
-    if reason:
-        print(f"nat_relay: {reason}", file=sys.stderr)
-        return 2
+    exit_if_unavailable("nat_relay")
     t0 = time.monotonic()
     report = run(args.seconds, relay=not args.no_relay, announce_circuit=args.announce_circuit)
     rows = [{"node": n, **report.pop(n)} for n in ("n0", "n1")]

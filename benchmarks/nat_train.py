@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.nat import NatTopology, unavailable_reason
+from benchmarks.harness.nat import NatTopology, exit_if_unavailable
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.results import write_result
 from opendiloco_stream.train.metrics_file import MetricsTail
@@ -163,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     ap.add_argument("--out", type=Path, help="write the report (JSON) here")
     args = ap.parse_args(argv)
-    reason = unavailable_reason()
-    if reason:
-        print(f"nat_train: {reason}", file=sys.stderr)
-        return 2
+    exit_if_unavailable("nat_train")
     if args.spread_relays and args.public < args.relays - 1:
         ap.error(f"--spread-relays with --relays {args.relays} needs --public >= {args.relays - 1}")
     t0 = time.monotonic()

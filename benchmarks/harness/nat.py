@@ -75,6 +75,14 @@ def unavailable_reason() -> Optional[str]:
     return reason
 
 
+def exit_if_unavailable(benchmark: str) -> None:
+    """For a benchmark's ``main``: say why the topology cannot be built here and exit with 2."""
+    reason = unavailable_reason()
+    if reason:
+        print(f"{benchmark}: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 class NatTopology(Topology):
     """``public`` peers and ``natted`` private peers (each behind its own masquerading router)
     around one bootstrap; see the module docstring. Nodes: ``boot``, ``p<i>``, ``r<i>``, ``n<i>``."""
