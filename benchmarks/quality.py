@@ -128,7 +128,7 @@ def variants(preset: Preset) -> list[Variant]:
     P = preset.fragments
     paper = Variant("eager-paper", "mode", f"eager, 'paper' rule (P={P})", {"mode": "eager", "eager_rule": "paper"})
     next_sync = Variant("eager-next-sync", "mode", f"eager, corrected at the next sync (P={P})",
-                        {"mode": "eager", "eager_correction": "next-sync"})
+                        {"mode": "eager", "eager_rule": "corrected", "eager_correction": "next-sync"})
     if "sparse" in preset.groups:
         return sparse_variants(P)
     if "delay" in preset.groups:

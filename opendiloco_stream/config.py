@@ -148,6 +148,12 @@ class DiLoCoConfig(_Strict):
                 )
         elif self.mode == "blocking" and tau != 0:
             raise ValueError("mode 'blocking' has overlap_steps = 0; use mode 'overlap' for tau >= 1")
+        ignored = [f"{name} = '{getattr(self, name)}'" for name in ("eager_estimate", "eager_correction")
+                   if getattr(self, name) != type(self).model_fields[name].default]
+        if self.mode == "eager" and self.eager_rule != "corrected" and ignored:
+            verb = "applies" if len(ignored) == 1 else "apply"
+            raise ValueError(f"{' and '.join(ignored)} {verb} to eager_rule 'corrected' only, and this run's rule is "
+                             f"'{self.eager_rule}': add --eager-rule corrected, or drop them")
         if self.prematch_steps >= H and self.mode != "data-parallel":
             raise ValueError(f"prematch_steps ({self.prematch_steps}) must be < inner_steps ({H}): a fragment's "
                              "group forms after its previous round")

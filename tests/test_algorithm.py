@@ -172,7 +172,9 @@ def run_scripted_blocks(displacement: list[list[list[float]]], steps: int, finis
     M, B = len(displacement), len(displacement[0])
     # the hand-worked numbers below use the 'corrected' rule with the 'own' estimate and the correction
     # at the next sync, unless a test names another rule
-    cfg = {"eager_rule": "corrected", "eager_estimate": "own", "eager_correction": "next-sync", **cfg}
+    cfg = {"eager_rule": "corrected", **cfg}
+    if cfg["eager_rule"] == "corrected":  # its knobs; other rules refuse them
+        cfg = {"eager_estimate": "own", "eager_correction": "next-sync", **cfg}
     swarm = LocalSwarm(num_workers=M, codec="fp32", timeout=10, link=link)
     config = DiLoCoConfig(outer_lr=outer_lr, outer_momentum=outer_momentum, codec="fp32", weighting="equal",
                           num_fragments=B, **cfg)

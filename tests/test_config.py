@@ -44,6 +44,22 @@ def test_cross_field_errors_name_the_fields():
         load_config(None, {"diloco": {"mode": "overlap", "overlap_steps": 0}})
 
 
+def test_knobs_of_another_eager_rule_are_refused_not_ignored():
+    """eager_estimate and eager_correction drive the 'corrected' rule only: set away from their
+    defaults under another eager rule (the default 'merge' included) the run would silently ignore
+    them, so the config is refused with the fix; the defaults, and other modes, pass."""
+    with pytest.raises(ConfigError, match="eager_correction = 'next-sync' applies to eager_rule 'corrected' only, "
+                                          "and this run's rule is 'merge': add --eager-rule corrected"):
+        load_config(None, {"diloco": {"mode": "eager", "eager_correction": "next-sync"}})
+    with pytest.raises(ConfigError, match="eager_estimate = 'own' and eager_correction = 'next-sync' apply"):
+        load_config(None, {"diloco": {"mode": "eager", "eager_rule": "paper", "eager_estimate": "own",
+                                      "eager_correction": "next-sync"}})
+    knobs = {"eager_estimate": "own", "eager_correction": "next-sync"}
+    assert load_config(None, {"diloco": {"mode": "eager", "eager_rule": "corrected", **knobs}}).diloco.eager_estimate == "own"
+    assert load_config(None, {"diloco": {"mode": "blocking", **knobs}}).diloco.mode == "blocking"
+    assert load_config(None, {"diloco": {"mode": "eager", "eager_correction": "on-arrival"}}).diloco.eager_rule == "merge"
+
+
 def test_shipped_peer_configs_are_valid():
     from pathlib import Path
 

@@ -26,7 +26,8 @@ from opendiloco_stream.transport.local import LocalSwarm
 WORLD = 2
 MODES = [dict(mode="blocking"), dict(mode="overlap", overlap_steps=1),
          dict(mode="eager", eager_correction="on-arrival", error_feedback=True),
-         dict(mode="eager", eager_estimate="mixed", error_feedback=True, error_feedback_mode="buffer"),
+         dict(mode="eager", eager_rule="corrected", eager_estimate="mixed", error_feedback=True,
+              error_feedback_mode="buffer"),
          dict(mode="eager", eager_rule="paper")]
 
 
