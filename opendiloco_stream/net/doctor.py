@@ -19,7 +19,7 @@ In order, each check printed as it completes:
                  reserve a slot at once (4; with fewer the p2p daemon waits ~3 minutes).
 6. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
                  TCP D, and the bootstrap opens a TCP connection to D at each address that passed
-                 check 4 (skipped for random data ports, ``--no-direct`` and client mode).
+                 check 4 (skipped for random data ports, ``--no-direct``, client mode and ``--relay``).
 7. ``share``     the address others should pass as ``--initial-peers``.
 8. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
                  them the codecs run in torch, several times slower on the CPU (warn).
