@@ -551,8 +551,11 @@ def test_stalled_or_killed_peer_costs_one_bounded_round_then_the_others_go_on():
         swarm.peers[2].kill()  # ...and dies there, with its DHT and p2p daemon
         survivors = [p.recv(90) for p in swarm.peers[:2]]
         recovery_s = max(r["finished_at"] for r in survivors) - killed_at
-        for r in survivors:
-            assert not r["ok"] and r["reason"] in ("partial", "timeout"), r
+        # peer 0 loses the round: it is the reducer peer 2 was sending to (peer 1 reduces nothing).
+        # Peer 1 loses it too, or, when it reached round 3 after peers 0 and 2 had closed their
+        # group (seen once in a full-suite run), was left out of it and fails for "matchmaking"
+        assert not survivors[0]["ok"] and survivors[0]["reason"] in ("partial", "timeout"), survivors
+        assert not survivors[1]["ok"] and survivors[1]["reason"] in ("partial", "timeout", "matchmaking"), survivors
         results = swarm.call_all("all_reduce", (5, 4), per_peer=args[:2], peers=swarm.peers[:2], timeout=90)
         assert [(r["ok"], r["group_size"], r["weight_share"]) for r in results] == [(True, 2, 0.5)] * 2, results
         assert results[0]["sha256"] == results[1]["sha256"]
