@@ -95,6 +95,8 @@ def watch(run: PeerProcesses, nodes: list[str], procs: list, timeout: float, t0:
 
 
 def peer_row(node: str, records: list[dict]) -> dict[str, Any]:
+    """One peer's line: its rounds, those averaged with others (the first one's time counts from
+    the start of the first relay), failure reasons, payload bytes and its final eval loss."""
     syncs = [r for r in records if r["event"] == "sync"]
     ok = [r for r in syncs if r["ok"]]
     with_others = [r for r in ok if r["group_size"] > 1]
