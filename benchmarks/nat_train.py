@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.nat import NatTopology, exit_if_unavailable
+from benchmarks.harness.nat import NatTopology, exit_if_unavailable, listen_flags
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.results import write_result
 from opendiloco_stream.train.metrics_file import MetricsTail
@@ -48,31 +48,20 @@ def train_flags(args: argparse.Namespace) -> list[str]:
 
 
 def node_flags(args: argparse.Namespace, topo: NatTopology, node: str) -> list[str]:
-    """A public peer listens on its bridge address; a NATed one on every interface (so it announces
-    its private address, as behind a real NAT), with ``--relay`` / ``--client-mode`` if asked."""
-    if node not in topo.private:
-        return ["--host-maddrs", f"/ip4/{topo.ip(node)}/tcp/0"]
-    return ["--relay"] * args.relay + ["--client-mode"] * args.client_mode
+    """Where the peer listens (``listen_flags``), with ``--relay`` / ``--client-mode`` on NATed ones if asked."""
+    extra = ["--relay"] * args.relay + ["--client-mode"] * args.client_mode
+    return listen_flags(topo, node) + (extra if node in topo.private else [])
 
 
 def start_relays(run: PeerProcesses, topo: NatTopology, args: argparse.Namespace) -> list[str]:
     """The bootstrap in ``boot`` and ``--relays - 1`` more, in ``boot`` too (one public machine)
     or, with ``--spread-relays``, one in each of the first public nodes; returns the public nodes
-    that host one. Every bootstrap's addresses become the peers' initial peers."""
+    that host one. Every bootstrap's addresses become the peers' initial peers (``run.addrs``)."""
     flags = ["--relay"] if args.relay else []
-    addrs = run.bootstrap(RUN_ID, *flags, node="boot")
+    first = run.bootstrap(RUN_ID, *flags, node="boot")
     hosts = topo.public_peers()[:args.relays - 1] if args.spread_relays else ["boot"] * (args.relays - 1)
     for i, node in enumerate(hosts, start=1):
-        name = f"relay{i}-{node}"
-        addr_file = run.workdir / f"{name}.addrs"
-        run.start(name, ["bootstrap", "--run-id", RUN_ID, "--addr-file", str(addr_file), "--host-maddrs",
-                         f"/ip4/{topo.ip(node)}/tcp/0", "--initial-peers", *addrs, *flags], node=node)
-        deadline = time.monotonic() + 60
-        while not (addr_file.exists() and addr_file.read_text().strip()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not come up: {(run.workdir / f'{name}.log').read_text()[-600:]}")
-            time.sleep(0.1)
-        run.addrs = run.addrs + addr_file.read_text().split()
+        run.bootstrap(RUN_ID, *flags, "--initial-peers", *first, node=node, name=f"relay{i}-{node}")
     return [h for h in hosts if h != "boot"]
 
 

@@ -83,6 +83,12 @@ def exit_if_unavailable(benchmark: str) -> None:
         raise SystemExit(2)
 
 
+def listen_flags(topo: "NatTopology", node: str) -> list[str]:
+    """A public peer listens on its bridge address; a private one on every interface (the default
+    for remote initial peers), so what it announces is its private address, as behind a real NAT."""
+    return [] if node in topo.private else ["--host-maddrs", f"/ip4/{topo.ip(node)}/tcp/0"]
+
+
 class NatTopology(Topology):
     """``public`` peers and ``natted`` private peers (each behind its own masquerading router)
     around one bootstrap; see the module docstring. Nodes: ``boot``, ``p<i>``, ``r<i>``, ``n<i>``."""

@@ -41,26 +41,30 @@ class PeerProcesses:
         self.nodes: set[str] = set()  # namespaces of the topology that a process was started in
         self._logs: list[IO] = []
 
-    def bootstrap(self, run_id: str, *flags: str, node: Optional[str] = None, timeout: float = 60.0) -> list[str]:
-        """Start a ``bootstrap`` node and return its multiaddrs (``run.peer`` passes them on).
+    def bootstrap(self, run_id: str, *flags: str, node: Optional[str] = None, timeout: float = 60.0,
+                  name: str = "bootstrap") -> list[str]:
+        """Start a ``bootstrap`` node and return its multiaddrs; ``run.peer`` passes those of every
+        bootstrap started so far on (a second one, e.g. another relay, gets its own ``name``).
 
         On 127.0.0.1, or with ``node`` inside that namespace, listening on the node's address.
         Raises ``RuntimeError`` with the end of its log when no address comes within ``timeout``."""
         if node is None:
-            boot, self.addrs = start_bootstrap(self.workdir, run_id, timeout)
+            boot, addrs = start_bootstrap(self.workdir, run_id, timeout)
             self.procs.append(boot)
-            return self.addrs
-        addr_file = self.workdir / "bootstrap.addrs"
-        proc = self.start("bootstrap", ["bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
-                                        "--host-maddrs", f"/ip4/{self.topology.ip(node)}/tcp/0", *flags], node=node)
+            self.addrs = self.addrs + addrs
+            return addrs
+        addr_file = self.workdir / f"{name}.addrs"
+        proc = self.start(name, ["bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
+                                 "--host-maddrs", f"/ip4/{self.topology.ip(node)}/tcp/0", *flags], node=node)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
             if addr_file.exists() and addr_file.read_text().strip():  # written atomically by the bootstrap
-                self.addrs = addr_file.read_text().split()
-                return self.addrs
+                addrs = addr_file.read_text().split()
+                self.addrs = self.addrs + addrs
+                return addrs
             time.sleep(0.1)
-        log = (self.workdir / "bootstrap.log").read_text()[-800:]
-        raise RuntimeError(f"bootstrap did not come up in {timeout:g} s: {log}")
+        log = (self.workdir / f"{name}.log").read_text()[-800:]
+        raise RuntimeError(f"{name} did not come up in {timeout:g} s: {log}")
 
     def start(self, name: str, command: Sequence[str], *, node: Optional[str] = None,
               prefix: Sequence[str] = (), env: Optional[dict] = None, stdout: Any = None) -> subprocess.Popen:

@@ -92,8 +92,10 @@ class HivemindSyncHandle(SyncHandle):
 def _classify(error: BaseException, formed: bool) -> tuple[str, str]:
     if isinstance(error, RoundError):
         return error.reason, error.message
-    if isinstance(error, MatchmakingFailed) or not formed:
-        return (error.reason if isinstance(error, MatchmakingFailed) else "matchmaking"), f"no group formed: {error}"
+    if isinstance(error, MatchmakingFailed):  # its reason: "matchmaking", "clients", ...
+        return error.reason, f"no group formed: {error}"
+    if not formed:
+        return "matchmaking", f"no group formed: {error}"
     if isinstance(error, TimeoutError):
         return "timeout", f"all-reduce did not finish in time: {error!r}"
     return "failed", repr(error)
