@@ -102,7 +102,7 @@ class PathLoggingRunner(HvAllReduceRunner):
 
     async def _open_stream(self, q):
         stream = await super()._open_stream(q)
-        path = "direct" if isinstance(stream, DirectStream) else "p2p"
+        path = (f"direct {'reused' if stream.reused else 'new'}" if isinstance(stream, DirectStream) else "p2p")
         with open(Path(os.environ["ODS_TEST_PATH_LOG"]) / f"{self.me}-{q}-{self.key[1]}", "w") as f:
             f.write(path)
         return stream
@@ -162,7 +162,9 @@ def test_rounds_go_direct_on_loopback_and_fall_back_to_p2p_for_an_unreachable_po
             order = results[0]["peers"]  # the group order the runner indexes by
             unreachable = order.index(peer_ids[2])
             for (sender, reducer), path in paths.items():
-                assert path == ("p2p" if reducer == unreachable else "direct"), (sender, reducer, paths)
+                assert path.split()[0] == ("p2p" if reducer == unreachable else "direct"), (sender, reducer, paths)
+                if reducer != unreachable:  # the second round reuses the first one's connection (kept open)
+                    assert path.split()[1] == ("new" if rnd == 0 else "reused"), (sender, reducer, paths)
     finally:
         swarm.close()
 
@@ -263,7 +265,7 @@ def test_fixed_data_ports_and_a_peer_without_the_direct_path(tmp_path, monkeypat
         paths = _paths(tmp_path, 0)
         assert len(paths) == 6, paths
         for (sender, reducer), path in paths.items():
-            assert path == ("p2p" if plain in (sender, reducer) else "direct"), (sender, reducer, paths)
+            assert path == ("p2p" if plain in (sender, reducer) else "direct new"), (sender, reducer, paths)
     finally:
         swarm.close()
 

@@ -66,6 +66,9 @@ class SyncResult:
     #: seconds per phase of the round, where the transport measures them (hivemind: prepare,
     #: matchmaking, contributions, verdicts, reduce, results, drain, finish); empty otherwise
     phases: dict = field(default_factory=dict)
+    #: per groupmate, what this round measured of the link to it (hivemind's direct path:
+    #: ``{"rtt_ms": ..., "rate_mbit": ..., "reused": ...}``, ``link.py``); empty where not measured
+    links: dict = field(default_factory=dict)
 
 
 class SyncHandle(abc.ABC):

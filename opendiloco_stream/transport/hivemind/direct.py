@@ -19,10 +19,14 @@ back on the same connection. Discovery, matchmaking and peer authentication stay
   exchange (``SealError``). Plaintext: the length, then the encoding itself. Before a connection
   has keys (no such group, a bad hello), a reducer can only answer with a *notice*: an error code,
   unsealed, flagged in the length's top bit; it can fail an exchange, never carry data.
-- *Closing.* The sender shuts down its writing side after its last message; the reducer reads that
-  end, writes its results and DONE and closes. TCP delivers what was written before a close, so
-  the linger of the p2p path is not needed. An end of stream is not sealed, but each side knows
-  how many messages to expect: one cut short reads as a broken exchange, never as a shorter one.
+- *Closing, and keeping open.* The sender ends its messages with an *end* word (a length of
+  ``END``, unsealed); the reducer reads it, writes its results and DONE. The connection then stays
+  open for the next round between the two (a new hello, new keys): a connection kept open costs
+  no handshake (one round trip) per round, and keeps the window it grew where the kernel lets it
+  (``net.ipv4.tcp_slow_start_after_idle = 0``). The sender keeps it in its ``ConnectionPool``
+  only after a clean exchange (DONE read), and checks it is still open before reusing it; a
+  reducer waits ``IDLE_S`` for the next hello, then closes. Each side knows how many messages to
+  expect, so a connection cut short reads as a broken exchange, never as a shorter one.
 - *Fallback.* A sender that cannot open the connection within ``request_timeout`` (a peer behind
   NAT, a firewall) uses the p2p daemon for that exchange, and for later rounds to that address
   until a back-off ends (``FailedAddresses``: 30 s, doubling to 10 min); then it tries direct
@@ -53,10 +57,13 @@ logger = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<4sBBH16s16s32s")  # magic, version, flags, sender index, group tag, salt, MAC
 _HELLO_HEAD = struct.Struct("<4sB")  # magic, version: read first, so another version is named as such
-HELLO_MAGIC, HELLO_VERSION = b"ODDT", 2  # 2: sealed messages (seal.py); 1 sent everything in the clear
+HELLO_MAGIC, HELLO_VERSION = b"ODDT", 3  # 3: kept-open connections, END; 2: sealed messages (seal.py)
 FLAG_PLAINTEXT = 1
 _LENGTH = struct.Struct("<I")
 NOTICE = 1 << 31  # in a length: an unsealed error notice follows (see the module docstring)
+END = 0xFFFFFFFF  # a length word alone: the sender's last message of this round (the connection stays open)
+IDLE_S = 300.0  # a reducer closes a kept-open connection with no new hello for this long
+POOL_IDLE_S = 120.0  # a sender reuses a connection idle for less than this (well below IDLE_S)
 OFF_LOOP_BYTES = 256 << 10  # messages from this size on are sealed and opened on a thread
 
 
@@ -220,6 +227,8 @@ async def read_message(sock: socket.socket, max_bytes: int, channel: Optional[Ch
     if head is None:
         return None
     (n,) = _LENGTH.unpack(head)
+    if n == END:
+        return None
     if n & NOTICE:
         size = n & ~NOTICE
         if size > 64:
@@ -248,6 +257,11 @@ def _notice(body: bytes) -> Message:
     if msg.has_part or msg.code in (averaging_pb2.PART_FOR_AVERAGING, averaging_pb2.AVERAGED_PART):
         raise ProtocolError("an unsealed notice that is not an error code")
     return msg
+
+
+async def write_end(sock: socket.socket) -> None:
+    """The end of this round's messages from the sender (the connection stays open)."""
+    await asyncio.get_event_loop().sock_sendall(sock, _LENGTH.pack(END))
 
 
 async def write_notice(sock: socket.socket, code: int) -> None:
@@ -283,43 +297,102 @@ def _configure(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle stall on a frame's tail
 
 
+def is_open(sock: socket.socket) -> bool:
+    """Whether a kept-open connection can carry another exchange: not closed by the other side,
+    and nothing unread on it (an idle connection has nothing to read)."""
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    return False  # b"": closed by the reducer; data: out of step with the protocol
+
+
+class ConnectionPool:
+    """A sender's connections kept open to reducers' addresses between rounds (see the module
+    docstring): ``take`` one still open (or None), ``give`` it back after a clean exchange."""
+
+    def __init__(self, idle_s: float = POOL_IDLE_S, clock: Callable[[], float] = time.monotonic):
+        self.idle_s, self.clock = idle_s, clock
+        self._idle: dict[Any, list[tuple[socket.socket, float]]] = {}
+        self.opened = self.reused = 0  # connections made, and exchanges that reused one
+
+    def take(self, address: Any) -> Optional[socket.socket]:
+        entries = self._idle.get(address, [])
+        while entries:
+            sock, since = entries.pop()
+            if self.clock() - since < self.idle_s and is_open(sock):
+                self.reused += 1
+                return sock
+            sock.close()
+        return None
+
+    def give(self, address: Any, sock: socket.socket) -> None:
+        self._idle.setdefault(address, []).append((sock, self.clock()))
+
+    def close(self) -> None:
+        for entries in self._idle.values():
+            for sock, _ in entries:
+                sock.close()
+        self._idle.clear()
+
+
 # ---------------------------------------------------------------------------------------- sender side
 class DirectStream:
     """The sender's end of one exchange: writes ``outgoing`` in the background, yields the replies
-    (the same interface as a hivemind stream: async iteration and ``aclose``)."""
+    (the same interface as a hivemind stream: async iteration and ``aclose``). A clean exchange
+    (our END written, the reducer's DONE read) gives the connection back to ``pool``."""
 
-    def __init__(self, sock: socket.socket, outgoing: AsyncIterator, max_bytes: int, channel: Optional[Channel] = None):
+    def __init__(self, sock: socket.socket, outgoing: AsyncIterator, max_bytes: int, channel: Optional[Channel] = None,
+                 pool: Optional[ConnectionPool] = None, address: Any = None, reused: bool = False):
         self.sock, self.max_bytes, self.channel = sock, max_bytes, channel
+        self.pool, self.address, self.reused = pool, address, reused
+        self.connect_s: Optional[float] = None  # the TCP handshake's time (one round trip), if we made one
+        self._done_read = self._end_written = False
         self._writer = asyncio.ensure_future(self._write(outgoing))
 
     @classmethod
     async def open(cls, address: tuple[str, int], hello: bytes, outgoing: Callable[[], AsyncIterator],
-                   timeout: float, max_bytes: int, channel: Optional[Channel] = None) -> "DirectStream":
-        """Connect and say hello; ``OSError`` or ``asyncio.TimeoutError`` if that cannot be done
-        within ``timeout`` (the caller falls back to the p2p daemon). ``channel``: the sender's end
-        of the sealed connection the hello announces (None: plaintext)."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                   timeout: float, max_bytes: int, channel: Optional[Channel] = None,
+                   pool: Optional[ConnectionPool] = None, buffers: Callable[[socket.socket], Any] = None
+                   ) -> "DirectStream":
+        """Connect (or take a kept-open connection from ``pool``) and say hello; ``OSError`` or
+        ``asyncio.TimeoutError`` if that cannot be done within ``timeout`` (the caller falls back to
+        the p2p daemon). ``channel``: the sender's end of the sealed connection the hello announces
+        (None: plaintext). ``buffers(sock)``: sizes a new socket's buffers before it connects."""
+        loop = asyncio.get_event_loop()
+        sock = pool.take(address) if pool is not None else None
+        reused, connect_s = sock is not None, None
         try:
-            _configure(sock)
-            loop = asyncio.get_event_loop()
-            await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
+            if sock is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                _configure(sock)
+                if buffers is not None:
+                    buffers(sock)
+                t0 = loop.time()
+                await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
+                connect_s = loop.time() - t0
+                if pool is not None:
+                    pool.opened += 1
             await asyncio.wait_for(loop.sock_sendall(sock, hello), timeout)
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
-        return cls(sock, outgoing(), max_bytes, channel)
+        stream = cls(sock, outgoing(), max_bytes, channel, pool, address, reused)
+        stream.connect_s = connect_s
+        return stream
 
     async def _write(self, outgoing: AsyncIterator) -> None:
         try:
             async for msg in outgoing:
                 await write_message(self.sock, msg, self.channel)
+            await write_end(self.sock)  # end of our messages: the reducer waits for it
+            self._end_written = True
         except (OSError, ProtocolError) as e:  # the reading side will see the broken connection
             logger.debug("direct stream: writing failed: %r", e)
         finally:
-            try:
-                self.sock.shutdown(socket.SHUT_WR)  # end of our messages: the reducer waits for it
-            except OSError:
-                pass
             await outgoing.aclose()
 
     def __aiter__(self) -> "DirectStream":
@@ -329,15 +402,26 @@ class DirectStream:
         msg = await read_message(self.sock, self.max_bytes, self.channel)
         if msg is None:
             raise StopAsyncIteration
+        if msg.code == averaging_pb2.AVERAGED_PART and msg.parts and frame_kind(msg.parts[0]) == DONE:
+            self._done_read = True
         return msg
 
+    def tcp_info(self) -> Any:
+        """The kernel's measurements of this connection (``link.tcp_info``)."""
+        from opendiloco_stream.transport.hivemind.link import tcp_info
+        return tcp_info(self.sock)
+
     async def aclose(self) -> None:
+        clean = self._done_read and self._writer.done() and not self._writer.cancelled() and self._end_written
         self._writer.cancel()
         try:
             await self._writer
         except BaseException:
             pass
-        self.sock.close()
+        if clean and self.pool is not None:
+            self.pool.give(self.address, self.sock)
+        else:
+            self.sock.close()
 
 
 # ---------------------------------------------------------------------------------------- reducer side
@@ -412,8 +496,20 @@ async def serve_connections(listener: DirectListener, groups: RunningGroups, pre
             task.cancel()
 
 
-async def _read_hello(sock: socket.socket, wait_s: float) -> Hello:
-    head = bytes(await asyncio.wait_for(_recv_exactly(sock, _HELLO_HEAD.size), wait_s))
+async def _read_hello(sock: socket.socket, wait_s: float, idle_s: Optional[float] = None) -> Optional[Hello]:
+    """The next hello; ``idle_s``: a kept-open connection's wait for its first byte (None at a clean
+    close, or after ``idle_s`` without one)."""
+    if idle_s is not None:
+        try:
+            first = await asyncio.wait_for(_recv_exactly(sock, 1, eof_ok=True), idle_s)
+        except asyncio.TimeoutError:
+            return None
+        if first is None:
+            return None
+        rest = await asyncio.wait_for(_recv_exactly(sock, _HELLO_HEAD.size - 1), wait_s)
+        head = bytes(first) + bytes(rest)
+    else:
+        head = bytes(await asyncio.wait_for(_recv_exactly(sock, _HELLO_HEAD.size), wait_s))
     check_hello_head(head)  # another version is named before we wait for bytes it may never send
     return read_hello(head + bytes(await asyncio.wait_for(_recv_exactly(sock, _HELLO.size - len(head)), wait_s)))
 
@@ -436,43 +532,60 @@ async def _runner_for(sock: socket.socket, groups: RunningGroups, hello: Hello, 
 
 async def _serve_connection(sock: socket.socket, groups: RunningGroups, prefix: str, wait_s: float,
                             security: DirectSecurity) -> None:
-    loop = asyncio.get_event_loop()
-    deadline = loop.time() + wait_s
+    """One sender's connection: an exchange per hello, as long as each ends cleanly."""
     try:
-        hello = await _read_hello(sock, wait_s)
+        idle_s = None  # the first hello follows the connect at once
+        while await _serve_exchange(sock, groups, prefix, wait_s, security, idle_s):
+            idle_s = IDLE_S
+    finally:
+        sock.close()
+
+
+async def _serve_exchange(sock: socket.socket, groups: RunningGroups, prefix: str, wait_s: float,
+                          security: DirectSecurity, idle_s: Optional[float]) -> bool:
+    """Serve one hello's exchange; True if it ended cleanly (the connection may carry another)."""
+    loop = asyncio.get_event_loop()
+    try:
+        hello = await _read_hello(sock, wait_s, idle_s)
+        if hello is None:
+            return False
+        deadline = loop.time() + wait_s
         found = await _runner_for(sock, groups, hello, deadline)
         if found is None:
-            return
+            return False
         group_id, runner = found
         if not (0 <= hello.sender < len(runner.peer_ids)) or not hello_is_valid(security, group_id, prefix,
                                                                                  runner.me, hello):
             logger.info("%s: refusing a direct connection with a bad hello (sender %d)", prefix, hello.sender)
             await write_notice(sock, averaging_pb2.PROTOCOL_VIOLATION)
-            return
+            return False
         if hello.plaintext != security.plaintext:
             logger.warning("%s: refusing a direct connection from %s: it %s and this peer %s; set "
                            "--direct-plaintext on every peer or on none", prefix, runner.peer_ids[hello.sender],
                            *(("sends in plaintext", "seals") if hello.plaintext else ("seals", "sends in plaintext")))
             await write_notice(sock, averaging_pb2.PROTOCOL_VIOLATION)
-            return
+            return False
         channel = security.channel(group_id, prefix, hello.sender, runner.me, hello.salt, "reducer")
-        await _serve_sender(sock, runner, hello.sender, channel)
+        return await _serve_sender(sock, runner, hello.sender, channel)
     except HelloVersionError as e:
         logger.warning("%s: refusing a direct connection: %s", prefix, e)
     except (OSError, ProtocolError, asyncio.TimeoutError) as e:
         logger.info("%s: direct connection failed: %r", prefix, e)
-    finally:
-        sock.close()
+    return False
 
 
-async def _serve_sender(sock: socket.socket, runner: Any, sender: int, channel: Optional[Channel]) -> None:
-    """Hand the sender's messages to the runner, write its replies back."""
+async def _serve_sender(sock: socket.socket, runner: Any, sender: int, channel: Optional[Channel]) -> bool:
+    """Hand the sender's messages to the runner, write its replies back; True if DONE went out
+    (the sender's END was read before: the connection is between two exchanges)."""
     replies = runner.serve(_Incoming(sock, runner.max_message_bytes, channel), runner.peer_ids[sender])
     try:
         async for msg in replies:
             await write_message(sock, msg, channel)
             head = msg.parts[0] if isinstance(msg, Message) and msg.parts else msg.tensor_part.buffer
-            if msg.code != averaging_pb2.AVERAGED_PART or frame_kind(head) == DONE:
-                break  # our last message: no linger on TCP (see the module docstring)
+            if msg.code != averaging_pb2.AVERAGED_PART:
+                return False
+            if frame_kind(head) == DONE:
+                return True  # our last message
+        return False
     finally:
         await replies.aclose()

@@ -24,13 +24,16 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from opendiloco_stream.compression import Codec
-from opendiloco_stream.transport.hivemind.direct import DirectListener, FailedAddresses, RunningGroups, serve_connections
+from opendiloco_stream.transport.hivemind.direct import (
+    ConnectionPool, DirectListener, FailedAddresses, RunningGroups, serve_connections,
+)
+from opendiloco_stream.transport.hivemind.link import LinkBook
 from opendiloco_stream.transport.hivemind.matchmaking import Group, Matchmaker
 from opendiloco_stream.transport.hivemind.protocol import as_protobufs
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
 from opendiloco_stream.transport.hivemind.seal import DirectSecurity
 from opendiloco_stream.transport.hivemind.service import AveragingService
-from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
+from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, link_timeouts
 from opendiloco_stream.transport.reduce import member_metadata
 
 logger = logging.getLogger(__name__)
@@ -41,16 +44,24 @@ class FragmentEndpoint:
 
     Build it in a trainer thread (it binds the direct listener), then ``service.call(endpoint.start())``.
     ``runner_cls``: the round's runner (tests pass subclasses that fake bad senders or log paths).
+    ``timeout_base`` and ``link_mbit``: ``derive_timeouts``' other arguments and the configured
+    rate; with them, :meth:`refresh_timeouts` derives the next rounds' bounds from the links this
+    fragment's rounds measured (``links``, ``link.py``).
     """
 
     def __init__(self, service: AveragingService, numel: int, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
                  chunk_bytes: int, norm_bound: Optional[float], client_mode: bool, admission: Any = None,
                  direct: bool = True, direct_port: int = 0, direct_plaintext: bool = False,
-                 runner_cls: type = HvAllReduceRunner):
+                 runner_cls: type = HvAllReduceRunner, timeout_base: Optional[dict] = None,
+                 link_mbit: Optional[float] = None):
         self.service, self.numel, self.prefix = service, int(numel), prefix
         self.codec, self.timeouts, self.chunk_bytes, self.norm_bound = codec, timeouts, chunk_bytes, norm_bound
         self.client_mode, self.admission, self.runner_cls = client_mode, admission, runner_cls
         self.direct, self.direct_failed = direct, FailedAddresses()
+        self.direct_pool = ConnectionPool()  # connections to groupmates kept open between rounds
+        self.links = LinkBook()  # groupmates' RTT and rate, from this fragment's rounds
+        self.timeout_base, self.link_mbit = timeout_base, link_mbit
+        self._timeouts_refused: Optional[str] = None  # the last measure that broke the hierarchy (logged once)
         self.direct_security = DirectSecurity(direct_plaintext, admission.auth if admission is not None else None)
         self.listener: Optional[DirectListener] = None
         if direct and not client_mode:
@@ -82,6 +93,7 @@ class FragmentEndpoint:
                 self.listener, self.groups, self.prefix, self.timeouts.next_chunk, self.direct_security))
 
     async def close(self) -> None:
+        self.direct_pool.close()
         if self._serving is not None:
             self._serving.cancel()  # ended before the socket closes: its fd may be reused at once
             await asyncio.gather(self._serving, return_exceptions=True)
@@ -109,6 +121,25 @@ class FragmentEndpoint:
     async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float) -> Group:
         """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed."""
         return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target)
+
+    def refresh_timeouts(self) -> RoundTimeouts:
+        """The next rounds' bounds from the worst link measured to the groupmates (``link_timeouts``);
+        the current ones where nothing is measured, or where the measure does not fit the window
+        (said once: rounds at that distance will likely time out)."""
+        if self.timeout_base is None or self.link_mbit is None or not len(self.links):
+            return self.timeouts
+        rtt, rate = self.links.worst()
+        try:
+            new = link_timeouts(self.timeout_base, link_mbit=self.link_mbit, rtt_s=rtt, measured_mbit=rate)
+        except ValueError as e:
+            if self._timeouts_refused is None:
+                logger.warning("%s: the links measured (RTT %.0f ms) need longer bounds than the window allows "
+                               "(%s): keeping the current ones", self.prefix, rtt * 1e3, e)
+            self._timeouts_refused = str(e)
+            return self.timeouts
+        self.timeouts = new
+        self.matchmaker.request_timeout = new.request
+        return new
 
     def round_buffers(self, numel: int) -> tuple:
         """(average, sent): tensors of the service's pool (``buffers.py``) for a round of ``numel``
@@ -146,7 +177,7 @@ class FragmentEndpoint:
                 p2p=self.service.p2p, handler=self.aggregate_name, prefix=self.prefix, group=group, tensor=tensor,
                 codec=self.codec, timeouts=self.timeouts, norm_bound=self.norm_bound,
                 direct_failed=self.direct_failed if self.direct else None, direct_security=self.direct_security,
-                result=result, sent=sent)
+                result=result, sent=sent, direct_pool=self.direct_pool, links=self.links, link_mbit=self.link_mbit)
         except RoundError as e:
             running.set_exception(e)
             running.exception()  # retrieved: a late sender's handler may never look at it

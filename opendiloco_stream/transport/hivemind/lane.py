@@ -225,6 +225,7 @@ class _Lane:
                 handle.fail("failed", repr(e))
             finally:
                 self._current = None
+                self.timeouts = self.endpoint.refresh_timeouts()  # the next rounds' bounds, from this round's links
 
     def _drop_early(self) -> None:
         """Stop forming the group ahead, if any (a group that formed loses this peer)."""
@@ -355,7 +356,8 @@ class _Lane:
             average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
             group_size=summary["group_size"], weight_share=summary["weight_share"],
             bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
-            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=expected))
+            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=expected,
+            links=summary.get("links", {})))
 
     def close(self) -> None:
         """Fail what is queued and the running round ("closed"), stop the worker."""

@@ -37,6 +37,7 @@ def round_summary(runner: "HvAllReduceRunner") -> dict:
         rejected=outcome.rejected, missing=outcome.missing,
         bytes_sent=runner.bytes_sent, bytes_received=runner.bytes_received,
         marks=dict(runner.marks, end=time.time()), sent_is_input=runner.sent_is_input,
+        links={str(runner.peer_ids[q]): seen for q, seen in runner.links_seen.items()},
     )
 
 

@@ -23,7 +23,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
 from opendiloco_stream.compression import Codec, native
-from opendiloco_stream.transport.hivemind.direct import DirectStream, FailedAddresses, make_hello, parse_address
+from opendiloco_stream.transport.hivemind.direct import (
+    ConnectionPool, DirectStream, FailedAddresses, make_hello, parse_address,
+)
+from opendiloco_stream.transport.hivemind.link import LinkBook, size_buffers
 from opendiloco_stream.transport.hivemind.seal import DirectSecurity, new_salt
 from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
 from opendiloco_stream.transport.hivemind.matchmaking import Group, unpack_meta
@@ -41,6 +44,8 @@ from opendiloco_stream.transport.reduce import (
 
 logger = logging.getLogger(__name__)
 
+RATE_MIN_BYTES = 1 << 20  # an exchange that moved less says little about the link's rate (slow start)
+
 
 class HvAllReduceRunner:
     """Reduce-scatter, verdict exchange and all-gather of one group (see ``transport/reduce.py``).
@@ -54,7 +59,9 @@ class HvAllReduceRunner:
     def __init__(self, *, p2p: P2P, handler: str, prefix: str, group: Group, tensor: torch.Tensor,
                  codec: Codec, timeouts: RoundTimeouts, norm_bound: Optional[float],
                  direct_failed: Optional[FailedAddresses] = None, result: Optional[torch.Tensor] = None,
-                 sent: Optional[torch.Tensor] = None, direct_security: Optional[DirectSecurity] = None):
+                 sent: Optional[torch.Tensor] = None, direct_security: Optional[DirectSecurity] = None,
+                 direct_pool: Optional[ConnectionPool] = None, links: Optional[LinkBook] = None,
+                 link_mbit: Optional[float] = None):
         self.p2p, self.handler, self.prefix = p2p, handler, prefix  # handler: groupmates' p2p fallback
         self.group_id, self.peer_ids = group.group_id, tuple(group.peer_ids)
         self.me = self.peer_ids.index(p2p.peer_id)
@@ -80,6 +87,11 @@ class HvAllReduceRunner:
         # how they are sealed (seal.py; default: sealed, no run key)
         self.direct_failed, self.direct_security = direct_failed, direct_security or DirectSecurity()
         self.direct = [parse_address(u.get("direct")) if isinstance(u, dict) else None for u in users]
+        # connections kept open between rounds (direct.py); the groupmates' links as measured in
+        # our rounds (link.py): new connections' buffers are sized from them, and this round adds to them
+        self.direct_pool, self.links, self.link_mbit = direct_pool, links, link_mbit
+        self.links_seen: dict[int, dict] = {}  # groupmate -> what this round measured of its link
+        self._bytes_with = [0] * n  # bytes moved with each reducer on our stream to it
         largest = max((hi - lo for chunks in self.layout.chunks for lo, hi in chunks), default=0)
         self.max_message_bytes = n * codec.encoded_size(largest) + 65536  # a result bundles <= n contributions
         self.my_chunks = self.layout.chunks[self.me]
@@ -296,6 +308,7 @@ class HvAllReduceRunner:
                 raise
             msg = _message(frame_parts(CONTRIB, j, payload), self.group_id)  # payload: bytes or fp32 (header, view)
             self.bytes_sent += msg.ByteSize()
+            self._bytes_with[q] += msg.ByteSize()
             yield msg
         if self.is_reducer[self.me]:
             try:
@@ -316,7 +329,8 @@ class HvAllReduceRunner:
             try:
                 stream = await DirectStream.open(address, hello, lambda: self._contributions_for(q),
                                                  min(self.t.request, self._remaining()), self.max_message_bytes,
-                                                 security.channel(self.group_id, self.prefix, self.me, q, salt, "sender"))
+                                                 security.channel(self.group_id, self.prefix, self.me, q, salt, "sender"),
+                                                 pool=self.direct_pool, buffers=self._buffers_for(q))
                 self.direct_failed.succeeded(address)
                 return stream
             except (OSError, asyncio.TimeoutError) as e:
@@ -327,10 +341,38 @@ class HvAllReduceRunner:
                                               averaging_pb2.AveragingData),
             min(self.t.next_chunk, self._remaining()))
 
+    def _buffers_for(self, q: int):
+        """What sizes a new connection's buffers to reducer ``q`` (``link.size_buffers``), from
+        its link as measured in earlier rounds; None before any measure."""
+        known = self.links.get(self.peer_ids[q]) if self.links is not None else None
+        if known is None or self.link_mbit is None:
+            return None
+        rate = self.link_mbit if known.rate_mbit is None else max(self.link_mbit, known.rate_mbit)
+        return lambda sock: size_buffers(sock, rate, known.rtt_s)
+
+    def _measure(self, q: int, stream: AsyncIterator, elapsed_s: float) -> None:
+        """Record what the exchange with reducer ``q`` showed of its link: the kernel's RTT of a
+        direct connection (else its handshake's time), and a rate where enough bytes moved."""
+        rtt = rate = None
+        if isinstance(stream, DirectStream):
+            info = stream.tcp_info()
+            rtt = info.rtt_s if info is not None and info.rtt_s > 0 else stream.connect_s
+        moved = self._bytes_with[q]
+        if moved >= RATE_MIN_BYTES and elapsed_s > 0:
+            rate = moved * 8 / elapsed_s / 1e6
+        if rtt is None and rate is None:
+            return
+        self.links_seen[q] = {"rtt_ms": None if rtt is None else round(rtt * 1e3, 2),
+                              "rate_mbit": None if rate is None else round(rate, 2),
+                              "reused": bool(getattr(stream, "reused", False))}
+        if self.links is not None:
+            self.links.record(self.peer_ids[q], rtt_s=rtt, rate_mbit=rate)
+
     async def _next_result(self, q: int, it: AsyncIterator, kind: int, j: int, timeout: float):
         """Reducer ``q``'s next frame, which must be ``kind`` (RESULT chunk ``j``, or DONE)."""
         msg = await asyncio.wait_for(it.__anext__(), timeout)
         self.bytes_received += msg.ByteSize()
+        self._bytes_with[q] += msg.ByteSize()
         if msg.code != averaging_pb2.AVERAGED_PART:
             raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
         frame = unpack_frame(msg.tensor_part.buffer)
@@ -342,6 +384,7 @@ class HvAllReduceRunner:
 
     async def _exchange_with(self, q: int) -> None:
         stream = None
+        t0 = asyncio.get_event_loop().time()
         try:
             stream = await self._open_stream(q)
             it = stream.__aiter__()
@@ -352,6 +395,7 @@ class HvAllReduceRunner:
             # DONE (with the verdict when the part is empty) ends it; then we close: the reducer waits
             timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
             await self._next_result(q, it, DONE, len(self.layout.chunks[q]), timeout)
+            self._measure(q, stream, asyncio.get_event_loop().time() - t0)
         except RoundError:
             raise
         except StopAsyncIteration:

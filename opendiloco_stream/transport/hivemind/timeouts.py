@@ -1,4 +1,5 @@
-"""Timeouts of the hivemind transport, derived from the link rate and the schedule window.
+"""Timeouts of the hivemind transport, derived from the link rate, its round-trip time and the
+schedule window.
 
 Every wait of a round has a bound, and the bounds nest (each must fit in the next)::
 
@@ -19,11 +20,19 @@ Defaults (when a value is not given)::
 
     transfer_s         = 2 * encoded_bytes * 8 / (link_mbit * 1e6)   # a peer sends and receives ~2x its contribution
     cpu_s              = numel * CPU_S_PER_ELEMENT                   # encode, decode, reduce
-    next_chunk_timeout = NEXT_CHUNK_FLOOR_S + SAFETY * (chunk_bytes * 8 * STREAMS / (link_mbit * 1e6))
-    allreduce_timeout  = max(2 * next_chunk_timeout, ALLREDUCE_FLOOR_S + SAFETY * (transfer_s + cpu_s))
+    next_chunk_timeout = NEXT_CHUNK_FLOOR_S + SAFETY * (chunk_bytes * 8 * STREAMS / (link_mbit * 1e6) + CHUNK_RTTS * rtt_s)
+    allreduce_timeout  = max(2 * next_chunk_timeout,
+                             ALLREDUCE_FLOOR_S + SAFETY * (transfer_s + cpu_s + EXCHANGE_RTTS * rtt_s))
 
 and, with ``window_s``, ``allreduce_timeout`` is clipped so that ``round_bound <= window_s`` (a
 window too short for the hierarchy is a configuration error).
+
+``rtt_s`` is the largest round-trip time to the groupmates (``link.py``'s ``LinkBook``: measured
+in this peer's own rounds; 0 before any). It also raises the two bounds that are always given,
+never lowering them: ``request_timeout`` to at least ``REQUEST_RTTS * rtt_s`` (a join request on
+a new p2p stream, or a DHT lookup of a hop or two and its store) and ``matchmaking_time`` to at
+least ``request_timeout + MATCH_RTTS * rtt_s``, so the hierarchy holds at any distance.
+:func:`link_timeouts` is the same with a measured rate in place of ``link_mbit`` where it is slower.
 """
 
 from __future__ import annotations
@@ -43,6 +52,13 @@ STREAMS = 8
 BACKSTOP_S = 2.0
 # Thread wake-ups between the lane and the service loop, scheduling.
 GRACE_S = 1.0
+# Sequential round trips (docs/networking.md, "At distance"): one request; what matchmaking adds
+# after it; one exchange at most (connect, contributions, verdicts, results, a slow start);
+# a silence between two chunks (a retransmission after a loss, a window's worth of waiting).
+REQUEST_RTTS = 6
+MATCH_RTTS = 4
+EXCHANGE_RTTS = 10
+CHUNK_RTTS = 4
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +94,13 @@ def derive_timeouts(
     allreduce_timeout: Optional[float] = None,
     next_chunk_timeout: Optional[float] = None,
     window_s: Optional[float] = None,
+    rtt_s: float = 0.0,
 ) -> RoundTimeouts:
     """Fill in the unset timeouts of one fragment and check the hierarchy; ValueError (one line) if broken."""
     if link_mbit <= 0:
         raise ValueError(f"link_mbit must be positive, got {link_mbit}")
+    if not rtt_s >= 0:
+        raise ValueError(f"rtt_s must be >= 0, got {rtt_s}")
     for name, value in (("request_timeout", request_timeout), ("matchmaking_time", matchmaking_time),
                         ("allreduce_timeout", allreduce_timeout), ("next_chunk_timeout", next_chunk_timeout),
                         ("window_s", window_s)):
@@ -91,10 +110,12 @@ def derive_timeouts(
         raise ValueError(
             f"request_timeout ({request_timeout}s) must be < matchmaking_time ({matchmaking_time}s), "
             "or matchmaking can deadlock")
+    request_timeout = max(request_timeout, REQUEST_RTTS * rtt_s)
+    matchmaking_time = max(matchmaking_time, request_timeout + MATCH_RTTS * rtt_s)
     link_bps = link_mbit * 1e6
     if next_chunk_timeout is None:
-        next_chunk_timeout = NEXT_CHUNK_FLOOR_S + SAFETY * chunk_bytes * 8 * STREAMS / link_bps
-    estimate = 2 * encoded_bytes * 8 / link_bps + numel * CPU_S_PER_ELEMENT
+        next_chunk_timeout = NEXT_CHUNK_FLOOR_S + SAFETY * (chunk_bytes * 8 * STREAMS / link_bps + CHUNK_RTTS * rtt_s)
+    estimate = 2 * encoded_bytes * 8 / link_bps + numel * CPU_S_PER_ELEMENT + EXCHANGE_RTTS * rtt_s
     explicit = allreduce_timeout is not None
     if allreduce_timeout is None:
         allreduce_timeout = max(2 * next_chunk_timeout, ALLREDUCE_FLOOR_S + SAFETY * estimate)
@@ -111,8 +132,9 @@ def derive_timeouts(
                 f"(lower matchmaking_time or lengthen the window: H or tau)")
         if allreduce_timeout > budget:
             if budget < estimate:
-                logger.warning("the window (%.1fs) leaves %.1fs for an all-reduce that needs ~%.1fs at %.0f Mbit/s: "
-                               "rounds will likely time out", window_s, budget, estimate, link_mbit)
+                logger.warning("the window (%.1fs) leaves %.1fs for an all-reduce that needs ~%.1fs at %.0f Mbit/s "
+                               "and %.0f ms RTT: rounds will likely time out", window_s, budget, estimate, link_mbit,
+                               rtt_s * 1e3)
             allreduce_timeout = budget
         next_chunk_timeout = min(next_chunk_timeout, 0.5 * allreduce_timeout)
     if allreduce_timeout <= matchmaking_time:
@@ -122,3 +144,12 @@ def derive_timeouts(
             f"next_chunk_timeout ({next_chunk_timeout:.1f}s) must be < allreduce_timeout ({allreduce_timeout:.1f}s)")
     return RoundTimeouts(request=request_timeout, matchmaking=matchmaking_time,
                          next_chunk=next_chunk_timeout, allreduce=allreduce_timeout)
+
+
+def link_timeouts(base: dict, *, link_mbit: float, rtt_s: float, measured_mbit: Optional[float]) -> RoundTimeouts:
+    """``derive_timeouts(**base)`` for the link this peer measured to its groupmates: ``rtt_s``,
+    and the measured rate where it is below the configured ``link_mbit`` (a measured rate above
+    it does not shorten any bound: a round's rate counts its waits too, and the configured rate is
+    what the operator promised). ``base``: every other argument of ``derive_timeouts``."""
+    rate = link_mbit if measured_mbit is None else min(link_mbit, max(measured_mbit, 1e-3))
+    return derive_timeouts(link_mbit=rate, rtt_s=rtt_s, **base)

@@ -26,7 +26,8 @@ Design (docs/architecture.md, "hivemind transport"):
   contributions, and any missing or inconsistent part fails the round (``reason="partial"``).
 - One worker thread per fragment (``lane.py``) runs the rounds of that fragment in order, so ``all_reduce``
   never blocks.
-- Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given.
+- Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given, then from
+  the RTT and rate each fragment measured to its groupmates in its rounds (``link.py``).
 - Late joiners (``state.py``): state served and downloaded on the same service loop.
 - Partitions (``net/routes.py``): the DHT re-pings the peers it dropped, so a healed link rejoins.
 """
@@ -179,9 +180,14 @@ class HivemindTransport(Transport):
         keep_routes(dht)  # a healed partition must not leave the run split in two (net/routes.py)
 
     def timeouts(self, numel: int) -> RoundTimeouts:
-        """The timeouts a fragment of ``numel`` elements gets."""
-        return derive_timeouts(encoded_bytes=self.codec.encoded_size(numel), numel=numel, chunk_bytes=self.chunk_bytes,
-                               link_mbit=self.link_mbit, window_s=self.window_s, **self.timeout_args)
+        """The timeouts a fragment of ``numel`` elements gets before any round measured its links."""
+        return derive_timeouts(link_mbit=self.link_mbit, **self.timeout_base(numel))
+
+    def timeout_base(self, numel: int) -> dict:
+        """``derive_timeouts``' arguments for a fragment of ``numel`` elements but the link's rate
+        and RTT (which the fragment's endpoint fills in from its measures: ``link_timeouts``)."""
+        return dict(encoded_bytes=self.codec.encoded_size(numel), numel=numel, chunk_bytes=self.chunk_bytes,
+                    window_s=self.window_s, **self.timeout_args)
 
     def prepare(self, numels: dict[int, int]) -> None:
         numels = {int(p): int(n) for p, n in numels.items()}
@@ -200,6 +206,7 @@ class HivemindTransport(Transport):
             for p, n in sorted(numels.items()):
                 endpoints[p] = endpoint = FragmentEndpoint(
                     service, n, prefix=f"{self.run_id}_f{p}", codec=self.codec, timeouts=self.timeouts(n),
+                    timeout_base=self.timeout_base(n), link_mbit=self.link_mbit,
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, client_mode=self.client_mode,
                     admission=self.admission, direct=self.direct,
                     direct_port=0 if self.direct_port is None else self.direct_port + p,
