@@ -8,6 +8,7 @@ bf16 autocast on CUDA by default (fp32 on CPU); parameters, optimizer and outer 
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 # Model init seeds torch's process-global RNG: workers running as threads must not interleave it.
 _BUILD_LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
 JOIN_ATTEMPTS = 3  # state downloads a joiner tries before it trains on from a state a round old
 
 
@@ -261,16 +263,23 @@ def _restore_or_join(w: _Worker, transport: Transport, join_running: bool) -> tu
 def _join(w: _Worker, transport: Transport, start_step: int) -> int:
     """Download the swarm's state; the step to start at. The swarm trains on meanwhile: if one of
     our next rounds went without us, the state is a round old (we would run that round alone), so
-    download again, up to ``JOIN_ATTEMPTS`` times."""
+    download again, up to ``JOIN_ATTEMPTS`` times: each time only what changed since the state
+    before (``since``: the fragments that synced meanwhile), so an attempt is shorter than the
+    one before and catches up with a swarm that moves faster than a whole download."""
+    previous = None
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         state = transport.load_state_from_peers(
             timeout=w.cfg.diloco.sync_timeout,
-            progress=lambda rec: w.emit({"event": "state_download", "rank": w.rank, "attempt": attempt, **rec}))
-        if state is None:
+            progress=lambda rec: _download_progress(w, attempt, rec), since=previous)
+        refresh_failed = state is None and previous is not None
+        if state is None and previous is None:
             break
+        if refresh_failed:
+            state = previous  # train on from the state we have (rounds apart, as below)
+        previous = state
         w.diloco.load_state_dict(state, joiner=True)
         missed = w.diloco.missed_rounds()
-        if not missed or attempt == JOIN_ATTEMPTS:
+        if not missed or attempt == JOIN_ATTEMPTS or refresh_failed:
             start_step = w.diloco.step_count
             for _ in range(start_step):
                 w.sched.step()
@@ -282,6 +291,16 @@ def _join(w: _Worker, transport: Transport, start_step: int) -> int:
         w.emit({"event": "join_stale", "rank": w.rank, "step": w.diloco.step_count, "attempt": attempt,
                 "missed_rounds": [list(k) for k in missed]})
     return start_step
+
+
+def _download_progress(w: _Worker, attempt: int, rec: dict) -> None:
+    """A state download's progress: a ``state_download`` record and one log line (shown as it goes)."""
+    w.emit({"event": "state_download", "rank": w.rank, "attempt": attempt, **rec})
+    total = max(1, int(rec.get("total_bytes", 0)))
+    logger.info("joining: state %s %.1f/%.1f MB (%.0f%%, %.1f MiB/s, %.1f MB reused)%s",
+                "refresh" if attempt > 1 else "download", rec.get("bytes", 0) / 1e6, total / 1e6,
+                100.0 * rec.get("bytes", 0) / total, rec.get("mib_per_s", 0.0), rec.get("reused_bytes", 0) / 1e6,
+                " done" if rec.get("done") else "")
 
 
 def _train_loop(w: _Worker, report: WorkerReport, start_step: int,

@@ -163,10 +163,11 @@ class Transport(abc.ABC):
         a view of the swarm say none."""
         return []
 
-    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None
-                              ) -> Optional[dict[str, Any]]:
+    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
+                              since: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
         """Download the run's state from peers already in it; ``None`` if there are none.
-        ``progress(record)``, if given, hears how far a download is (bytes, total, rate)."""
+        ``progress(record)``, if given, hears how far a download is (bytes, total, rate).
+        ``since``: a state this peer loaded before (stale now): a transport may fetch only what changed."""
         return None
 
     def close(self) -> None:

@@ -243,7 +243,8 @@ class LocalTransport(Transport):
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
         self.swarm._state_providers[self.rank] = provider
 
-    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None
+    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
+                              since: Optional[dict[str, Any]] = None
                               ) -> Optional[dict[str, Any]]:  # in-process: no download to report
         for rank, provider in sorted(self.swarm._state_providers.items()):
             if rank != self.rank:

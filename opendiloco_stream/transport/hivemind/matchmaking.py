@@ -164,15 +164,23 @@ class Matchmaker:
         loop = asyncio.get_event_loop()
         r = _Round(round_index, pack_meta(meta), target, loop.time() + window_s, outcome=loop.create_future())
         self.rounds[round_index] = r
+        # The announcement and the first read of the others' go out together: a DHT store is a
+        # round trip or two at a distance, and waiting for it before reading would add them to
+        # every round (the others read ours at their next poll, as they would anyway).
+        announced = asyncio.ensure_future(self._announce(r, grouped=False))
         try:
-            await self._announce(r, grouped=False)
             return await self._match(r)
         finally:
             self._end(r)
-            # grouped, failed or cancelled: no longer a leader for this round (the others elect another)
-            task = asyncio.ensure_future(self._announce(r, grouped=True))
+            # grouped, failed or cancelled: no longer a leader for this round (the others elect
+            # another); sent after the first announcement, so it is the one that stays
+            task = asyncio.ensure_future(self._announce_after(announced, r))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+    async def _announce_after(self, first: asyncio.Future, r: _Round) -> None:
+        await asyncio.gather(first, return_exceptions=True)
+        await self._announce(r, grouped=True)
 
     def _end(self, r: _Round) -> None:
         if self.rounds.get(r.index) is r:

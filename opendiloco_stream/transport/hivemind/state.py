@@ -21,6 +21,18 @@ reused, never parts of two different states (under eager updates donors' states 
 theta_bar and the outer momentum are bit-identical on every peer of a round, so they are what a
 resume mostly saves).
 
+*Lanes: enough in flight at a distance.* One stream through the p2p daemon moves at most its
+window per round trip (a 12-14 MB state took 9-13 s at 300 ms RTT). A joiner asks for ``LANES``
+streams: the donor keeps the state it flattened for the first one (``_Snapshots``, under an id in
+the manifest) and serves the others from it, each stream a share of the parts (part ``k`` of the
+list of parts to send goes to lane ``k mod lanes``; the parts carry their tensor and index, and
+both sides compute the list from the manifest and the joiner's ``have``). A donor of an older
+release ignores the request and sends everything on one stream, as before.
+
+*Refreshing.* A joiner whose state went stale while it downloaded (the swarm launched one of its
+next rounds meanwhile) asks again with ``since`` (the stale state): its tensors' digests go in
+``have``, so only what changed moves (the fragments that synced since).
+
 *Memory.* Tensors travel as their raw bytes in parts of ``PART_BYTES``: a donor copies one part at
 a time out of its state, a joiner writes each part in place into a tensor allocated from the
 manifest, so a download peaks at the state plus a part or two. Progress
@@ -54,6 +66,50 @@ from opendiloco_stream.transport.hivemind.state_format import (  # noqa: F401 (S
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 5.0
+LANES = 8  # streams a joiner asks a donor for (see "Lanes")
+SNAPSHOT_S = 120.0  # how long a donor keeps a snapshot for the lanes after the first asked for it
+SNAPSHOTS_KEPT = 2
+
+
+def lane_items(manifest: dict, have: set) -> list[tuple[int, int]]:
+    """``(tensor, part)`` of every part a donor sends in lane mode, in order: the parts of every
+    tensor whose digest is not in ``have`` (both sides compute it the same way)."""
+    out = []
+    for i, ((_dtype, shape), digest) in enumerate(zip(manifest["tensors"], manifest["digests"])):
+        if digest in have:
+            continue
+        nbytes = _nbytes(manifest["tensors"][i])
+        out.extend((i, j) for j in range(max(1, -(-nbytes // PART_BYTES))))
+    return out
+
+
+def _nbytes(entry: list) -> int:
+    dtype, shape = entry
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+class _Snapshots:
+    """A donor's recent flattened states, by id, for the lanes of one download."""
+
+    def __init__(self):
+        self._items: dict[bytes, tuple[float, dict, list]] = {}
+
+    def add(self, manifest: dict, tensors: list) -> bytes:
+        now = time.monotonic()
+        for key in [k for k, (t, _m, _ts) in self._items.items() if now - t > SNAPSHOT_S]:
+            del self._items[key]
+        while len(self._items) >= SNAPSHOTS_KEPT:
+            del self._items[min(self._items, key=lambda k: self._items[k][0])]
+        sid = os.urandom(8)
+        self._items[sid] = (now, manifest, tensors)
+        return sid
+
+    def get(self, sid: Any) -> Optional[tuple[dict, list]]:
+        item = self._items.get(sid) if isinstance(sid, bytes) else None
+        return None if item is None else (item[1], item[2])
 
 
 class _StateServicer:
@@ -80,15 +136,38 @@ class _StateServicer:
             if why is not None:
                 logger.info("not serving state to %s: %s", context.remote_id, why)
                 return
+        lane = req.get("lane")
+        if isinstance(lane, int) and lane > 0:  # a further lane of a download begun on another stream
+            async for msg in self._serve_lane(req.get("snapshot"), lane, have):
+                yield msg
+            return
         loop = asyncio.get_event_loop()
         try:
             manifest, tensors = await loop.run_in_executor(None, lambda: flatten_state(provider()))
         except Exception as e:
             logger.warning("state provider failed, not serving %s: %r", context.remote_id, e)
             return
+        lanes = req.get("lanes")
+        lanes = min(int(lanes), LANES) if isinstance(lanes, int) and lanes > 1 else 1
+        if lanes > 1:
+            manifest = dict(manifest, lanes=lanes)
+            manifest["snapshot"] = self._sharing.snapshots.add(manifest, tensors)
+        reply = dict(manifest)
         if admission is not None:
-            manifest["auth"] = admission.state_proof("reply", me, joiner)
-        yield averaging_pb2.DownloadData(metadata=_dumps(manifest))
+            reply["auth"] = admission.state_proof("reply", me, joiner)
+        yield averaging_pb2.DownloadData(metadata=_dumps(reply))
+        if lanes > 1:
+            async for msg in self._lane_parts(manifest, tensors, 0, have):
+                yield msg
+        else:
+            for msg in self._whole(manifest, tensors, have):
+                yield msg
+        # Keep the stream open until the joiner closes it (which cancels us): closing first may
+        # drop the last parts in flight (see protocol.py, "Closing").
+        await asyncio.sleep(self._sharing.chunk_timeout)
+
+    def _whole(self, manifest: dict, tensors: list, have: set):
+        """Every tensor in order on this one stream (a joiner that asked for one lane, or an older one)."""
         for i, (tensor, digest) in enumerate(zip(tensors, manifest["digests"])):
             if i == faults.die_after_tensors():  # tests only (opendiloco_stream/testing/faults.py)
                 os._exit(1)
@@ -100,8 +179,28 @@ class _StateServicer:
             for j in range(n):  # one part's copy at a time: a donor holds no serialized tensor
                 yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(
                     buffer=bytes(raw[j * PART_BYTES:(j + 1) * PART_BYTES]), chunks=n, dtype=dtype if j == 0 else ""))
-        # Keep the stream open until the joiner closes it (which cancels us): closing first may
-        # drop the last parts in flight (see protocol.py, "Closing").
+
+    async def _lane_parts(self, manifest: dict, tensors: list, lane: int, have: set
+                          ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Lane ``lane``'s parts: each with its tensor and part index in the metadata."""
+        lanes = manifest["lanes"]
+        for k, (i, j) in enumerate(lane_items(manifest, have)):
+            if k % lanes != lane:
+                continue
+            if j == 0 and i == faults.die_after_tensors():  # tests only (opendiloco_stream/testing/faults.py)
+                os._exit(1)
+            raw = tensor_bytes(tensors[i])
+            yield averaging_pb2.DownloadData(metadata=_dumps({"t": i, "p": j}), tensor_part=runtime_pb2.Tensor(
+                buffer=bytes(raw[j * PART_BYTES:(j + 1) * PART_BYTES])))
+
+    async def _serve_lane(self, sid: Any, lane: int, have: set) -> AsyncIterator[averaging_pb2.DownloadData]:
+        found = self._sharing.snapshots.get(sid)
+        if found is None or lane >= found[0].get("lanes", 1):
+            return  # no such snapshot (expired, or another donor's): the joiner's download fails here
+        manifest, tensors = found
+        yield averaging_pb2.DownloadData(metadata=_dumps({"snapshot": sid, "lane": lane}))
+        async for msg in self._lane_parts(manifest, tensors, lane, have):
+            yield msg
         await asyncio.sleep(self._sharing.chunk_timeout)
 
 
@@ -168,6 +267,8 @@ class StateSharing:
         self.key, self.handler = f"{run_id}_state.donors", f"{run_id}_state::download"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
+        self.snapshots = _Snapshots()  # states flattened for a download's lanes (donor side)
+        self.lanes = LANES  # streams a download asks a donor for (joiner side)
         self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
         self._servicer = _StateServicer(self)
         self._declare_task: Optional[asyncio.Task] = None
@@ -214,14 +315,21 @@ class StateSharing:
         await self._p2p.remove_protobuf_handler(self.handler, stream_output=True)
 
     # ------------------------------------------------------------------ joiner
-    def load(self, timeout: float, progress: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
+    def load(self, timeout: float, progress: Optional[Callable[[dict], None]] = None,
+             since: Optional[dict] = None) -> Optional[dict]:
         """The state of one donor of the run, or None if none is there or none delivered within ``timeout``.
         ``progress(record)`` (called on this object's event-loop thread: keep it short) gets the
-        donor, bytes received and reused, the state's bytes and the rate, every few seconds and at the end."""
+        donor, bytes received and reused, the state's bytes and the rate, every few seconds and at the end.
+        ``since``: a state loaded before (stale now): its tensors are reused where unchanged ("Refreshing")."""
         deadline = time.monotonic() + timeout
-        self.last_load = {"donors": [], "reused_tensors": 0, "reused_bytes": 0, "received_bytes": 0}
+        self.last_load = {"donors": [], "reused_tensors": 0, "reused_bytes": 0, "received_bytes": 0,
+                          "lanes": 1}
+        held = {}
+        if since is not None:
+            _manifest, tensors = flatten_state(since)
+            held = {digest: t for digest, t in zip(_manifest["digests"], tensors)}
         try:
-            return self._call(asyncio.wait_for(self._load(deadline, progress), timeout), timeout + 2.0)
+            return self._call(asyncio.wait_for(self._load(deadline, progress, held), timeout), timeout + 2.0)
         except (asyncio.TimeoutError, TimeoutError):
             logger.warning("no peer delivered the run's state within %.1fs", timeout)
             return None
@@ -242,12 +350,14 @@ class StateSharing:
                     donors.append(peer)
         return donors
 
-    async def _load(self, deadline: float, progress: Optional[Callable[[dict], None]]) -> Optional[dict]:
+    async def _load(self, deadline: float, progress: Optional[Callable[[dict], None]],
+                    held: dict[str, torch.Tensor]) -> Optional[dict]:
+        """``held``: digest -> whole tensor this peer has (a stale state's; then every whole tensor
+        received from a donor that failed)."""
         donors = await self._donors()
         if not donors:
             logger.info("no state donor of the run is announced: this peer starts from its own initial model")
         random.shuffle(donors)
-        held: dict[str, torch.Tensor] = {}  # digest -> whole tensor received from a donor that failed
         for i, donor in enumerate(donors):
             budget = (deadline - time.monotonic()) / (len(donors) - i)
             if budget <= 0:
@@ -270,19 +380,98 @@ class StateSharing:
         for as ``have``, reused where this donor's manifest lists the same digest; every whole
         tensor received here is added to it, so a failure here leaves them to the next donor."""
         me, theirs = self.peer_id.to_bytes(), donor.to_bytes()
-        request = averaging_pb2.DownloadData(metadata=_dumps({
-            "auth": None if self.admission is None else self.admission.state_proof("request", me, theirs),
-            "have": sorted(held)}))
-        stream = await self._p2p.iterate_protobuf_handler(donor, self.handler, request, averaging_pb2.DownloadData)
+        have = sorted(held)
+        stream = await self._p2p.iterate_protobuf_handler(donor, self.handler, self._request(theirs, have, lanes=self.lanes),
+                                                          averaging_pb2.DownloadData)
         try:
             it = stream.__aiter__()
             manifest = await self._manifest(it, theirs, me)
             report = _Progress(progress, str(donor), int(manifest.get("bytes", 0)), self.last_load)
-            tensors = await self._receive(it, manifest, held, report)
+            if isinstance(manifest.get("lanes"), int) and manifest["lanes"] > 1:
+                tensors = await self._receive_lanes(donor, it, manifest, held, have, report)
+            else:
+                tensors = await self._receive(it, manifest, held, report)
             report(final=True)
             return unflatten_state(manifest, tensors)
         finally:
             await stream.aclose()
+
+    def _request(self, theirs: bytes, have: list, **fields: Any) -> averaging_pb2.DownloadData:
+        me = self.peer_id.to_bytes()
+        return averaging_pb2.DownloadData(metadata=_dumps({
+            "auth": None if self.admission is None else self.admission.state_proof("request", me, theirs),
+            "have": have, **fields}))
+
+    async def _receive_lanes(self, donor: PeerID, first: Any, manifest: dict, held: dict[str, torch.Tensor],
+                             have: list, report: "_Progress") -> list:
+        """Every tensor of the manifest: reused from ``held``, or its parts from the ``lanes``
+        streams (``first``: lane 0, the manifest's own), written in place, each checked whole."""
+        lanes, digests = manifest["lanes"], manifest["digests"]
+        items = lane_items(manifest, set(have))
+        tensors: list[Optional[torch.Tensor]] = [None] * len(digests)
+        for i, digest in enumerate(digests):
+            if digest in held:
+                tensors[i] = held[digest]
+                self.last_load["reused_tensors"] += 1
+                self.last_load["reused_bytes"] += tensors[i].numel() * tensors[i].element_size()
+                report.add(tensors[i].numel() * tensors[i].element_size())
+            else:
+                dtype, shape = manifest["tensors"][i]
+                if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                    raise StateError(f"tensor {i} has an unknown dtype {dtype}")
+                tensors[i] = torch.empty(shape, dtype=getattr(torch, dtype))
+        parts_left = {}
+        for i, _j in items:
+            parts_left[i] = parts_left.get(i, 0) + 1
+        self.last_load["lanes"] = lanes
+        streams = []
+        try:
+            for lane in range(1, lanes):
+                stream = await self._p2p.iterate_protobuf_handler(
+                    donor, self.handler, self._request(donor.to_bytes(), have, lane=lane,
+                                                       snapshot=manifest.get("snapshot")),
+                    averaging_pb2.DownloadData)
+                streams.append(stream)
+            its = [first] + [s.__aiter__() for s in streams]
+            await asyncio.gather(*(self._lane(its[lane], lane, lanes, manifest, items, tensors, parts_left, held,
+                                              report) for lane in range(lanes)))
+        finally:
+            for stream in streams:
+                await stream.aclose()
+        return tensors
+
+    async def _lane(self, it: Any, lane: int, lanes: int, manifest: dict, items: list, tensors: list,
+                    parts_left: dict, held: dict, report: "_Progress") -> None:
+        loop = asyncio.get_event_loop()
+        mine = [item for k, item in enumerate(items) if k % lanes == lane]
+        if lane > 0:  # a further lane opens with its header
+            head = await self._next(it, lane)
+            marker = _loads(head.metadata) if head.metadata else None
+            if not isinstance(marker, dict) or marker.get("lane") != lane or marker.get("snapshot") != manifest.get("snapshot"):
+                raise StateError(f"lane {lane} does not belong to this download")
+        for i, j in mine:
+            msg = await self._next(it, lane)
+            where = _loads(msg.metadata) if msg.metadata else None
+            if not isinstance(where, dict) or (where.get("t"), where.get("p")) != (i, j):
+                raise StateError(f"lane {lane} does not match the manifest at tensor {i} part {j}")
+            raw, buf = tensor_bytes(tensors[i]), msg.tensor_part.buffer
+            lo = j * PART_BYTES
+            if len(buf) != min(PART_BYTES, len(raw) - lo):
+                raise StateError(f"tensor {i} part {j} has {len(buf)} bytes")
+            raw[lo:lo + len(buf)] = buf
+            self.last_load["received_bytes"] += len(buf)
+            report.add(len(buf))
+            parts_left[i] -= 1
+            if parts_left[i] == 0:  # whole: check it, keep it for another donor if this one fails
+                if await loop.run_in_executor(None, tensor_digest, tensors[i]) != manifest["digests"][i]:
+                    raise StateError(f"tensor {i} does not match its digest")
+                held[manifest["digests"][i]] = tensors[i]
+
+    async def _next(self, it: Any, lane: int) -> Any:
+        try:
+            return await asyncio.wait_for(it.__anext__(), self.chunk_timeout)
+        except StopAsyncIteration:
+            raise StateError(f"lane {lane} ended early (donor left, or its snapshot expired)") from None
 
     async def _manifest(self, it: Any, theirs: bytes, me: bytes) -> dict:
         """The stream's first message: what the donor will send, checked (its proof, a digest each)."""

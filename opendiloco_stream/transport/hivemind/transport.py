@@ -307,11 +307,11 @@ class HivemindTransport(Transport):
             raise RuntimeError("transport closed")
         self._sharing().set_provider(provider)
 
-    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None
-                              ) -> Optional[dict[str, Any]]:
+    def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
+                              since: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
         if self._closed:
             raise RuntimeError("transport closed")
-        return self._sharing().load(timeout, progress)
+        return self._sharing().load(timeout, progress, since=since)
 
     def close(self) -> None:
         """Fail pending rounds ("closed"), stop serving rounds and state, stop the service."""
