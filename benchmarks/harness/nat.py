@@ -14,6 +14,9 @@ the private subnets: an address a private peer announces is unreachable from out
 Internet. ``symmetric=True`` masquerades with a random port per connection (an endpoint-dependent
 mapping: a "symmetric" NAT, through which hole punching cannot work).
 
+With ``regions`` (see ``Topology``), each router's ``wan0`` is on the delayed segment: the
+forwarder holds what crosses between regions, and a private peer is in its router's region.
+
 Every name carries ``odsw<pid>`` like ``Topology``'s, so teardown, ``cleanup_leftovers`` and the
 process kill on teardown apply unchanged. Needs root, ``ip``, and ``nft`` (Debian's nftables).
 """
@@ -27,6 +30,7 @@ from typing import Optional
 
 from benchmarks.harness import netns
 from benchmarks.harness.netns import Topology
+from benchmarks.harness.wan_emulator import Regions
 
 RULES = """
 table ip ods_nat {{
@@ -94,12 +98,13 @@ class NatTopology(Topology):
     around one bootstrap; see the module docstring. Nodes: ``boot``, ``p<i>``, ``r<i>``, ``n<i>``."""
 
     def __init__(self, public: int, natted: int, *, inbound: str = "drop", symmetric: bool = False,
-                 prefix: Optional[str] = None):
+                 prefix: Optional[str] = None, regions: Optional[Regions] = None,
+                 place: Optional[dict[str, str]] = None):
         if not 1 <= natted <= 8:
             raise ValueError(f"natted must be in 1..8, got {natted}")
         if inbound not in ("drop", "reject"):
             raise ValueError(f"inbound must be 'drop' or 'reject', got {inbound!r}")
-        super().__init__(peers=max(public, 1), prefix=prefix)
+        super().__init__(peers=max(public, 1), prefix=prefix, regions=regions, place=place)
         if public == 0:
             self.nodes.remove("p0")
         self.routers = [f"r{i}" for i in range(natted)]
@@ -112,6 +117,17 @@ class NatTopology(Topology):
         if node in self.private:
             return f"192.168.{10 + self.private.index(node)}.2"
         return super().ip(node)
+
+    def region_of(self, node: str) -> str:
+        """A private peer sits in its router's region (placing ``n<i>`` places ``r<i>``); its LAN adds no delay."""
+        if node in self.private:
+            router = self.routers[self.private.index(node)]
+            return self.place.get(node) or super().region_of(router)
+        if node in self.routers and node not in self.place:
+            private = self.private[self.routers.index(node)]
+            if private in self.place:
+                return self.place[private]
+        return super().region_of(node)
 
     def public_ip(self, node: str) -> str:
         """The address the public side sees for ``node``: its router's for a private peer."""

@@ -11,10 +11,17 @@ one interface ``wan0`` holding ``10.77.0.<n>/24``, and one ``br`` namespace with
 ``br0`` into which every node's veth peer (``v<node>``) is plugged. There is no default route and
 nothing is attached to the root namespace: traffic never leaves the namespaces made here.
 
+Distance: ``Topology(peers=3, regions=Regions.preset("us/eu/asia"))`` places the nodes in regions
+(``place={"p0": "us", ...}``; by default the bootstrap in the first region and the other nodes
+round-robin over the regions) and, since a region pair then has delay, jitter or loss, replaces
+the bridge by the user-space forwarder of ``benchmarks/harness/wan_emulator.py`` running in the
+``br`` namespace: each frame between two nodes waits its regions' one-way delay (RTT / 2).
+
 Shaping: ``tbf`` is an egress qdisc, so a peer's link gets two: one on its own ``wan0`` (upload)
 and one on the bridge end ``v<node>`` (download). The bootstrap (a DHT node) is not shaped.
-netem is not available on this kernel, so links have no added latency; the RTT is the sub-ms
-veth one plus whatever tbf queues (at most ``latency_ms``).
+netem is not available on this kernel, so without ``regions`` links have no added latency (the
+RTT is the sub-ms veth one plus whatever tbf queues, at most ``latency_ms``); with them the
+forwarder adds it, and the download ``tbf`` on ``v<node>`` sits after its delay line.
 
 Every name carries ``odsw<pid>``, so ``cleanup_leftovers`` can find what an earlier (killed) run
 left behind and only that; teardown first kills every process still inside our namespaces
@@ -27,6 +34,7 @@ import atexit
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -34,6 +42,8 @@ import sys
 from types import FrameType
 from typing import Optional
 
+from benchmarks.harness import wan_emulator
+from benchmarks.harness.wan_emulator import Regions
 from opendiloco_stream.net.lifecycle import is_running, terminate_pids
 
 PREFIX = "odsw"
@@ -132,7 +142,8 @@ class Topology:
     raise ``KeyboardInterrupt`` / ``SystemExit`` so the caller's ``finally`` blocks run too).
     """
 
-    def __init__(self, peers: int, prefix: Optional[str] = None):
+    def __init__(self, peers: int, prefix: Optional[str] = None, *, regions: Optional[Regions] = None,
+                 place: Optional[dict[str, str]] = None, seed: int = 0):
         if not 1 <= peers <= 200:
             raise ValueError(f"peers must be in 1..200, got {peers}")
         self.prefix = prefix or f"{PREFIX}{os.getpid()}"
@@ -142,6 +153,14 @@ class Topology:
         self.bridge = f"{self.prefix}-br"
         self.created: list[str] = []
         self.rate_mbit: Optional[float] = None
+        self.regions = regions or Regions(("local",))
+        self.place = dict(place or {})
+        for node, region in self.place.items():
+            if region not in self.regions.names:
+                raise ValueError(f"{node} is placed in {region!r}, not one of the regions {self.regions.names}")
+        self.seed = seed
+        self.forwarder: Optional[subprocess.Popen] = None
+        self.stats_path = f"/tmp/{self.prefix}-wan-stats.json"
         self._old_handlers: dict[int, object] = {}
 
     # ------------------------------------------------------------------ names and addresses
@@ -154,6 +173,24 @@ class Topology:
     def peers(self) -> list[str]:
         return self.nodes[1:]
 
+    def region_of(self, node: str) -> str:
+        """``node``'s region: as placed, else the bootstrap in the first region and the other
+        bridge-attached nodes round-robin over the regions in their order."""
+        if node in self.place:
+            return self.place[node]
+        if node == "boot":
+            return self.regions.names[0]
+        return self.regions.names[(self.nodes.index(node) - 1) % len(self.regions.names)]
+
+    @property
+    def delayed(self) -> bool:
+        """Whether the forwarder (delay, jitter or loss) replaces the bridge."""
+        return self.regions.delayed()
+
+    def rtt_ms(self, a: str, b: str) -> float:
+        """The round-trip time the emulator adds between nodes ``a`` and ``b``."""
+        return self.regions.link(self.region_of(a), self.region_of(b)).rtt_ms
+
     def exec_argv(self, node: str, argv: list[str]) -> list[str]:
         """``argv`` run inside ``node``'s namespace (``ip netns exec`` execs it: same PID)."""
         return ["ip", "netns", "exec", self.ns(node), *argv]
@@ -164,22 +201,53 @@ class Topology:
         self._install_handlers()
         try:
             self._add_ns(self.bridge)
-            _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.bridge, "link", "set", "br0", "up")
+            if not self.delayed:
+                _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
+                _ip("-n", self.bridge, "link", "set", "br0", "up")
             for node in self.nodes:
-                ns = self._add_ns(self.ns(node))
-                outer = f"v{node}"
-                # created inside the bridge namespace, peer end moved at once: no name ever appears in the root namespace
-                _ip("-n", self.bridge, "link", "add", outer, "type", "veth", "peer", "name", IFACE, "netns", ns)
-                _ip("-n", self.bridge, "link", "set", outer, "master", "br0")
-                _ip("-n", self.bridge, "link", "set", outer, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-                _ip("-n", ns, "addr", "add", f"{self.ip(node)}/24", "dev", IFACE)
-                _ip("-n", ns, "link", "set", IFACE, "up")
+                self._add_node(node)
+            if self.delayed:
+                self._start_forwarder()
         except BaseException:
             self.teardown()
             raise
         return self
+
+    def _add_node(self, node: str) -> None:
+        """``node``'s namespace and veth: ``wan0`` inside, ``v<node>`` on the bridge (or left for the forwarder)."""
+        ns = self._add_ns(self.ns(node))
+        outer = f"v{node}"
+        # created inside the bridge namespace, peer end moved at once: no name ever appears in the root namespace
+        _ip("-n", self.bridge, "link", "add", outer, "type", "veth", "peer", "name", IFACE, "netns", ns)
+        if self.delayed:
+            # MTU-sized segments on both ends, so the forwarder's loss applies per real packet
+            _ip("-n", self.bridge, "link", "set", outer, "gso_max_segs", "1")
+            _ip("-n", ns, "link", "set", IFACE, "gso_max_segs", "1")
+        else:
+            _ip("-n", self.bridge, "link", "set", outer, "master", "br0")
+        _ip("-n", self.bridge, "link", "set", outer, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "addr", "add", f"{self.ip(node)}/24", "dev", IFACE)
+        _ip("-n", ns, "link", "set", IFACE, "up")
+
+    def _start_forwarder(self, timeout: float = 20.0) -> None:
+        """Run ``wan_emulator.py`` in the bridge namespace over every ``v<node>``; wait for its ``ready``."""
+        ports = {f"v{node}": self.region_of(node) for node in self.nodes}
+        config = self.regions.forwarder_config(ports, self.seed, self.stats_path)
+        argv = ["ip", "netns", "exec", self.bridge, sys.executable, wan_emulator.__file__, json.dumps(config)]
+        self.forwarder = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([self.forwarder.stdout], [], [], timeout)
+        line = self.forwarder.stdout.readline().strip() if ready else ""
+        if line != "ready":
+            self.forwarder.kill()
+            raise RuntimeError(f"the WAN forwarder did not start: {line} {self.forwarder.stderr.read()[-1000:]}")
+
+    def emulator_stats(self) -> dict:
+        """The forwarder's counters (frames, drops by cause, lateness), at most half a second old."""
+        if self.forwarder is None:
+            return {}
+        with open(self.stats_path) as f:
+            return json.load(f)
 
     def _add_ns(self, name: str) -> str:
         _ip("netns", "add", name)
@@ -192,6 +260,15 @@ class Topology:
                  if n.startswith(self.prefix + "-")]
         delete_namespaces(sorted(set(names) | set(self.created)))
         self.created = []
+        if self.forwarder is not None:  # killed with the bridge namespace's processes; reap it
+            if self.forwarder.poll() is None:
+                self.forwarder.kill()
+            self.forwarder.wait(10)
+            self.forwarder.stdout.close()
+            self.forwarder.stderr.close()
+            self.forwarder = None
+        if os.path.exists(self.stats_path):
+            os.remove(self.stats_path)
         self._restore_handlers()
 
     def __enter__(self) -> "Topology":
@@ -217,12 +294,13 @@ class Topology:
         atexit.unregister(self.teardown)
 
     # ------------------------------------------------------------------ shaping and counters
-    def shape(self, rate_mbit: float, latency_ms: float = 100.0) -> None:
-        """Limit every peer to ``rate_mbit`` each way with tbf (replacing an earlier limit)."""
+    def shape(self, rate_mbit: float, latency_ms: float = 100.0, nodes: Optional[list[str]] = None) -> None:
+        """Limit every peer (or each of ``nodes``: a rate per link) to ``rate_mbit`` each way with
+        tbf, replacing an earlier limit."""
         rate = f"{rate_mbit * 1000:.0f}kbit"
         # the bucket must hold a few MTU-sized packets; at high rates ~2 ms of traffic (timer granularity)
         burst = f"{max(32_000, int(rate_mbit * 1e6 / 8 * 0.002))}b"
-        for node in self.peers():
+        for node in nodes or self.peers():
             for ns, dev in ((self.ns(node), IFACE), (self.bridge, f"v{node}")):
                 _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                     "latency", f"{latency_ms:g}ms")
