@@ -38,6 +38,7 @@ class SyncStats:
     current_alone_streak: int = 0  # such rounds in a row, up to the last one (merged: the largest)
     land_steps: int = 0  # inner steps from launch to landing, summed over the rounds that produced an average
     peak_land_steps: int = 0  # the longest of them
+    peak_rtt_ms: float = 0.0  # the largest round-trip time a round measured to a groupmate (0: none measured)
 
     def merge(self, other: "SyncStats") -> "SyncStats":
         """Counters of both workers: sums, except peaks and current values, which take the larger one."""

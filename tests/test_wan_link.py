@@ -142,3 +142,25 @@ def test_the_end_word_ends_a_rounds_messages_without_closing_the_connection():
                 s.close()
     assert END == 0xFFFFFFFF
     asyncio.run(main())
+
+
+def test_the_rtt_a_round_measured_reaches_the_sync_record_the_summary_and_prometheus():
+    import torch
+
+    from opendiloco_stream.algorithm.sync_log import SyncLog
+    from opendiloco_stream.net.prometheus import PeerMetrics
+    from opendiloco_stream.stats import SyncStats
+    from opendiloco_stream.transport.base import SyncResult
+
+    records = []
+    log = SyncLog(records.append)
+    result = SyncResult(average=torch.zeros(3), group_size=2, weight_share=0.5, sent=torch.zeros(3),
+                        links={"QmA": {"rtt_ms": 301.5, "rate_mbit": None, "reused": True}, "QmB": {"rtt_ms": None}})
+    log.record(0, 3, 30, result, None, 0.1, None)
+    rec = next(r for r in records if r.get("event") == "sync")
+    assert rec["rtt_ms"] == {"QmA": 301.5}  # a groupmate with nothing measured is left out
+    assert log.stats.peak_rtt_ms == 301.5 and SyncStats.total([log.stats, SyncStats()]).peak_rtt_ms == 301.5
+    metrics = PeerMetrics({"run": "r", "peer": "me"})
+    metrics.observe(rec)
+    text = metrics.exposition()
+    assert 'ods_groupmate_rtt_seconds{fragment="0",groupmate="QmA",peer="me",run="r"} 0.3015' in text

@@ -25,6 +25,9 @@ metric                                                    type     meaning
 ``ods_round_land_steps{fragment}``                        gauge    inner steps between the last round's launch
                                                                    and the landing of its average (when the sync
                                                                    records carry ``land_steps``)
+``ods_groupmate_rtt_seconds{fragment,groupmate}``         gauge    round-trip time to a groupmate, as the last
+                                                                   round with it measured it (the direct path's
+                                                                   TCP connection; sync records' ``rtt_ms``)
 ``ods_info{mode,codec,...}``                              info     1, with the run's settings as labels
 ========================================================  =======  ===============================================
 
@@ -75,6 +78,8 @@ class PeerMetrics:
         self.last_wait = gauge("ods_last_sync_wait_seconds", "Wait of the fragment's last round in seconds.", frag)
         self.land_steps = gauge("ods_round_land_steps", "Inner steps between the fragment's last round's launch "
                                 "and the landing of its average.", frag)
+        self.rtt = gauge("ods_groupmate_rtt_seconds", "Round-trip time to a groupmate, as the fragment's last round "
+                         "with it measured it.", frag + ["groupmate"])
         self.info = Info("ods", "The run's settings.", names, registry=r)
         self._info = {k: str(v) for k, v in (info or {}).items()}
         self._lock = threading.Lock()  # the wall-time bookkeeping below
@@ -115,6 +120,9 @@ class PeerMetrics:
                 self._of(self.group_size, rec).set(int(rec.get("group_size", 0)))
             if rec.get("land_steps") is not None:
                 self._of(self.land_steps, rec).set(float(rec["land_steps"]))
+            for mate, rtt_ms in (rec.get("rtt_ms") or {}).items():
+                if rtt_ms is not None:
+                    self._of(self.rtt, rec, groupmate=str(mate)).set(float(rtt_ms) / 1e3)
         elif event == "eval":
             v[self.eval_loss].set(float(rec.get("eval_loss", math.nan)))
         elif event == "joined":
