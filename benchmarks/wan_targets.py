@@ -28,8 +28,8 @@ from benchmarks.harness import netns
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.wan_emulator import Regions
 
-COMMON = ["--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--steps", "60", "--model", "tiny",
-          "--threads", "1", "--no-progress"]
+COMMON = ["--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--model", "tiny", "--threads", "1",
+          "--no-progress"]
 
 
 def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -56,14 +56,14 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float, code: Optional[str],
-             timeout: float) -> dict[str, Any]:
+             timeout: float, steps: int = 60) -> dict[str, Any]:
     regions = Regions.pair(rtt_ms, loss=loss)
     env = {"PYTHONPATH": code} if code else None
-    with netns.Topology(2, regions=regions, place={"boot": "a", "p0": "a", "p1": "b"}).create() as topo:
+    with netns.Topology(2, regions=regions, place={"boot": "a", "p0": "a", "p1": "b"}) as topo:
         with PeerProcesses(workdir, topology=topo) as run:
             run_id = f"wt{int(time.time())}"
             run.bootstrap(run_id, node="boot")
-            flags = ["--run-id", run_id, "--mode", mode, *COMMON]
+            flags = ["--run-id", run_id, "--mode", mode, "--steps", str(steps), *COMMON]
             ip = lambda n: ["--host-maddrs", f"/ip4/{topo.ip(n)}/tcp/0"]  # noqa: E731
             p0 = run.peer("peer-0", *flags, *ip("p0"), node="p0", env=env)
             if late_s:
@@ -90,6 +90,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--modes", nargs="+", default=["blocking", "eager"])
     ap.add_argument("--late-s", type=float, default=0.0)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--code", help="run the peers from this checkout (a directory holding opendiloco_stream/)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--workdir", default="/tmp/wan_targets")
@@ -103,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for mode in args.modes:
             for i in range(args.runs):
                 res = run_once(Path(args.workdir) / f"{rtt:g}-{mode}-{i}", rtt, args.loss, mode, args.late_s,
-                               args.code, args.timeout)
+                               args.code, args.timeout, args.steps)
                 results.append(res)
                 line = "; ".join(f"peer {j}: {p['averaged']}/{p['rounds']} averaged, failed {p['failed']}, "
                                  f"wait {p['wait_s_median']}, steps {p['steps_trained']}, join {p['join']}"
