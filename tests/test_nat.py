@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow,
 
 H, P, STEPS = 10, 2, 40
 TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
-        "--mode", "blocking", "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS)]
+        "--mode", "blocking", "--codec", "fp32", "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS)]
 DIGESTS = {"ODS_DILOCO__RECORD_DIGESTS": "true"}
 
 

@@ -102,7 +102,7 @@ def test_scrape_the_endpoint_of_running_peers(tmp_path):
         for r, port in enumerate(ports):
             cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", "promtest",
                    "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--threads", "1", "--no-progress",
-                   "--mode", "blocking", "--fragments", "2", "--inner-steps", "6", "--steps", "400",
+                   "--mode", "blocking", "--codec", "fp32", "--fragments", "2", "--inner-steps", "6", "--steps", "400",
                    "--shard", f"{r}/2", "--no-join", "--metrics-port", str(port)]
             procs.append(subprocess.Popen(cmd, stdout=open(tmp_path / f"p{r}.log", "w"), stderr=subprocess.STDOUT,
                                           start_new_session=True, env={**os.environ}))
