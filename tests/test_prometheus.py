@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from opendiloco_stream.net.prometheus import PeerMetrics, PrometheusExporter, samples
+from tests.support.tools import require_tool
 
 
 def _free_port() -> int:
@@ -32,8 +33,7 @@ def _get(url: str, timeout: float = 5.0) -> str:
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:
     """``promtool check metrics`` (Prometheus's linter of the exposition format) on a scrape."""
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is missing: scripts/setup.sh installs Debian's prometheus package"
+    promtool = require_tool("promtool")
     return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
 
 
