@@ -182,7 +182,8 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
     from opendiloco_stream.transport.factory import hivemind_transport
 
     train_source, val, vocab_size = prepare_data(cfg)
-    sinks = build_loggers(cfg)
+    loggers = build_loggers(cfg)  # a logger that is not installed fails here, before the DHT starts
+    sinks = list(loggers)
     exporter = _exporter(cfg)
     if exporter is not None:
         sinks.append(exporter)
@@ -194,6 +195,8 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
             gate = RunGate(dht, cfg.net.run_id, auth)
             gate.check_key()  # a peer with another key (or none) stops here, having stored nothing
             shards = _announce(cfg, dht, ranks, exporter)
+            for logger_ in loggers:  # W&B: one run per peer, named after it; TensorBoard: DIR/<peer id>
+                logger_.set_peer(str(dht.peer_id))
             admission = Admission(auth)
             transport = hivemind_transport(cfg, dht, admission)
             _train(args, cfg, ranks, dht, gate, admission, transport, sinks, stop, shards,
