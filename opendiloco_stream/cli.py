@@ -42,7 +42,9 @@ class Parser(argparse.ArgumentParser):
         if m:
             flag, value, choices = m.groups()
             choices = choices.replace("'", "")
-            close = difflib.get_close_matches(value, [c.strip() for c in choices.split(",")], n=1)
+            options = [c.strip() for c in choices.split(",")]
+            close = [c for c in options if value and c.startswith(value)][:1] or difflib.get_close_matches(
+                value, options, n=1, cutoff=0.5)
             hint = f" (did you mean {close[0]}?)" if close else ""
             return f"{flag} {value!r} is not one of: {choices}{hint}"
         m = re.match(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: '(.*)'$", message)
