@@ -117,23 +117,24 @@ def test_loggers_are_optional(monkeypatch):
         build_loggers(load_config(None, {"train": {"wandb_project": "p"}}))
 
 
-def test_each_peer_gets_its_own_wandb_run_and_tensorboard_directory(tmp_path, monkeypatch):
+def test_each_peer_gets_its_own_wandb_run_and_tensorboard_directory(tmp_path):
     """The peer command names its loggers after its peer id (``set_peer``): W&B runs of one run id
-    share a group and carry the peer's name; TensorBoard writes DIR/<peer id>."""
+    share a group and carry the peer's name; TensorBoard writes DIR/<peer id>. One process per peer,
+    as in a real run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from opendiloco_stream.train.loggers import TensorBoardLogger, WandbLogger
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    rec = {"event": "step", "step": 1, "loss": 5.0, "lr": 1e-4}
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+           "PYTHONPATH": str(ROOT)}
+    script = ("import sys\n"
+              "from opendiloco_stream.train.loggers import TensorBoardLogger, WandbLogger\n"
+              "for logger in (TensorBoardLogger(sys.argv[1]), WandbLogger('ods-test', {'x': 1}, group='shared-run')):\n"
+              "    logger.set_peer(sys.argv[2])\n"
+              "    logger.observe({'event': 'step', 'step': 1, 'loss': 5.0, 'lr': 1e-4})\n"
+              "    logger.close()\n")
     for peer in ("12D3KooWpeerA", "12D3KooWpeerB"):
-        tb, wb = TensorBoardLogger(str(tmp_path / "tb")), WandbLogger("ods-test", {"x": 1}, group="shared-run")
-        for logger_ in (tb, wb):
-            logger_.set_peer(peer)
-            logger_.observe(rec)
-            logger_.close()
+        proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "tb"), peer], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["12D3KooWpeerA", "12D3KooWpeerB"]
     acc = EventAccumulator(str(tmp_path / "tb" / "12D3KooWpeerA"))
     acc.Reload()
