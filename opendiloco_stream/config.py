@@ -32,6 +32,8 @@ Configuration guide for the knobs that matter (every field: docs/configuration.m
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -45,6 +47,9 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer run
 
 # ``net.chunk_bytes``'s bounds; transport/layout.py takes them from here (this module loads no torch)
 CHUNK_BYTES_BOUNDS = (1024, 64 << 20)
+
+# num_fragments = "auto": one fragment per this many transformer blocks (the streaming paper's default)
+BLOCKS_PER_FRAGMENT = 3
 
 # The one list of sync modes; the codec list is the wire registry's (compression/wire.py).
 MODES = ("blocking", "overlap", "eager", "naive-delayed", "data-parallel")
@@ -74,9 +79,13 @@ class DiLoCoConfig(_Strict):
     """The algorithm's knobs (docs/algorithm.md)."""
 
     inner_steps: int = Field(100, ge=1, description="H: inner steps per outer round")
-    num_fragments: int = Field(1, ge=1, description="P: fragments synced at staggered steps (1 = DiLoCo)",
-                               json_schema_extra=cli("--fragments", "--num-fragments", metavar="P"))
-    fragment_pattern: Literal["strided", "sequential"] = "strided"
+    num_fragments: int | Literal["auto"] = Field(
+        "auto", description="P: fragments synced at staggered steps (1 = DiLoCo); 'auto': one per "
+        f"{BLOCKS_PER_FRAGMENT} transformer blocks of the model (the streaming paper's choice), at most H",
+        json_schema_extra=cli("--fragments", "--num-fragments", metavar="P"))
+    fragment_pattern: Literal["strided", "sequential"] = Field(
+        "strided", description="which blocks form a fragment: 'strided' (block i -> fragment i mod P, the paper's "
+        "best) or 'sequential' (contiguous runs)")
     mode: Mode = Field("eager", description="how a round overlaps training: eager, overlap (tau steps), blocking, "
                        "naive-delayed (ablation), data-parallel (baseline)")
     eager_rule: Literal["merge", "corrected", "paper", "overlap"] = Field(
@@ -96,10 +105,12 @@ class DiLoCoConfig(_Strict):
     overlap_steps: int = Field(0, ge=0, description="tau: inner steps the overlap mode hides",
                                json_schema_extra=cli("--overlap-steps", "--tau", metavar="TAU"))
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="overlap merge: alpha*local + (1-alpha)*global")
-    outer_lr: float = Field(0.7, gt=0.0)
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    outer_nesterov: bool = True
-    codec: CodecName = Field("fp32", description="wire format of outer gradients")
+    outer_lr: float = Field(0.7, gt=0.0, description="outer optimizer (SGD, Nesterov) learning rate; the "
+                            "streaming paper reports 0.4 works at all scales")
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer optimizer momentum")
+    outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer optimizer")
+    codec: CodecName = Field("fp4-e3m0", description="wire format of outer gradients (fp4-e3m0: the streaming "
+                             "paper's 4-bit format, 1/8 of fp32's bytes; fp32 sends them as they are)")
     codec_block_size: int = Field(64, ge=8, le=4096, description="codec block size (low-bit codecs)",
                                   json_schema_extra=cli("--block-size", "--codec-block-size"))
     codec_scale_dtype: ScaleDtype = Field("fp16", description="per-block scale format (low-bit codecs)",
@@ -108,7 +119,8 @@ class DiLoCoConfig(_Strict):
                            "values sent (the top-k by magnitude)")
     sparse_chunk: int = Field(1024, ge=8, le=4096, description="sparse codecs (topk-*): values per chunk "
                               "(one scale per chunk; indices cost log2(chunk) bits)")
-    stochastic_rounding: bool = False
+    stochastic_rounding: bool = Field(False, description="low-bit codecs: round stochastically instead of to "
+                                      "nearest")
     error_feedback: Optional[bool] = Field(None, description="add what the codec did not send to the next "
                                            "round's outer gradient; default: on for sparse codecs (topk-*)")
     error_feedback_decay: float = Field(1.0, ge=0.0, le=1.0, description="error feedback: the residual is "
@@ -117,7 +129,9 @@ class DiLoCoConfig(_Strict):
         "parameters", description="error feedback: where what the codec did not send waits for the next round: "
         "'parameters' keeps it in this peer's local parameters (the inner loop goes on from its own unsent "
         "progress), 'buffer' adds a residual to the next outer gradient (SparseLoCo's form)")
-    weighting: Literal["tokens", "equal"] = "tokens"
+    weighting: Literal["tokens", "equal"] = Field(
+        "tokens", description="how peers' outer gradients are weighted in an average: by the tokens each "
+        "processed in the round, or equally")
     outer_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's device), "
         "'cpu' (in pinned memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
@@ -128,6 +142,28 @@ class DiLoCoConfig(_Strict):
     record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "
                                  "records (to verify peers hold bit-identical results)")
 
+    @field_validator("num_fragments")
+    @classmethod
+    def _at_least_one(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError(f"num_fragments must be >= 1 or 'auto', got {value}")
+        return value
+
+    def fragments_for(self, blocks: int) -> int:
+        """P for a model of ``blocks`` transformer blocks: ``num_fragments`` as set, or for ``"auto"``
+        one fragment per :data:`BLOCKS_PER_FRAGMENT` blocks (rounded up), at most one per block and H
+        (under ``overlap``, fewer than H / tau, so each result lands before the next fragment syncs)."""
+        if self.num_fragments != "auto":
+            return self.num_fragments
+        most = self.inner_steps if self.mode != "overlap" else max(1, (self.inner_steps - 1) // self.overlap_steps)
+        return max(1, min(math.ceil(blocks / BLOCKS_PER_FRAGMENT), blocks, most))
+
+    def resolved(self, blocks: int) -> "DiLoCoConfig":
+        """This config with ``num_fragments`` a number (:meth:`fragments_for`)."""
+        if self.num_fragments != "auto":
+            return self
+        return self.model_copy(update={"num_fragments": self.fragments_for(blocks)})
+
     @property
     def use_error_feedback(self) -> bool:
         """``error_feedback`` as set, or on for sparse codecs (what they do not send must not be lost)."""
@@ -136,6 +172,11 @@ class DiLoCoConfig(_Strict):
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "DiLoCoConfig":
         H, P, tau = self.inner_steps, self.num_fragments, self.overlap_steps
+        if P == "auto":
+            P = 1  # resolved against the model's blocks, at most H: the checks below hold for any P <= H/tau
+            if self.mode == "overlap" and tau >= 1 and tau >= H:
+                raise ValueError(f"overlap_steps ({tau}) must be < inner_steps ({H}): a fragment's result must "
+                                 "land before its next sync")
         if P > H and self.mode != "data-parallel":
             raise ValueError(f"num_fragments ({P}) must be <= inner_steps ({H}): each fragment syncs once per H steps")
         if self.mode == "overlap":
@@ -165,34 +206,37 @@ class ModelConfig(_Strict):
                       "hub name org/name (its weights, through from_pretrained)", json_schema_extra=cli("--model"))
     init_from_config: bool = Field(False, description="a model directory or hub name: take only its config and "
                                    "initialise the weights from train.seed")
-    seq_len: int = Field(128, ge=8)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    seq_len: int = Field(128, ge=8, description="tokens per training sequence")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the model's parameter dtype (the "
+                                                  "outer state stays fp32)")
 
 
 class DataConfig(_Strict):
     dataset: str = Field("builtin", description="'builtin' (stdlib source), a hub name, or local files/dir")
-    dataset_config: Optional[str] = None
-    text_field: str = "text"
+    dataset_config: Optional[str] = Field(None, description="a hub dataset's configuration name")
+    text_field: str = Field("text", description="the column/key holding the text (hub, jsonl, parquet)")
     tokenizer: Optional[str] = Field(None, description="a local HF tokenizer path or a hub name org/name; "
                                      "byte-level when unset")
     streaming: Optional[bool] = Field(None, description="read the dataset on the fly (datasets streaming=True), "
                                       "position kept in checkpoints; default: on for hub names, off for local files")
     shard: str = Field("auto", description="this peer's data shard 'R/W' (e.g. '0/3'); 'auto' picks one of 64 "
                        "from the peer id")
-    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    max_val_batches: int = Field(8, ge=1)
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="share of the data held out for eval loss")
+    max_val_batches: int = Field(8, ge=1, description="batches per evaluation")
 
 
 class TrainConfig(_Strict):
     steps: int = Field(300, ge=1, description="inner steps per worker")
-    batch_size: int = Field(8, ge=1)
-    lr: float = Field(4e-4, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.1, ge=0.0)
-    warmup_steps: int = Field(20, ge=0)
-    clip_grad_norm: float = Field(1.0, ge=0.0)
+    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
+    lr: float = Field(4e-4, gt=0.0, description="inner optimizer (AdamW) peak learning rate (warm-up, then "
+                      "cosine decay)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    weight_decay: float = Field(0.1, ge=0.0, description="AdamW weight decay")
+    warmup_steps: int = Field(20, ge=0, description="inner steps of linear learning-rate warm-up")
+    clip_grad_norm: float = Field(1.0, ge=0.0, description="clip each inner step's gradient norm to this (0: "
+                                  "no clipping)")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: start and end only)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the model's initialisation and the data order")
     device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N' (with nproc_per_node > 1, rank r uses "
                         "cuda:r)")
     precision: Literal["auto", "fp32", "bf16"] = Field(
@@ -205,7 +249,8 @@ class TrainConfig(_Strict):
         "none", description="with nproc_per_node > 1: 'none' keeps the whole model, its gradients and AdamW state "
         "on every rank (DDP); 'fsdp' splits them over the ranks (FSDP2) for models that do not fit one device, "
         "with the outer state whole on rank 0 (use --outer-device cpu for big models; docs/multi-gpu.md)")
-    metrics_file: Optional[str] = None
+    metrics_file: Optional[str] = Field(None, description="write JSON-lines metrics here (step, sync, eval "
+                                        "and summary records)")
     checkpoint_dir: Optional[str] = Field(None, description="where worker-<rank>.pt checkpoints go")
     checkpoint_every: int = Field(0, ge=0, description="save every N inner steps (0: only at the end)")
     resume: bool = Field(False, description="continue from checkpoint_dir if a checkpoint is there")
@@ -405,16 +450,58 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, sources, path)) from None
     return (cfg, sources) if return_sources else cfg
 
 
-def format_validation_error(e: ValidationError) -> str:
+def _flag_of(section: str, name: str) -> str:
+    """The command-line flag of ``section.name`` (its first ``cli(...)`` spelling, else ``--name``)."""
+    model = RunConfig.model_fields[section].annotation
+    info = model.model_fields.get(name)
+    extra = info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {}
+    flags = (extra.get("cli") or {}).get("flags")
+    return flags[0] if flags else f"--{name.replace('_', '-')}"
+
+
+def _where(section: str, name: str, sources: Optional["ConfigSources"], path: Optional[str], value: Any) -> str:
+    """Where a bad value was set, in the words the user typed it: ``--inner-steps 0``,
+    ``ODS_DILOCO__INNER_STEPS=0``, ``inner_steps = 0 in peers/x.toml``."""
+    origin = sources.get(f"{section}.{name}", "default") if sources is not None else "default"
+    shown = " ".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    if origin == "flag":
+        return f"{_flag_of(section, name)} {shown}"
+    if origin == "env":
+        return f"{ENV_PREFIX}{section.upper()}__{name.upper()}={shown}"
+    if origin == "file":
+        return f"[{section}] {name} = {value!r} in {path}"
+    return f"{section}.{name} = {value!r}"
+
+
+def format_validation_error(e: ValidationError, sources: Optional["ConfigSources"] = None,
+                            path: Optional[str] = None) -> str:
+    """One line for a config's validation errors, each naming where the value was set (flag,
+    environment variable or file) and what it must be."""
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "config"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        parts.append(f"{loc}: {msg}")
+        loc = [str(x) for x in err["loc"]]
+        msg = err["msg"].removeprefix("Value error, ")
+        if len(loc) >= 2 and loc[0] in RunConfig.model_fields:
+            section, name = loc[0], loc[1]
+            if err["type"] == "extra_forbidden":
+                origin = sources.get(f"{section}.{name}") if sources is not None else None
+                where = (f"{ENV_PREFIX}{section.upper()}__{name.upper()}" if origin == "env"
+                         else f"[{section}] {name}" + (f" in {path}" if origin == "file" and path else ""))
+                known = list(RunConfig.model_fields[section].annotation.model_fields)
+                close = difflib.get_close_matches(name, known, n=1)
+                if close:
+                    fix = (f"{ENV_PREFIX}{section.upper()}__{close[0].upper()}" if origin == "env" else close[0])
+                    parts.append(f"{where}: unknown key: did you mean {fix}?")
+                else:
+                    parts.append(f"{where}: unknown key (known in [{section}]: {', '.join(known)})")
+                continue
+            parts.append(f"{_where(section, name, sources, path, err.get('input'))}: {msg}")
+        elif len(loc) == 1 and loc[0] not in RunConfig.model_fields and err["type"] == "extra_forbidden":
+            parts.append(f"[{loc[0]}]: unknown section (known: {', '.join(RunConfig.model_fields)})")
+        else:
+            parts.append(f"{'.'.join(loc) or 'config'}: {msg}")
     return "invalid configuration: " + "; ".join(parts)

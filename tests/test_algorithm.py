@@ -821,7 +821,7 @@ def test_prematch_steps_announce_each_round_ahead_with_the_weight_it_will_have(a
 
 @pytest.mark.parametrize("flags, message", [
     (["--link-delay-steps", "0"], "link delay must be >= 1 inner step"),
-    (["--link-mbps", "5"], "a link rate needs both"),
+    (["--link-mbit", "5"], "a link rate needs both"),
     (["--link-delay-steps", "3", "--transport", "hivemind"], "simulate a link for --transport local"),
 ])
 def test_local_link_flags_that_cannot_be_are_one_line_and_exit_2(capsys, flags, message):

@@ -31,12 +31,27 @@ def test_precedence_file_then_env_then_flags(tmp_path, monkeypatch):
 def test_unknown_keys_are_errors_everywhere(tmp_path, monkeypatch):
     f = tmp_path / "bad.toml"
     f.write_text("[diloco]\ninner_stepz = 3\n")
-    with pytest.raises(ConfigError, match="diloco.inner_stepz: unknown key"):
+    with pytest.raises(ConfigError, match=r"\[diloco\] inner_stepz in .*bad.toml: unknown key: did you mean inner_steps\?"):
         load_config(str(f))
     with pytest.raises(ConfigError, match="unknown section"):
         load_config(None, environ={"ODS_NOPE__X": "1"})
-    with pytest.raises(ConfigError, match="unknown key"):
+    with pytest.raises(ConfigError, match="ODS_TRAIN__STEPZ: unknown key: did you mean ODS_TRAIN__STEPS"):
         load_config(None, environ={"ODS_TRAIN__STEPZ": "1"})
+
+
+def test_a_bad_value_names_the_flag_the_variable_or_the_file_it_came_from(tmp_path):
+    """The error says where the user typed the value: the flag, the environment variable or the
+    file's key, with the value, not the config tree's dotted name."""
+    with pytest.raises(ConfigError, match=r"--steps 0: Input should be greater than or equal to 1"):
+        load_config(None, {"train": {"steps": 0}}, environ={})
+    with pytest.raises(ConfigError, match=r"ODS_TRAIN__STEPS=-3: Input should be greater than or equal to 1"):
+        load_config(None, environ={"ODS_TRAIN__STEPS": "-3"})
+    with pytest.raises(ConfigError, match=r"--fragments 0: .*must be >= 1 or 'auto'"):
+        load_config(None, {"diloco": {"num_fragments": 0}}, environ={})
+    f = tmp_path / "x.toml"
+    f.write_text("[train]\nlr = -1.0\n")
+    with pytest.raises(ConfigError, match=r"\[train\] lr = -1.0 in .*x.toml: Input should be greater than 0"):
+        load_config(str(f), environ={})
 
 
 def test_cross_field_errors_name_the_fields():

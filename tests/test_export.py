@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opendiloco_stream.cli import main
@@ -65,7 +66,8 @@ def eager_run(tmp_path_factory):
 
 def test_export_of_a_checkpoint_loads_bit_exact_in_transformers_and_generates(eager_run, tmp_path, capsys):
     out = tmp_path / "model"
-    proc = _run(capsys, "export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(out), "--max-shard-size", "500KB")
+    proc = _run(capsys, "export", "--checkpoint-dir", str(eager_run / "ck"), "--out", str(out), "--max-shard-size", "500KB",
+               "--license", "apache-2.0")
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded above --max-shard-size
@@ -86,6 +88,13 @@ def test_export_of_a_checkpoint_loads_bit_exact_in_transformers_and_generates(ea
     assert generated.shape[1] > ids.shape[1] and isinstance(tokenizer.decode(generated[0]), str)
     card = (out / "README.md").read_text()
     assert "eager" in card and "fp4-e3m0" in card and "Eval loss" in card and "inner step 12" in card
+    # a Hub model card: YAML front matter, the load line names this directory, no placeholder
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["library_name"] == "transformers" and front["license"] == "apache-2.0"
+    assert {"opendiloco-stream", "diloco", "eager", "fp4-e3m0"} <= set(front["tags"])
+    assert f'from_pretrained("{out}")' in card and '"DIR"' not in card
+    # every file is readable by others (safetensors' own temp file is 0600)
+    assert {oct(f.stat().st_mode & 0o777) for f in out.iterdir() if f.is_file()} == {"0o644"}
 
 
 def test_save_model_at_the_end_holds_the_runs_final_theta_bar(eager_run):

@@ -47,10 +47,10 @@ def wandb_records(path: Path):
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("loggers")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_SILENT": "true",
+    env = {**os.environ, "ODS_NET__RUN_ID": "ods-logged", "WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_SILENT": "true",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "opendiloco_stream", "local", "--workers", "2", "--mode", "eager",
-                           "--fragments", "2", "--inner-steps", "4", "--steps", "10", "--seq-len", "32",
+                           "--codec", "fp32", "--fragments", "2", "--inner-steps", "4", "--steps", "10", "--seq-len", "32",
                            "--batch-size", "2", "--max-val-batches", "1", "--eval-every", "5", "--no-progress",
                            "--threads", "1", "--tensorboard-dir", str(d / "tb"), "--wandb-project", "ods-test",
                            "--metrics-file", str(d / "m.jsonl")],
@@ -97,6 +97,8 @@ def test_wandb_offline_run_reads_back_with_the_runs_scalars_steps_and_config(log
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in rec.history.item})
     assert config["diloco"]["mode"] == "eager" and config["train"]["steps"] == 10
+    run = next(rec.run for rec in wandb_records(files[0]) if rec.WhichOneof("record_type") == "run")
+    assert run.run_group == "ods-logged" and run.display_name == "local"  # one group per run id
     for tag in ("train/loss", "eval/loss", "sync/ok"):
         # sync rows keep their (launch) steps, also where a later step was logged before them
         got = [(row["inner_step"], row[tag]) for row in history if tag in row]
@@ -113,3 +115,31 @@ def test_loggers_are_optional(monkeypatch):
         build_loggers(load_config(None, {"train": {"tensorboard_dir": "tb"}}))
     with pytest.raises(ConfigError, match="pip install wandb"):
         build_loggers(load_config(None, {"train": {"wandb_project": "p"}}))
+
+
+def test_each_peer_gets_its_own_wandb_run_and_tensorboard_directory(tmp_path):
+    """The peer command names its loggers after its peer id (``set_peer``): W&B runs of one run id
+    share a group and carry the peer's name; TensorBoard writes DIR/<peer id>. One process per peer,
+    as in a real run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+           "PYTHONPATH": str(ROOT)}
+    script = ("import sys\n"
+              "from opendiloco_stream.train.loggers import TensorBoardLogger, WandbLogger\n"
+              "for logger in (TensorBoardLogger(sys.argv[1]), WandbLogger('ods-test', {'x': 1}, group='shared-run')):\n"
+              "    logger.set_peer(sys.argv[2])\n"
+              "    logger.observe({'event': 'step', 'step': 1, 'loss': 5.0, 'lr': 1e-4})\n"
+              "    logger.close()\n")
+    for peer in ("12D3KooWpeerA", "12D3KooWpeerB"):
+        proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "tb"), peer], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["12D3KooWpeerA", "12D3KooWpeerB"]
+    acc = EventAccumulator(str(tmp_path / "tb" / "12D3KooWpeerA"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 5.0)]
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    runs = [next(r.run for r in wandb_records(f) if r.WhichOneof("record_type") == "run") for f in files]
+    assert sorted((r.run_group, r.display_name) for r in runs) == [("shared-run", "12D3KooWpeerA"),
+                                                                   ("shared-run", "12D3KooWpeerB")]

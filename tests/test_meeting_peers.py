@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]
 KEY = "meeting-test-run-key-0123456789abcdef"
 H, P, STEPS = 10, 2, 40
 SLOW_STEPS = 30  # runs with 1 s steps: the joiner, in from about step 10, still has 2-4 rounds of each fragment
-TINY = [*(["--log-level", os.environ["MEET_LOG"]] if os.environ.get("MEET_LOG") else []), "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
+TINY = [*(["--log-level", os.environ["MEET_LOG"]] if os.environ.get("MEET_LOG") else []), "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
+        "--codec", "fp32"]  # the codec these tests were written for (the default is fp4-e3m0)
 
 
 def _peer(tmp: Path, name: str, addrs: list[str], run_id: str, *flags: str, env: Optional[dict] = None,

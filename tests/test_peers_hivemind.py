@@ -148,7 +148,7 @@ def test_sigint_stops_a_peer_cleanly_with_no_leftover_processes(tmp_path):
     procs = [boot]
     try:
         peer = start_peer(tmp_path, "p0", addrs, "--run-id", "sigint", "--steps", "100000", "--inner-steps", "10",
-                          "--fragments", "2", "--no-join", "--shard", "0/1")
+                          "--codec", "fp32", "--fragments", "2", "--no-join", "--shard", "0/1")
         procs.append(peer)
         wait_for(lambda: sum(r["event"] == "step" for r in records(tmp_path / "p0.jsonl")) >= 3, 180,
                  "training to start", [peer])

@@ -3,19 +3,23 @@ labelled series; a live peer's scrape passes Prometheus's own ``promtool check m
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import shutil
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
 
 from opendiloco_stream.net.prometheus import PeerMetrics, PrometheusExporter, samples
+from tests.support.tools import require_tool
 
 
 def _free_port() -> int:
@@ -32,8 +36,7 @@ def _get(url: str, timeout: float = 5.0) -> str:
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:
     """``promtool check metrics`` (Prometheus's linter of the exposition format) on a scrape."""
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is missing: scripts/setup.sh installs Debian's prometheus package"
+    promtool = require_tool("promtool")
     return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
 
 
@@ -102,7 +105,7 @@ def test_scrape_the_endpoint_of_running_peers(tmp_path):
         for r, port in enumerate(ports):
             cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", "promtest",
                    "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--threads", "1", "--no-progress",
-                   "--mode", "blocking", "--fragments", "2", "--inner-steps", "6", "--steps", "400",
+                   "--mode", "blocking", "--codec", "fp32", "--fragments", "2", "--inner-steps", "6", "--steps", "400",
                    "--shard", f"{r}/2", "--no-join", "--metrics-port", str(port)]
             procs.append(subprocess.Popen(cmd, stdout=open(tmp_path / f"p{r}.log", "w"), stderr=subprocess.STDOUT,
                                           start_new_session=True, env={**os.environ}))
@@ -138,5 +141,117 @@ def test_scrape_the_endpoint_of_running_peers(tmp_path):
         assert len(peers) == 2 and "" not in peers  # each endpoint is labelled with its own peer id
         check = promtool_check(text)  # Prometheus's own linter passes the live scrape
         assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        stop_processes(procs, grace=10)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+EXPORTED = {"ods_step", "ods_loss", "ods_eval_loss", "ods_tokens_total", "ods_tokens_per_second",
+            "ods_compute_utilization", "ods_bytes_sent_total", "ods_bytes_received_total", "ods_rounds_total",
+            "ods_group_size", "ods_sync_wait_seconds_total", "ods_last_sync_wait_seconds", "ods_round_land_steps",
+            "ods_info"}
+
+
+def _exported_names() -> set[str]:
+    """The metric names a peer's endpoint serves, read from a real exposition."""
+    m = PeerMetrics({"run": "r", "peer": "p"}, info={"mode": "eager"})
+    for rec in RECORDS:
+        m.observe(rec)
+    return {name for name, _ in samples(m.exposition()) if not name.endswith("_created")}
+
+
+def _metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(ods_[a-z_]+)\b", expr))
+
+
+def test_the_shipped_prometheus_config_and_alert_rules_pass_promtool():
+    promtool = require_tool("promtool")
+    config = subprocess.run([promtool, "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True,
+                            text=True, timeout=60)
+    assert config.returncode == 0 and "SUCCESS: 1 rule files found" in config.stdout, config.stdout + config.stderr
+    rules = subprocess.run([promtool, "check", "rules", str(DOCKER / "alerts.yml")], capture_output=True, text=True,
+                           timeout=60)
+    assert rules.returncode == 0 and "SUCCESS: 5 rules found" in rules.stdout, rules.stdout + rules.stderr
+
+
+def test_each_alert_fires_on_its_series_and_not_on_a_healthy_peer():
+    """promtool's rule unit tests (tests/data/alerts_test.yml): alone for 3+ rounds, failed rounds,
+    eager landing near H, low compute utilization, a peer that stops answering."""
+    promtool = require_tool("promtool")
+    proc = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT / "tests" / "data")
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_alerts_and_dashboard_query_only_metrics_the_peers_export():
+    exported = _exported_names()
+    assert exported == EXPORTED
+    rules = yaml.safe_load((DOCKER / "alerts.yml").read_text())["groups"][0]["rules"]
+    assert {r["alert"] for r in rules} == {"PeerTrainsAlone", "RoundsFailing", "EagerLandingNearH",
+                                          "ComputeUtilizationLow", "PeerDown"}
+    for rule in rules:
+        assert _metric_names(rule["expr"]) <= exported, rule["alert"]
+    board = json.loads((DOCKER / "grafana" / "opendiloco-stream.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10 and all(_metric_names(e) and _metric_names(e) <= exported for e in exprs), exprs
+
+
+def test_the_dashboard_json_is_what_grafanas_sdk_builds():
+    """docker/grafana/opendiloco-stream.json is generated by scripts/gen_dashboard.py with Grafana's
+    Python SDK (grafana-foundation-sdk) and is up to date."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_dashboard.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    board = json.loads((DOCKER / "grafana" / "opendiloco-stream.json").read_text())
+    assert board["uid"] == "opendiloco-stream"
+    assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "run", "peer"]
+
+
+@pytest.mark.network
+def test_prometheus_scrapes_a_live_peer_with_the_shipped_config(tmp_path):
+    """A real Prometheus server, started with docker/prometheus.yml and docker/alerts.yml (only the
+    targets changed to this peer's port), scrapes a training peer: its series are queryable and the
+    five alert rules are loaded."""
+    from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
+
+    prometheus = require_tool("prometheus")
+    config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    metrics_port, web_port = _free_port(), _free_port()
+    config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
+    config["global"]["scrape_interval"] = "1s"
+    config["rule_files"] = [str(DOCKER / "alerts.yml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    boot, addrs = start_bootstrap(tmp_path, "promlive")
+    procs = [boot]
+    try:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", "promlive",
+             "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--threads", "1", "--no-progress",
+             "--inner-steps", "6", "--steps", "100000", "--shard", "0/1", "--no-join", "--metrics-port",
+             str(metrics_port)], stdout=open(tmp_path / "peer.log", "w"), stderr=subprocess.STDOUT,
+            start_new_session=True))
+        procs.append(subprocess.Popen(
+            [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{web_port}"], stdout=open(tmp_path / "prometheus.log", "w"),
+            stderr=subprocess.STDOUT, start_new_session=True))
+        api = f"http://127.0.0.1:{web_port}/api/v1"
+        deadline, steps = time.monotonic() + 240, []
+        while time.monotonic() < deadline and not steps:
+            assert procs[1].poll() is None, (tmp_path / "peer.log").read_text()[-2000:]
+            assert procs[2].poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{api}/query?query=ods_step%7Brun%3D%22promlive%22%7D", timeout=5) as r:
+                    steps = [s for s in json.load(r)["data"]["result"] if float(s["value"][1]) >= 1]
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if not steps:
+                time.sleep(1.0)
+        assert steps, (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert steps[0]["metric"]["job"] == "opendiloco-stream" and steps[0]["metric"]["peer"]
+        with urllib.request.urlopen(f"{api}/rules", timeout=5) as r:
+            loaded = [rule["name"] for g in json.load(r)["data"]["groups"] for rule in g["rules"]]
+        assert sorted(loaded) == sorted(["PeerTrainsAlone", "RoundsFailing", "EagerLandingNearH",
+                                         "ComputeUtilizationLow", "PeerDown"])
     finally:
         stop_processes(procs, grace=10)

@@ -75,7 +75,7 @@ def unavailable_reason() -> Optional[str]:
     """None if the NAT topology can be built here, else one line saying what is missing."""
     reason = netns.unavailable_reason()
     if reason is None and shutil.which("nft") is None:
-        reason = "`nft` is not installed (Debian: apt-get install nftables; scripts/setup.sh does it as root)"
+        reason = "`nft` is not installed (Debian: apt-get install nftables; scripts/test.sh does it as root)"
     return reason
 
 

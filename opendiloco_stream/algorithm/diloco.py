@@ -79,6 +79,7 @@ class StreamingDiLoCo(HasSyncLog):
         self._lock = threading.RLock()
         if blocks is None:
             blocks = fr.find_blocks(model)
+        config = self.config = config.resolved(len(blocks))  # num_fragments "auto": from the model's blocks
         fragments = fr.partition(model, blocks, config.num_fragments, config.fragment_pattern)
         offsets = fr.fragment_offsets(config.inner_steps, config.num_fragments)
         # before the outer state exists: a forking transport's children would keep its old pages (docs/benchmarks.md)

@@ -25,6 +25,26 @@ def add_training_flags(p: argparse.ArgumentParser, sections: Iterable[str] = TRA
     add_config_flags(p, tuple(sections), exclude=exclude)
 
 
+def model_blocks(cfg) -> int:
+    """How many transformer blocks ``cfg.model`` has (built on the meta device: shapes only, no memory)."""
+    import torch
+
+    from opendiloco_stream.train.models import build_model, transformer_blocks
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    with torch.device("meta"):
+        model = build_model(cfg.model.name, vocab_size=256, seq_len=cfg.model.seq_len, dtype=dtype)
+    return len(transformer_blocks(model))
+
+
+def resolve_fragments(cfg):
+    """``cfg`` with ``diloco.num_fragments = "auto"`` replaced by the count for its model's blocks
+    (``DiLoCoConfig.fragments_for``), so every later step, summary and fingerprint sees a number."""
+    if cfg.diloco.num_fragments != "auto":
+        return cfg
+    return cfg.model_copy(update={"diloco": cfg.diloco.resolved(model_blocks(cfg))})
+
+
 SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
 
 

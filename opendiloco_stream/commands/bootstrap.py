@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind
+from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind, verbose
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_PERIOD = 30.0
@@ -32,8 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_network_flags(p)
     p.add_argument("--addr-file", metavar="F", help="write this node's multiaddrs to F, one per line (atomically)")
     p.add_argument("--no-dialback", action="store_true", help="do not answer doctor's dial-back requests")
-    p.add_argument("--relay", action="store_true", help="serve as a circuit relay for peers behind NAT that "
-                   "run with --relay (every byte of their rounds crosses this node)")
+    p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve as a circuit relay for peers behind NAT that run with --relay (every byte of "
+                   "their rounds crosses this node); --no-relay: do not (default)")
     p.set_defaults(func=run)
 
 
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     net = net_config_from_args(args)
     existing = daemons()
-    quiet_hivemind(args.verbose)
+    quiet_hivemind(verbose(args))
     with GracefulShutdown() as stop:
         # p2pd serves relay reservations only once it believes it is public; on a bare subnet nothing tells it
         dht = start_dht(net, **({"use_relay": True, "force_reachability": "public"} if args.relay else {}))
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             while not stop.wait(HEARTBEAT_PERIOD):
                 _heartbeat(dht)
         finally:
-            if not args.verbose:  # p2pd complains about the sockets we close on the way out
+            if not verbose(args):  # p2pd complains about the sockets we close on the way out
                 quiet_hivemind(level=60)
             if service is not None:
                 service.shutdown()

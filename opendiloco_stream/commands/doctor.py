@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind
+from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind, verbose
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     net = net_config_from_args(args)
     existing = daemons()
     check_config(net)  # bad addresses: exit 2 before any check runs
-    quiet_hivemind(args.verbose, level=None if args.verbose else 60)  # the checks report failures themselves
+    quiet_hivemind(verbose(args), level=None if verbose(args) else 60)  # the checks report failures themselves
     try:
         checks = asyncio.run(run_checks(net, timeout=args.timeout, report=lambda c: print(c.lines(), flush=True)))
     finally:

@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the run's config, for checkpoints that do not record it (written before export existed)")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="split model.safetensors into files of at most this size (default 2GB)")
+    p.add_argument("--license", default="other", metavar="ID",
+                   help="the model card's license: a Hub license id (apache-2.0, mit, ...) that fits your data "
+                   "and model (default: other)")
     p.add_argument("--no-eval", action="store_true",
                    help="do not evaluate the model on the run's validation data for the README")
     p.set_defaults(func=run)
@@ -37,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config) if args.config else None
     out = export_checkpoint(args.checkpoint_dir, args.out, rank=args.rank, config=config,
-                            evaluate_loss=not args.no_eval, max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+                            evaluate_loss=not args.no_eval, max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+                            license=args.license)
     print(f"wrote {out} (load it with AutoModelForCausalLM.from_pretrained('{out}'))")
     return 0

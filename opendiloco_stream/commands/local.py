@@ -14,9 +14,12 @@ import threading
 import time
 import torch
 
+from opendiloco_stream.cli import deprecated_alias
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
-    add_training_flags, config_from_args, prepare_data, print_summary, require_device, worker_config,
+    add_training_flags, config_from_args, prepare_data, print_summary, require_device, resolve_fragments,
+    worker_config,
 )
+from opendiloco_stream.net.flags import add_log_level
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,17 +31,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cores / workers)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved configuration (with where each value came from), check it, start nothing")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--log-level", default="WARNING",
-                   help="--transport hivemind: each peer's python logging level, in its log (default WARNING)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
+    add_log_level(p, help="--transport hivemind: each peer's logging level, in its log (default WARNING)")
     link = p.add_argument_group("simulated link (--transport local)", "when each round lands, in inner steps "
                                 "after its launch: the same bits every run (default: at once, an instant link)")
     link.add_argument("--link-delay-steps", type=int, default=None, metavar="D",
                       help="every round lands D >= 1 inner steps after its launch (D > H: at the next sync)")
-    link.add_argument("--link-mbps", type=float, default=None, metavar="MBIT",
-                      help="or from the round's bytes: its transfer time at this rate, in steps of --link-step-s")
+    link.add_argument("--link-mbit", dest="link_mbps", type=float, default=None, metavar="MBIT",
+                      help="or from the round's bytes: its transfer time at this rate (Mbit/s), in steps of "
+                      "--link-step-s")
     link.add_argument("--link-step-s", type=float, default=None, metavar="S",
-                      help="with --link-mbps: the inner step time the transfer is counted in (seconds)")
+                      help="with --link-mbit: the inner step time the transfer is counted in (seconds)")
+    deprecated_alias(link, "--link-mbps", "--link-mbit")
     add_training_flags(p, exclude=("data.shard",))  # workers take shards r/N
     p.set_defaults(func=run)
 
@@ -53,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         from opendiloco_stream.commands.dry_run import dry_run
 
         cfg, sources = config_from_args(args, return_sources=True)
-        return dry_run(cfg, sources, command="local", config_path=args.config, workers=args.workers)
-    cfg = config_from_args(args)
+        return dry_run(resolve_fragments(cfg), sources, command="local", config_path=args.config, workers=args.workers)
+    cfg = resolve_fragments(config_from_args(args))
     if cfg.train.nproc_per_node > 1 and args.transport != "hivemind":
         raise UsageError("--nproc-per-node needs --transport hivemind: the local transport runs the workers as "
                          "threads of one process (each hivemind peer starts its own ranks)")
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         from opendiloco_stream.commands.local_hivemind import run_hivemind
 
         if link is not None:
-            raise UsageError("--link-delay-steps / --link-mbps simulate a link for --transport local; over "
+            raise UsageError("--link-delay-steps / --link-mbit simulate a link for --transport local; over "
                              "hivemind the link is real (shape it with tc, benchmarks/wan.py)")
         return run_hivemind(args, cfg)
     return run_threads(args, cfg, link)
@@ -79,7 +83,7 @@ def link_model(args: argparse.Namespace):
     try:
         return LinkModel(args.link_delay_steps, args.link_mbps, args.link_step_s)
     except ValueError as e:
-        raise UsageError(f"{e} (--link-delay-steps, or --link-mbps with --link-step-s)") from None
+        raise UsageError(f"{e} (--link-delay-steps, or --link-mbit with --link-step-s)") from None
 
 
 def run_threads(args: argparse.Namespace, cfg, link=None) -> int:

@@ -18,7 +18,7 @@ import sys
 from typing import Any, Optional
 
 from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
-from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind
+from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind, verbose
 
 COLUMNS = ("peer", "step", "loss", "tokens/s", "MB sent", "util", "rounds", "landed after", "last seen (s)")
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     net = net_config_from_args(args, client_mode=True)
     if not net.initial_peers:
         raise UsageError("monitor needs --initial-peers (the address a bootstrap node or any peer printed)")
-    quiet_hivemind(args.verbose)
+    quiet_hivemind(verbose(args))
     live = sys.stdout.isatty() and not args.once and not args.json
     with GracefulShutdown() as stop:
         dht = start_dht(net)
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.once or stop.wait(args.interval):
                     break
         finally:
-            if not args.verbose:
+            if not verbose(args):
                 quiet_hivemind(level=60)
             stop_dht(dht)
     if args.html:

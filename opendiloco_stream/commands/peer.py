@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-exported)
-    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, require_device,
+    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, require_device, resolve_fragments,
 )
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
 
@@ -45,8 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved configuration (with where each value came from), check it, start nothing")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
     add_training_flags(p)
     p.set_defaults(func=run)
 
@@ -54,19 +53,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from opendiloco_stream.cli import UsageError
     from opendiloco_stream.net.auth import RunAuth
-    from opendiloco_stream.net.flags import quiet_hivemind
+    from opendiloco_stream.net.flags import quiet_hivemind, verbose
     from opendiloco_stream.net.lifecycle import die_with_parent
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quiet_hivemind(args.verbose)
+    quiet_hivemind(verbose(args))
     die_with_parent()  # a SIGKILLed peer must not orphan its DHT / averager processes and p2pd
     if args.dry_run:
         from opendiloco_stream.commands.dry_run import dry_run
 
         cfg, sources = config_from_args(args, updates=net_overrides(args), return_sources=True)
-        return dry_run(cfg, sources, command="peer", config_path=args.config, workers=None)
-    cfg = config_from_args(args, updates=net_overrides(args))
+        return dry_run(resolve_fragments(cfg), sources, command="peer", config_path=args.config, workers=None)
+    cfg = resolve_fragments(config_from_args(args, updates=net_overrides(args)))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
     auth = RunAuth.from_config(cfg.net)  # a missing or short key file fails here, before anything starts
@@ -183,7 +182,8 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
     from opendiloco_stream.transport.factory import hivemind_transport
 
     train_source, val, vocab_size = prepare_data(cfg)
-    sinks = build_loggers(cfg)
+    loggers = build_loggers(cfg)  # a logger that is not installed fails here, before the DHT starts
+    sinks = list(loggers)
     exporter = _exporter(cfg)
     if exporter is not None:
         sinks.append(exporter)
@@ -195,6 +195,8 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
             gate = RunGate(dht, cfg.net.run_id, auth)
             gate.check_key()  # a peer with another key (or none) stops here, having stored nothing
             shards = _announce(cfg, dht, ranks, exporter)
+            for logger_ in loggers:  # W&B: one run per peer, named after it; TensorBoard: DIR/<peer id>
+                logger_.set_peer(str(dht.peer_id))
             admission = Admission(auth)
             transport = hivemind_transport(cfg, dht, admission)
             _train(args, cfg, ranks, dht, gate, admission, transport, sinks, stop, shards,

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Optional
 
 from opendiloco_stream import simulate as sim
-from opendiloco_stream.cli import UsageError
+from opendiloco_stream.cli import UsageError, deprecated_alias
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -53,8 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     algo.add_argument("--inner-steps", metavar="H", default="100", help="H (default 100)")
     algo.add_argument("--fragment-layers", metavar="K", default="3",
                       help="blocks per fragment, P = ceil(layers / K) (default 3)")
-    algo.add_argument("--pattern", choices=sim.PATTERNS, default="strided",
-                      help="which blocks form a fragment (default strided)")
+    algo.add_argument("--fragment-pattern", dest="pattern", choices=sim.PATTERNS, default="strided",
+                      help="which blocks form a fragment (default strided), as the training commands' flag")
+    deprecated_alias(algo, "--pattern", "--fragment-pattern")
     algo.add_argument("--overlap-steps", metavar="TAU", default="1",
                       help="tau: inner steps a streaming-overlap sync may take (default 1)")
     link = p.add_argument_group("link")

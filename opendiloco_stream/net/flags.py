@@ -33,7 +33,27 @@ def add_network_flags(p: argparse.ArgumentParser, *, listen: bool = True, identi
     add_config_flags(p, ("net",), names)
     p.add_argument("--initial-peers-file", metavar="F",
                    help="read more initial peers from F, one per line (e.g. a bootstrap's --addr-file)")
-    p.add_argument("-v", "--verbose", action="store_true", help="show hivemind's logs")
+    add_log_level(p)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_log_level(p: argparse.ArgumentParser, help: str = "logging level of this command and of hivemind; "
+                  "DEBUG shows hivemind's logs (default WARNING)") -> None:
+    """``--log-level`` (one spelling on every command); ``-v`` / ``--verbose`` are kept one release as
+    deprecated spellings of ``--log-level DEBUG``."""
+    from opendiloco_stream.cli import deprecated_alias
+
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", metavar="LEVEL",
+                   help=help.replace("%", "%%") + f" ({', '.join(LOG_LEVELS)})")
+    deprecated_alias(p, "-v", "--log-level", help="deprecated: use --log-level DEBUG", const_value="DEBUG")
+    deprecated_alias(p, "--verbose", "--log-level", help="deprecated: use --log-level DEBUG", const_value="DEBUG")
+
+
+def verbose(args: argparse.Namespace) -> bool:
+    """Whether hivemind's own logs are shown (``--log-level DEBUG``)."""
+    return getattr(args, "log_level", "WARNING") == "DEBUG"
 
 
 def net_overrides(args: argparse.Namespace) -> dict[str, Any]:

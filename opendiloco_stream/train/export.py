@@ -136,7 +136,7 @@ def _set_special_ids(model, tokenizer) -> None:
 
 
 def write_model_dir(out: str | Path, cfg: RunConfig, model, tokenizer, *, eval_loss: float, step: int,
-                    source: str, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                    source: str, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, license: str = "other") -> Path:
     """``save_pretrained`` the model and tokenizer into ``out`` and write its README."""
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -144,12 +144,22 @@ def write_model_dir(out: str | Path, cfg: RunConfig, model, tokenizer, *, eval_l
     _set_special_ids(model, tokenizer)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
-    (out / "README.md").write_text(model_card(cfg, eval_loss=eval_loss, step=step, source=source))
+    (out / "README.md").write_text(model_card(cfg, eval_loss=eval_loss, step=step, source=source, path=out,
+                                              license=license))
+    for f in out.rglob("*"):  # safetensors writes through a private temp file (0600): a model is for sharing
+        if f.is_file():
+            f.chmod(0o644)
     return out
 
 
-def model_card(cfg: RunConfig, *, eval_loss: float, step: int, source: str) -> str:
-    """A short README: what the model is, how it was trained, its eval loss, how to load it."""
+#: the model card's ``license`` until the user sets one (``export --license``): the Hub's "other"
+DEFAULT_LICENSE = "other"
+
+
+def model_card(cfg: RunConfig, *, eval_loss: float, step: int, source: str, path: str | Path = ".",
+               license: str = DEFAULT_LICENSE) -> str:
+    """The model's README, a Hugging Face Hub model card: front matter (library_name, tags, license,
+    base settings), what the model is, how it was trained, its eval loss, how to load it from ``path``."""
     d, t = cfg.diloco, cfg.train
     loss = "not evaluated" if eval_loss is None or math.isnan(eval_loss) else f"{eval_loss:.4f}"
     settings = {"model": cfg.model.name, "seq_len": cfg.model.seq_len, "tokenizer": cfg.data.tokenizer or "byte",
@@ -158,14 +168,22 @@ def model_card(cfg: RunConfig, *, eval_loss: float, step: int, source: str) -> s
                 "outer_momentum": d.outer_momentum, "inner_lr": t.lr, "batch_size": t.batch_size,
                 "steps": t.steps, "seed": t.seed}
     rows = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
-    return (f"# opendiloco-stream model: theta_bar of run '{cfg.net.run_id}' at inner step {step}\n\n"
+    where = json.dumps(str(path))
+    front = ("---\n"
+             "library_name: transformers\n"
+             f"license: {license}\n"
+             "pipeline_tag: text-generation\n"
+             "tags:\n- opendiloco-stream\n- diloco\n- streaming-diloco\n"
+             f"- {'data-parallel' if d.mode == 'data-parallel' else d.mode}\n- {d.codec}\n"
+             "---\n\n")
+    return (front + f"# opendiloco-stream model: theta_bar of run '{cfg.net.run_id}' at inner step {step}\n\n"
             "The outer parameters every peer of an opendiloco-stream run agrees on (Streaming DiLoCo), "
             f"exported from {source}.\n\n"
             f"Eval loss (next-token cross-entropy on the run's validation data): {loss}\n\n"
             f"| setting | value |\n|---|---|\n{rows}\n\n"
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            "model = AutoModelForCausalLM.from_pretrained(\"DIR\")\ntokenizer = AutoTokenizer.from_pretrained(\"DIR\")\n"
-            "```\n\nOr: `opendiloco-stream sample --model DIR --prompt \"...\"`\n\n"
+            f"model = AutoModelForCausalLM.from_pretrained({where})\ntokenizer = AutoTokenizer.from_pretrained({where})\n"
+            f"```\n\nOr: `opendiloco-stream sample --model {path} --prompt \"def main(\"`\n\n"
             f"Full config:\n\n```json\n{json.dumps(cfg.model_dump(mode='json'), indent=1)}\n```\n")
 
 
@@ -225,14 +243,14 @@ def checkpoint_model(path: Path, config: Optional[RunConfig] = None):
 
 def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, rank: Optional[int] = None,
                       config: Optional[RunConfig] = None, evaluate_loss: bool = True,
-                      max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                      max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, license: str = "other") -> Path:
     """theta_bar of a checkpoint in ``checkpoint_dir`` (:func:`find_checkpoint`) as a transformers
     model directory ``out``."""
     path = find_checkpoint(checkpoint_dir, rank)
     model, tokenizer, cfg, step = checkpoint_model(path, config)
     loss = eval_loss_of(model, cfg) if evaluate_loss else float("nan")
     return write_model_dir(out, cfg, model, tokenizer, eval_loss=loss, step=step, source=f"checkpoint {path}",
-                           max_shard_size=max_shard_size)
+                           max_shard_size=max_shard_size, license=license)
 
 
 def save_model_at_end(cfg: RunConfig, diloco, model: torch.nn.Module, vocab_size: int, report) -> Path:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from opendiloco_stream.config import ConfigError, RunConfig
 
@@ -44,12 +44,19 @@ def scalars(rec: dict[str, Any]) -> list[tuple[str, float, int]]:
 
 
 class TensorBoardLogger:
-    """Writes the scalars to TensorBoard event files (one directory per worker rank)."""
+    """Writes the scalars to TensorBoard event files: one directory per peer (``peer`` command:
+    ``DIR/<peer id>``) or per worker (``local``: ``DIR/worker-<rank>``), so a shared directory holds
+    the whole run and TensorBoard overlays its peers."""
 
     def __init__(self, log_dir: str, config: Optional[dict[str, Any]] = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self._factory, self._dir, self._writers, self._config = SummaryWriter, log_dir, {}, config
+        self._peer: Optional[str] = None
+
+    def set_peer(self, peer: str) -> None:
+        """This process is the peer ``peer``: its events go to ``DIR/<peer>`` (before the first record)."""
+        self._peer = peer
 
     def observe(self, rec: dict[str, Any]) -> None:
         items = scalars(rec)
@@ -57,7 +64,9 @@ class TensorBoardLogger:
             return
         rank = rec.get("rank", 0)
         if rank not in self._writers:
-            self._writers[rank] = self._factory(log_dir=f"{self._dir}/worker-{rank}")
+            sub = self._peer if self._peer is not None and rank == 0 else (
+                f"{self._peer}-rank-{rank}" if self._peer is not None else f"worker-{rank}")
+            self._writers[rank] = self._factory(log_dir=f"{self._dir}/{sub}")
             if self._config is not None:
                 self._writers[rank].add_text("config", json.dumps(self._config), 0)
         for tag, value, step in items:
@@ -69,29 +78,46 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    """Logs the scalars of rank 0 (one run per process) to Weights & Biases."""
+    """Logs the scalars of rank 0 to Weights & Biases: one W&B run per peer, named after it, in one
+    group per run id (``net.run_id``), so the project page shows a run's peers together. The W&B run
+    starts at the first record, once the peer knows its id (``set_peer``); ``local`` names it
+    ``local``."""
 
-    def __init__(self, project: str, config: dict[str, Any]):
+    def __init__(self, project: str, config: dict[str, Any], group: str, name: str = "local"):
+        self._project, self._config, self._group, self._name = project, config, group, name
+        self._run = None
+
+    def set_peer(self, peer: str) -> None:
+        self._name = peer
+
+    def _start(self):
         import wandb
 
-        self._run = wandb.init(project=project, config=config)
+        self._run = wandb.init(project=self._project, config=self._config, group=self._group, name=self._name,
+                               job_type="peer")
         self._run.define_metric(STEP_METRIC)
         self._run.define_metric("*", step_metric=STEP_METRIC)
+        return self._run
 
     def observe(self, rec: dict[str, Any]) -> None:
         if rec.get("rank", 0) != 0:
             return
         items = scalars(rec)
         if items:
-            self._run.log({STEP_METRIC: items[0][2], **{tag: float(v) for tag, v, _ in items}})
+            run = self._run or self._start()
+            run.log({STEP_METRIC: items[0][2], **{tag: float(v) for tag, v, _ in items}})
 
     def close(self) -> None:
-        self._run.finish()
+        if self._run is not None:
+            self._run.finish()
 
 
-def build_loggers(cfg: RunConfig) -> list:
+RunLogger = Union[TensorBoardLogger, WandbLogger]
+
+
+def build_loggers(cfg: RunConfig) -> list[RunLogger]:
     """The loggers the configuration asks for; ConfigError if one is not installed."""
-    out: list = []
+    out: list[RunLogger] = []
     if cfg.train.tensorboard_dir:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("train.tensorboard_dir is set but tensorboard is not installed: "
@@ -100,7 +126,7 @@ def build_loggers(cfg: RunConfig) -> list:
     if cfg.train.wandb_project:
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("train.wandb_project is set but wandb is not installed: pip install wandb (or unset it)")
-        out.append(WandbLogger(cfg.train.wandb_project, cfg.model_dump(mode="json")))
+        out.append(WandbLogger(cfg.train.wandb_project, cfg.model_dump(mode="json"), group=cfg.net.run_id))
     return out
 
 

@@ -206,7 +206,7 @@ def _build(rank: int, cfg: RunConfig, transport: Transport, val: torch.Tensor, e
     access = None
     if sharded:  # FSDP2: parameters, gradients and AdamW state split over the ranks (train/sharded.py)
         shard_model(model, blocks, device, ranks.world)
-        frags = partition(model, blocks, cfg.diloco.num_fragments, cfg.diloco.fragment_pattern)
+        frags = partition(model, blocks, cfg.diloco.fragments_for(len(blocks)), cfg.diloco.fragment_pattern)
         agree_on_fragments(frags)
         access = Sharded.access(device)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
