@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
-DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer runs on (cuda:N, mps:0 with an index)
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer runs on (cuda:N, mps:0 with an index), or 'auto'
 
 # ``net.chunk_bytes``'s bounds; transport/layout.py takes them from here (this module loads no torch)
 CHUNK_BYTES_BOUNDS = (1024, 64 << 20)
@@ -119,8 +119,9 @@ class DiLoCoConfig(_Strict):
         "progress), 'buffer' adds a residual to the next outer gradient (SparseLoCo's form)")
     weighting: Literal["tokens", "equal"] = "tokens"
     outer_device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's device), "
-        "'cpu' (in pinned memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
+        "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's GPU when "
+        "they fit in its free memory next to the model and its AdamW state, else pinned host memory; the CPU for a "
+        "CPU model), 'cpu' (pinned host memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
     prematch_steps: int = Field(0, ge=0, description="form each round's group this many inner steps before its "
                                 "sync (hivemind), so matchmaking leaves the round's critical path; 0: at the sync. "
                                 "The group's weight is predicted then (exact for steady batches)")
@@ -193,8 +194,8 @@ class TrainConfig(_Strict):
     clip_grad_norm: float = Field(1.0, ge=0.0)
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: start and end only)")
     seed: int = 0
-    device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N' (with nproc_per_node > 1, rank r uses "
-                        "cuda:r)")
+    device: str = Field("auto", description="'auto' (the first CUDA device when torch sees one, else the CPU), "
+                        "'cpu', 'cuda', 'cuda:N' or 'mps' (with nproc_per_node > 1 on CUDA, rank r uses cuda:r)")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="inner steps' compute: 'bf16' autocast, 'fp32', or 'auto' (bf16 autocast on CUDA, "
         "fp32 elsewhere); parameters, optimizer states and outer state stay in model.dtype / fp32")
@@ -218,9 +219,11 @@ class TrainConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
+        if value == "auto":
+            return value
         kind, _, index = value.partition(":")
         if kind not in DEVICE_TYPES or (index and (kind == "cpu" or not index.isdigit())):
-            raise ValueError(f"device {value!r}: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+            raise ValueError(f"device {value!r}: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
         return value
 
 
@@ -322,7 +325,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_outer_device(self) -> "RunConfig":
-        if self.diloco.outer_device == "cuda" and not self.train.device.startswith("cuda"):
+        if self.diloco.outer_device == "cuda" and not self.train.device.startswith(("cuda", "auto")):
             raise ValueError(f"diloco.outer_device 'cuda' keeps the outer state on the model's GPU, but "
                              f"train.device is {self.train.device!r}: use outer_device 'auto' or 'cpu', or a "
                              f"CUDA device")

@@ -123,7 +123,7 @@ def test_local_threads_refuse_several_ranks(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--device", "gpu"], "device 'gpu': use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    (["--device", "gpu"], "device 'gpu': use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
     (["--device", "cuda:one"], "device 'cuda:one': use"),
     (["--outer-device", "cuda"], "diloco.outer_device 'cuda' keeps the outer state on the model's GPU, but "
                                  "train.device is 'cpu'"),

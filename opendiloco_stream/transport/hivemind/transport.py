@@ -260,6 +260,9 @@ class HivemindTransport(Transport):
         lane.submit(handle, tensor, float(weight))
         return handle
 
+    def wire_codec(self):
+        return self.codec
+
     def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
         fragment, _round = key
         lane = self._lanes.get(fragment)
