@@ -5,12 +5,11 @@ On a CUDA outer device (the outer state on the model's GPU):
 
 * **launch** (:meth:`Staging.launch`): the training thread records an event on its stream after
   the outer gradient ``d`` is computed and returns at once. The staging thread then, on a side
-  CUDA stream, encodes ``d`` on the GPU where the codec is torch ops that run there (the blockwise
-  formats int8 / fp8-e4m3 / fp4-*, round to nearest: fp4 is 1/8 of the fp32 bytes), copies the
-  result into pinned host memory, waits for that copy (its own wait, not the trainer's), decodes
-  it on the host into a pinned fp32 buffer and hands that to the transport's ``all_reduce``. A
-  codec's decode of its own decode is the identity (:func:`device_encodes`), so the transport
-  puts the same bytes on the wire as if it had encoded ``d`` itself.
+  CUDA stream, encodes ``d`` on the GPU where the codec allows it (:func:`device_encodes`: the fp4 formats, round to
+  nearest, fp16 scales: 1/8 of the fp32 bytes cross to the host), copies the result into pinned
+  host memory, waits for that copy (its own wait, not the trainer's), decodes it on the host into
+  a pinned fp32 buffer and hands that to the transport's ``all_reduce``, whose encode of those
+  values sends the values it would have sent for ``d`` (up to the sign of a zero).
 * **landing** (:class:`StagedHandle`): once the round is done, the first ``done()`` that sees it
   issues the copies of the average (and of what this peer sent) from the transport's host buffers
   (pinned on a GPU peer) to the GPU on the side stream and answers True once they finished; the
@@ -41,7 +40,6 @@ import torch
 
 from opendiloco_stream.compression import blockwise
 from opendiloco_stream.compression.codecs import Codec
-from opendiloco_stream.compression.wire import BLOCK_CODECS
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
 
 
@@ -66,13 +64,13 @@ def outer_state_bytes(numel: int, momentum: bool, eager_start: bool) -> int:
     return 4 * numel * (1 + int(momentum) + int(eager_start))
 
 
-def adamw_pending_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """GPU bytes the optimizer has still to allocate: AdamW's two moment buffers, made at its first
-    step, for every CUDA parameter whose state does not exist yet."""
+def adamw_pending_bytes(optimizer: torch.optim.Optimizer, device_type: str = "cuda") -> int:
+    """Bytes the optimizer has still to allocate on ``device_type``: AdamW's two moment buffers,
+    made at its first step, for every parameter there whose state does not exist yet."""
     total = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.device.type == "cuda" and not optimizer.state.get(p):
+            if p.device.type == device_type and not optimizer.state.get(p):
                 total += 2 * p.numel() * p.element_size()
     return total
 
@@ -124,11 +122,21 @@ class Ready:
             torch.cuda.current_stream(self.event.device).wait_event(self.event)
 
 
+DEVICE_CODECS = frozenset({"fp4-e3m0", "fp4-e2m1"})
+
+
 def device_encodes(codec: Optional[Codec]) -> bool:
-    """Whether ``codec`` is torch ops that run on any device and decode of decode is the identity:
-    the blockwise formats, rounding to nearest (stochastic rounding would draw from another
-    generator on the GPU; the sparse codecs pick and pack on the CPU; fp16 / bf16 gain at most 2x)."""
-    return codec is not None and codec.name in BLOCK_CODECS and not codec.stochastic
+    """Whether the outer gradient is encoded on the GPU before it crosses to the host: the codec
+    is torch ops that run on any device and encoding its own decoded values gives them back, so
+    the transport's encode of what the host decoded sends the same values. That holds for the fp4
+    formats with fp16 scales, rounding to nearest: a block's largest code decodes to exactly its
+    stored scale (the scale has 11 significant bits, the division and product are fp32), which the
+    re-encode stores again. Not for int8 / fp8-e4m3 (127 x (s / 127) may exceed s by an fp32 ulp,
+    and the rounded-up scale moves a step: 1652 and 9088 of 2^20 random values changed), nor for
+    stochastic rounding (another generator on the GPU), the sparse codecs (they pick and pack on the
+    CPU) or fp16 / bf16 (2x at most)."""
+    return (codec is not None and codec.name in DEVICE_CODECS and codec.scale_dtype == "fp16"
+            and not codec.stochastic)
 
 
 def encode_parts(codec: Codec, flat: torch.Tensor) -> list[torch.Tensor]:

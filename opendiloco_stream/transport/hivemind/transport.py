@@ -97,7 +97,8 @@ class HivemindSettings:
         state_timeout: the longest silence tolerated inside a state download.
         startup_timeout: bound on connecting the averaging service to the p2p daemon.
 
-    The last three are no config fields: their defaults live here.
+    The last four are no config fields: their defaults live here (``pin_buffers``: set for a peer
+    that trains on CUDA, ``transport/factory.py``).
     """
 
     run_id: str
@@ -122,6 +123,7 @@ class HivemindSettings:
     presence_ttl: float = DEFAULT_TTL_S
     state_timeout: float = 30.0
     startup_timeout: float = 60.0
+    pin_buffers: bool = False  # a GPU peer: rounds decode into pinned host memory (buffers.py)
 
 
 class HivemindTransport(Transport):
@@ -224,7 +226,8 @@ class HivemindTransport(Transport):
             raise RuntimeError("transport closed")
         if self._service is None:
             self._service = AveragingService(self.dht, self._dht_lock, request_timeout=self.timeout_args["request_timeout"],
-                                             startup_timeout=self.startup_timeout)
+                                             startup_timeout=self.startup_timeout,
+                                             pin_buffers=self.settings.pin_buffers)
         return self._service
 
     def early_group(self, fragment: int) -> Optional[str]:
