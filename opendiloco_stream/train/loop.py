@@ -87,6 +87,7 @@ class WorkerReport:
     outer_gradient_numel: int = 0
     rank_digests: list[str] = field(default_factory=list)  # a multi-rank peer: each rank's parameter digest
     device: str = ""  # where it trained (train.device resolved)
+    peak_gpu_memory: int = 0  # torch.cuda.max_memory_allocated of a CUDA worker (bytes; 0 elsewhere)
     outer_device: str = ""  # where its outer state lived: "cuda:0", "cpu (pinned)", "cpu"
 
 
@@ -324,7 +325,7 @@ def _train_loop(w: _Worker, report: WorkerReport, start_step: int,
         recent = (recent + [loss_value])[-20:]
         w.emit({"event": "step", "rank": w.rank, "step": step + 1, "loss": round(loss_value, 5),
                 "lr": w.sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
-                "sync_s": round(t2 - t1, 5)})
+                "sync_s": round(t2 - t1, 5), "t": round(t2 - wall_start - eval_s, 5)})
         if on_step is not None:
             on_step(w.rank, loss_value, diloco.stats)
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
@@ -378,6 +379,8 @@ def _finish(w: _Worker, report: WorkerReport, start_step: int, recent: list[floa
     report.stats = SyncStats.of(diloco.stats)
     if w.ranks is not None:
         report.rank_digests = w.ranks.digests(w.model, sharded=w.sharded)
+    if torch.device(w.device).type == "cuda":
+        report.peak_gpu_memory = torch.cuda.max_memory_allocated(w.device)
     diloco.close()
     return report
 
@@ -405,6 +408,7 @@ def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_
         **({"ranks": len(reports[0].rank_digests), "rank_digests": reports[0].rank_digests}
            if reports and reports[0].rank_digests else {}),
         "device": reports[0].device if reports else "", "outer_device": reports[0].outer_device if reports else "",
+        "peak_gpu_memory_bytes": max((r.peak_gpu_memory for r in reports), default=0),
         "compute_utilization": compute / walls if walls > 0 else 0.0,
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
