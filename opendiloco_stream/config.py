@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
-DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer runs on (cuda:N, mps:0 with an index)
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer runs on (cuda:N, mps:0 with an index), or 'auto'
 
 # ``net.chunk_bytes``'s bounds; transport/layout.py takes them from here (this module loads no torch)
 CHUNK_BYTES_BOUNDS = (1024, 64 << 20)
@@ -133,8 +133,9 @@ class DiLoCoConfig(_Strict):
         "tokens", description="how peers' outer gradients are weighted in an average: by the tokens each "
         "processed in the round, or equally")
     outer_device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's device), "
-        "'cpu' (in pinned memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
+        "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's GPU when "
+        "they fit in its free memory next to the model and its AdamW state, else pinned host memory; the CPU for a "
+        "CPU model), 'cpu' (pinned host memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
     prematch_steps: int = Field(0, ge=0, description="form each round's group this many inner steps before its "
                                 "sync (hivemind), so matchmaking leaves the round's critical path; 0: at the sync. "
                                 "The group's weight is predicted then (exact for steady batches)")
@@ -237,8 +238,8 @@ class TrainConfig(_Strict):
                                   "no clipping)")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: start and end only)")
     seed: int = Field(0, description="seed of the model's initialisation and the data order")
-    device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N' (with nproc_per_node > 1, rank r uses "
-                        "cuda:r)")
+    device: str = Field("auto", description="'auto' (the first CUDA device when torch sees one, else the CPU), "
+                        "'cpu', 'cuda', 'cuda:N' or 'mps' (with nproc_per_node > 1 on CUDA, rank r uses cuda:r)")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="inner steps' compute: 'bf16' autocast, 'fp32', or 'auto' (bf16 autocast on CUDA, "
         "fp32 elsewhere); parameters, optimizer states and outer state stay in model.dtype / fp32")
@@ -263,9 +264,11 @@ class TrainConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
+        if value == "auto":
+            return value
         kind, _, index = value.partition(":")
         if kind not in DEVICE_TYPES or (index and (kind == "cpu" or not index.isdigit())):
-            raise ValueError(f"device {value!r}: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+            raise ValueError(f"device {value!r}: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
         return value
 
 
@@ -367,7 +370,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_outer_device(self) -> "RunConfig":
-        if self.diloco.outer_device == "cuda" and not self.train.device.startswith("cuda"):
+        if self.diloco.outer_device == "cuda" and not self.train.device.startswith(("cuda", "auto")):
             raise ValueError(f"diloco.outer_device 'cuda' keeps the outer state on the model's GPU, but "
                              f"train.device is {self.train.device!r}: use outer_device 'auto' or 'cpu', or a "
                              f"CUDA device")

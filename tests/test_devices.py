@@ -23,6 +23,7 @@ from opendiloco_stream.transport.local import LocalSwarm
 from tests.support.peers import run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
+PEER_MADDR = "/ip4/127.0.0.1/tcp/31337/p2p/QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv9iBR5Yqgh"
 
 
 # ---------------------------------------------------------------------------- outer device
@@ -123,7 +124,7 @@ def test_local_threads_refuse_several_ranks(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--device", "gpu"], "device 'gpu': use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    (["--device", "gpu"], "device 'gpu': use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
     (["--device", "cuda:one"], "device 'cuda:one': use"),
     (["--outer-device", "cuda"], "diloco.outer_device 'cuda' keeps the outer state on the model's GPU, but "
                                  "train.device is 'cpu'"),
@@ -153,6 +154,77 @@ def test_a_device_this_machine_lacks_fails_in_one_line_before_anything_starts(ca
     assert len(err) == 2
     assert "--device cuda:2: this machine has 2 CUDA device(s) (cuda:0 to cuda:1)" in err[0]
     assert "--nproc-per-node 4 --device cuda: rank r trains on cuda:r, and this machine has 2" in err[1]
+
+
+# ---------------------------------------------------------------------------- device auto
+def _stub_cuda(monkeypatch, count: int) -> None:
+    """torch is told it sees ``count`` CUDA devices (no GPU here: the choice is what is tested)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: f"Stub GPU {index}")
+
+
+def test_device_auto_is_the_first_cuda_device_when_torch_sees_one_else_the_cpu(monkeypatch):
+    """No GPU here: torch's CUDA check is stubbed, both ways."""
+    from opendiloco_stream.train.devices import describe_device, resolve_device
+
+    assert load_config(environ={}).train.device == "auto"
+    _stub_cuda(monkeypatch, 2)
+    assert resolve_device("auto") == "cuda:0" and resolve_device("auto", ranks=2) == "cuda"
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    assert describe_device("auto", "cuda:0") == "cuda:0 (Stub GPU 0; auto)"
+    _stub_cuda(monkeypatch, 0)
+    assert resolve_device("auto") == "cpu" and resolve_device("auto", ranks=2) == "cpu"
+    assert describe_device("auto", "cpu").startswith("cpu (auto: torch ") and "sees no CUDA device" in \
+        describe_device("auto", "cpu")
+
+
+def test_dry_run_says_a_peer_trains_on_the_gpu_with_no_flag(monkeypatch, capsys):
+    """No GPU here: torch's CUDA check is stubbed. The device line of ``peer --dry-run``."""
+    _stub_cuda(monkeypatch, 1)
+    assert cli_main(["peer", "--dry-run", "--initial-peers", PEER_MADDR]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("[") and x.split("]")[1].split()[0] == "device"]
+    assert "[ok]" in line and "cuda:0 (Stub GPU 0; auto)" in line
+    assert "train.device" in out and " auto " in [x for x in out.splitlines() if "train.device" in x][0]
+
+
+def test_explicit_cpu_on_a_machine_with_a_visible_gpu_gets_a_one_line_notice(monkeypatch, capsys):
+    """No GPU here: torch's CUDA check is stubbed."""
+    from opendiloco_stream.commands._common import print_device, require_device
+    from opendiloco_stream.commands.dry_run import check_device
+    from opendiloco_stream.train.devices import idle_gpu_notice
+
+    _stub_cuda(monkeypatch, 1)
+    notice = idle_gpu_notice("cpu")
+    assert notice is not None and "\n" not in notice and "Stub GPU 0" in notice and "drop --device cpu" in notice
+    assert idle_gpu_notice("auto") is None and idle_gpu_notice("cuda") is None
+    level, text = check_device("cpu")
+    assert level == "warn" and "drop --device cpu" in text
+    cfg = load_config(overrides={"train": {"device": "cpu"}}, environ={})
+    print_device("cpu", require_device(cfg))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["device: cpu (--device)", notice]
+    auto = require_device(load_config(environ={}))
+    assert auto.train.device == "cuda:0"
+    print_device("auto", auto)
+    assert capsys.readouterr().err.strip().splitlines() == ["device: cuda:0 (Stub GPU 0; auto)"]
+    _stub_cuda(monkeypatch, 0)
+    assert idle_gpu_notice("cpu") is None
+
+
+def test_a_local_run_prints_its_device_and_puts_it_in_the_summary(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert cli_main(["local", "--workers", "2", "--steps", "2", "--inner-steps", "2", "--batch-size", "2",
+                     "--seq-len", "16", "--no-progress", "--metrics-file", str(metrics)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0].startswith("device: cpu (auto: torch ")
+    assert "outer state on cpu" in captured.out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    summary = records[-1]
+    assert summary["event"] == "summary" and summary["device"] == "cpu" and summary["outer_device"] == "cpu"
+    placed = [r for r in records if r.get("event") == "outer_state"]
+    assert len(placed) == 2 and all(r["outer_device"] == "cpu" and not r["pinned"] for r in placed)
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -241,33 +313,39 @@ def test_gpu_benchmark_says_in_one_line_that_it_needs_cuda():
     proc = run_benchmark("gpu", "--out", os.devnull, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and "--smoke-cpu" in lines[0], proc.stderr
 
 
-def test_gpu_benchmark_loop_and_codec_check_run_on_cpu(tmp_path):
+def test_gpu_benchmark_smoke_run_goes_through_the_peers_the_cpu_reference_and_the_loop_on_cpu(tmp_path):
+    """``--smoke-cpu``: every part of the GPU benchmark on the CPU (tiny preset, a few steps): two
+    real peers through the averaging service, two plain-loop processes, the CPU reference, the
+    in-process loop and the codec check. The figures are CPU ones; only their shape is checked."""
     from opendiloco_stream.compression import CODEC_NAMES
 
     out = tmp_path / "gpu.json"
-    proc = run_benchmark("gpu", "--device", "cpu", "--presets", "tiny", "--steps", "4", "--warmup", "1",
-                         "--batch-size", "2", "--seq-len", "32", "--vocab-size", "256", "--fragments", "2",
-                         "--inner-steps", "2", "--precision", "fp32", "--codec-numel", "4096", "--codec-repeats", "2",
-                         "--out", str(out), timeout=300)
+    proc = run_benchmark("gpu", "--smoke-cpu", "--steps", "4", "--warmup", "1", "--codec-repeats", "2",
+                         "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CPU SMOKE RUN" in proc.stdout and "not a GPU figure" in proc.stdout
     result = json.loads(out.read_text())
-    assert result["benchmark"] == "gpu" and result["command"].startswith("python -m benchmarks.gpu --device cpu")
+    assert result["benchmark"] == "gpu" and result["smoke_cpu"] and result["device"] == "cpu"
+    (peers,) = result["peer_rows"]
+    assert peers["preset"] == "tiny" and len(peers["peers"]) == 2 and len(peers["plain"]) == 2
+    for p in peers["peers"]:
+        assert p["timed_steps"] == 4 and p["tokens_per_s"] > 0 and p["device"] == "cpu" and p["outer_device"] == "cpu"
+        assert p["wrapper_ms_per_step"] >= 0 and 0 <= p["wrapper_share"] < 1
+        assert p["peak_memory_gib"] == 0 and p["eval_loss"] == p["eval_loss"]  # no GPU; a finite loss
+    assert peers["tokens_per_s_vs_plain"] > 0 and peers["memory_bound_gib"] > 0  # one fragment, the outer state on CPU
+    assert peers["cpu_tokens"] == peers["peer_tokens"] == 2 * 5 * 2 * 32  # equal tokens: workers x steps x batch x seq
+    assert abs(peers["eval_loss_vs_cpu"]) < 0.05  # both fp32 on the CPU here; same data and seed
     (row,) = result["rows"]
     assert row["steps"] == 4 and row["tokens_per_s"] > 0 and row["peak_memory_gib"] == 0
     assert 0 < row["wrapper_share"] < 1 and row["wrapper_step_ms_max"] >= row["wrapper_step_ms_mean"]
-    # the one-member LocalSwarm's rounds ran inside diloco.step(): counted apart, a part of the wrapper's time
+    # the one-member LocalSwarm's rounds ran inside diloco.step() (on the CPU the launch is inline)
     assert 0 < row["transport_in_process_ms_mean"] < row["wrapper_step_ms_mean"]
-    assert 0 <= row["wrapper_share_without_transport"] < row["wrapper_share"]
     (plain,) = result["plain_rows"]
-    assert plain["steps"] == 4 and not plain["wrapper"] and plain["tokens_per_s"] > 0
-    assert plain["wrapper_step_ms_max"] == 0 and plain["wrapper_share"] == 0  # no diloco.step() in the plain loop
+    assert plain["steps"] == 4 and not plain["wrapper"] and plain["wrapper_share"] == 0
     codecs = result["codecs"]["rows"]
     assert [r["codec"] for r in codecs] == list(CODEC_NAMES)
     for r in codecs:  # the CPU against itself: every codec is deterministic without stochastic rounding
         assert r["same_bytes_as_cpu"] and r["same_values_as_cpu"], r
-        assert r["encode_gb_per_s"] > 0 and r["decode_gb_per_s"] > 0
-    by = {r["codec"]: r["wire_bytes"] for r in codecs}
-    assert by["fp4-e3m0"] < by["int8"] < by["fp16"] < by["fp32"]

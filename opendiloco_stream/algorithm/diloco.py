@@ -26,7 +26,10 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
-from opendiloco_stream.algorithm.fragment_state import FragmentState, ParamAccess, _Pending
+from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess, _Pending
+from opendiloco_stream.algorithm.staging import (
+    OuterPlacement, Staging, adamw_pending_bytes, outer_state_bytes, place_outer_state,
+)
 from opendiloco_stream.algorithm.prematch import Prematcher
 from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
@@ -84,10 +87,26 @@ class StreamingDiLoCo(HasSyncLog):
         offsets = fr.fragment_offsets(config.inner_steps, config.num_fragments)
         # before the outer state exists: a forking transport's children would keep its old pages (docs/benchmarks.md)
         self.transport.prepare({f.index: f.numel for f in fragments})
-        self.frags = [FragmentState(f, o, config, param_access) for f, o in zip(fragments, offsets)]
+        self.placement = self._place_outer_state(fragments, optimizer, param_access)
+        self.frags = [FragmentState(f, o, config, param_access, self.placement) for f, o in zip(fragments, offsets)]
+        # outer gradients to the transport and averages back, off the training thread (staging.py)
+        wire_codec = getattr(transport, "wire_codec", None)  # duck-typed transports may lack it
+        self.staging = Staging(self.frags[0].device, wire_codec() if wire_codec is not None else None)
         rule = rule_class(config)  # what each fragment's rounds do: algorithm/rules.py
         self.rules: list[SyncRule] = [rule(self, f, config) for f in self.frags]
         self.transport.set_state_provider(self._shared_state)
+
+    def _place_outer_state(self, fragments: list[fr.Fragment], optimizer: torch.optim.Optimizer,
+                           param_access: Optional[ParamAccess]) -> OuterPlacement:
+        """Where the outer state of every fragment lives (``diloco.outer_device``, decided once for
+        the whole model: ``staging.place_outer_state``)."""
+        c = self.config
+        numel = sum(f.numel for f in fragments)
+        outer = outer_state_bytes(numel, c.outer_momentum > 0,
+                                  c.mode == "eager" and c.eager_rule == "corrected")
+        access = param_access if param_access is not None else DirectAccess()
+        device = access.read(fragments[0])[0].device
+        return place_outer_state(c.outer_device, device, outer, adamw_pending_bytes(optimizer))
 
     @property
     def fragments(self) -> list[fr.Fragment]:
@@ -176,7 +195,8 @@ class StreamingDiLoCo(HasSyncLog):
     def launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
         """Put round k of fragment ``f`` on the wire with outer gradient ``d`` (for the rules)."""
         send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
-        handle = self.transport.all_reduce((f.index, k), send, weight=self._weight(f.tokens))
+        key, weight = (f.index, k), self._weight(f.tokens)
+        handle = self.staging.launch(key, send, lambda host: self.transport.all_reduce(key, host, weight=weight))
         f.tokens = 0
         t = self.step_count
         return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)
@@ -289,7 +309,7 @@ class StreamingDiLoCo(HasSyncLog):
         for r in self.rules:
             pending = r.pending
             takes = getattr(pending.handle, "takes_newcomers", None) if pending is not None else None
-            if takes is not None and not takes():  # duck-typed handles may lack it
+            if takes is not None and takes() is False:  # duck-typed handles may lack it (or answer None)
                 return True
         return False
 
@@ -367,6 +387,7 @@ class StreamingDiLoCo(HasSyncLog):
     def close(self) -> None:
         """Stop using the transport. Rounds still in flight are left to the transport to cancel."""
         self._closed = True
+        self.staging.close()
 
 
 

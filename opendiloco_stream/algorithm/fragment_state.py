@@ -3,10 +3,10 @@ donor state. What a mode keeps besides (the round in flight, eager's look-ahead 
 rule's (``algorithm/rules.py``).
 
 The outer state (theta_bar, its momentum, ``start``) is fp32 on the outer device
-(``DiLoCoConfig.outer_device``): the model's device by default, or the CPU, in pinned memory when
-the model is on CUDA (copies to and from the GPU are then DMA transfers). Outer gradients and
-transport results are brought there; the local parameters are written back with ``copy_``, which
-casts and moves.
+(``DiLoCoConfig.outer_device``, decided by ``staging.place_outer_state``): the model's device when
+it fits there, or the CPU, in pinned memory when the model is on CUDA (copies to and from the GPU
+are then DMA transfers). Outer gradients leave it and transport results come back to it through
+``staging.py``; the local parameters are written back with ``copy_``, which casts and moves.
 
 The local parameters are read and written through a :class:`ParamAccess`: the fragment's own
 parameters by default (:class:`DirectAccess`), or, on a sharded peer (FSDP2, ``train/sharded.py``),
@@ -23,6 +23,7 @@ import torch
 
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.outer import OuterOptimizer
+from opendiloco_stream.algorithm.staging import OuterPlacement, place_outer_state
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
 
@@ -77,17 +78,6 @@ class _ResolvedHandle(SyncHandle):
         return self._result
 
 
-def resolve_outer_device(setting: str, like: torch.Tensor) -> torch.device:
-    """Where the outer state of a fragment whose parameters look like ``like`` lives."""
-    if setting == "auto":
-        return like.device
-    if setting == "cpu":
-        return torch.device("cpu")
-    if like.device.type != "cuda":
-        raise ValueError(f"outer_device 'cuda' needs the model on a CUDA device; it is on {like.device}")
-    return like.device
-
-
 class FragmentState:
     """Everything one fragment carries between its syncs, whatever the rule.
 
@@ -96,14 +86,16 @@ class FragmentState:
     """
 
     def __init__(self, fragment: fr.Fragment, offset: int, config: DiLoCoConfig,
-                 access: Optional[ParamAccess] = None):
+                 access: Optional[ParamAccess] = None, placement: Optional[OuterPlacement] = None):
         self.fragment, self.offset = fragment, offset
         self.index = fragment.index
         self.access = access if access is not None else DirectAccess()
         params = self.access.read(fragment)
         first = params[0]
-        self.device = resolve_outer_device(config.outer_device, first)
-        self._pin = self.device.type == "cpu" and first.device.type == "cuda"
+        if placement is None:  # decided for this fragment alone (StreamingDiLoCo decides for the model)
+            placement = place_outer_state(config.outer_device, first.device, 0)
+        self.device = torch.device(placement.device)
+        self._pin = placement.pinned
         self.outer = [self.fp32_copy(p) for p in params]
         self.opt = OuterOptimizer(self.outer, config.outer_lr, config.outer_momentum, config.outer_nesterov)
         self.tokens = 0

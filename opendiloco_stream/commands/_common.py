@@ -88,15 +88,39 @@ def device_problem(device: str, ranks: int = 1) -> "tuple[bool, str] | None":
     return None
 
 
-def require_device(cfg) -> None:
-    """Fail with one line, before anything starts, when ``train.device`` is not on this machine
-    (:func:`device_problem`). ``--dry-run`` only warns for an absent device (its file may be meant
-    for another machine); a run cannot go on."""
+def require_device(cfg):
+    """``cfg`` with ``train.device`` resolved (``auto``: the first CUDA device torch sees, else the
+    CPU; ``train/devices.py``). Fails with one line, before anything starts, when the device is not
+    on this machine (:func:`device_problem`). ``--dry-run`` only warns for an absent device (its
+    file may be meant for another machine); a run cannot go on."""
     from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.train.devices import resolve_device
 
-    problem = device_problem(cfg.train.device, cfg.train.nproc_per_node)
+    device = resolve_device(cfg.train.device, cfg.train.nproc_per_node)
+    problem = device_problem(device, cfg.train.nproc_per_node)
     if problem is not None:
         raise UsageError(problem[1])
+    if cfg.diloco.outer_device == "cuda" and not device.startswith("cuda"):
+        auto = " (auto: torch sees no CUDA device here)" if cfg.train.device == "auto" else ""
+        raise UsageError(f"diloco.outer_device 'cuda' keeps the outer state on the model's GPU, but train.device "
+                         f"is '{device}'{auto}: use outer_device 'auto' or 'cpu', or a CUDA device")
+    if device == cfg.train.device:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"device": device})})
+
+
+def print_device(setting: str, cfg) -> None:
+    """The start-up line ``device: ...`` on stderr (``setting``: ``train.device`` as given, before
+    :func:`require_device` resolved it), and a one-line notice for an explicit ``cpu`` on a machine
+    whose GPU torch sees."""
+    import sys
+
+    from opendiloco_stream.train.devices import describe_device, idle_gpu_notice
+
+    print(f"device: {describe_device(setting, cfg.train.device)}", file=sys.stderr, flush=True)
+    notice = idle_gpu_notice(setting)
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)
 
 
 def prepare_data(cfg):
@@ -147,6 +171,7 @@ def print_summary(s: dict[str, Any]) -> None:
                                 f"{_fmt_bytes(s['model_outer_gradient_bytes'])})"),
         ("syncs / failed / local-only", f"{s['syncs']} / {s['failed_syncs']} / {s['local_only_steps']}"),
         ("rounds landed after", _land(s)),
+        ("device", f"{s.get('device', '-')}; outer state on {s.get('outer_device', '-')}"),
         ("compute utilization", f"{100 * s['compute_utilization']:.1f}%"),
         ("wall time", f"{s['wall_time_s']:.1f} s  ({s['tokens_per_s']:,.0f} tokens/s)"),
     ]

@@ -6,8 +6,9 @@ the checks a real start would fail on, each as one ``[ok]`` / ``[warn]`` / ``[FA
 * ``model``: the model builds (on PyTorch's ``meta`` device: no memory, no weights) and its size;
 * ``data``: the dataset opens and this peer's shard yields a batch (a streamed hub dataset is
   opened and its first documents read, so a dry run needs the same network access as training);
-* ``device``: the training device exists here (a ``[warn]``: you may check a GPU peer's file on a
-  laptop);
+* ``device``: the training device exists here, ``auto`` resolved as a run would (the first CUDA
+  device torch sees, else the CPU); a ``[warn]`` for an absent one (you may check a GPU peer's file
+  on a laptop) or for ``cpu`` while torch sees a GPU;
 * ``addresses`` (peer): the initial peers and the listen/announce addresses parse;
 * ``identity`` (peer): the key file loads (its peer id is shown) or can be created;
 * ``ports`` (peer): the p2p port (TCP and UDP) and the Prometheus port are free.
@@ -178,19 +179,22 @@ def check_data(cfg: RunConfig, shard: tuple[int, int]) -> str:
 
 
 def check_device(device: str, ranks: int = 1) -> "str | tuple[str, str]":
-    import torch
-
+    """``train.device`` as a run here would resolve it (``auto``: the first CUDA device torch sees,
+    else the CPU), with a ``[warn]`` for an explicit ``cpu`` while torch sees a GPU."""
     from opendiloco_stream.commands._common import device_problem
+    from opendiloco_stream.train.devices import describe_device, idle_gpu_notice, resolve_device
 
-    problem = device_problem(device, ranks)
+    resolved = resolve_device(device, ranks)
+    problem = device_problem(resolved, ranks)
     if problem is not None:
         absent, message = problem
         if not absent:
             raise ValueError(message)
         return "warn", f"{message} (fine if you are checking another machine's file)"
-    if device.startswith("cuda"):
-        return f"{device}: {torch.cuda.get_device_name(torch.device(device).index or 0)}"
-    return f"{device}"
+    notice = idle_gpu_notice(device)
+    if notice is not None:
+        return "warn", f"{describe_device(device, resolved)}; {notice}"
+    return describe_device(device, resolved)
 
 
 def check_addresses(cfg: RunConfig) -> str:

@@ -16,7 +16,8 @@ import torch
 
 from opendiloco_stream.cli import deprecated_alias
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
-    add_training_flags, config_from_args, prepare_data, print_summary, require_device, resolve_fragments,
+    add_training_flags, config_from_args, prepare_data, print_device, print_summary, require_device,
+    resolve_fragments,
     worker_config,
 )
 from opendiloco_stream.net.flags import add_log_level
@@ -62,14 +63,16 @@ def run(args: argparse.Namespace) -> int:
     if cfg.train.nproc_per_node > 1 and args.transport != "hivemind":
         raise UsageError("--nproc-per-node needs --transport hivemind: the local transport runs the workers as "
                          "threads of one process (each hivemind peer starts its own ranks)")
-    require_device(cfg)
+    setting, cfg = cfg.train.device, require_device(cfg)  # 'auto' -> the first CUDA device, else the CPU
     if args.transport == "hivemind":
         from opendiloco_stream.commands.local_hivemind import run_hivemind
 
         if link is not None:
             raise UsageError("--link-delay-steps / --link-mbit simulate a link for --transport local; over "
                              "hivemind the link is real (shape it with tc, benchmarks/wan.py)")
+        print_device(setting, cfg)
         return run_hivemind(args, cfg)
+    print_device(setting, cfg)
     return run_threads(args, cfg, link)
 
 

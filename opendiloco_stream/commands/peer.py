@@ -30,7 +30,8 @@ from typing import Any, Callable
 import torch
 
 from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-exported)
-    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, require_device, resolve_fragments,
+    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, print_device, require_device,
+    resolve_fragments,
 )
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
 
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
     auth = RunAuth.from_config(cfg.net)  # a missing or short key file fails here, before anything starts
-    require_device(cfg)
+    setting, cfg = cfg.train.device, require_device(cfg)  # 'auto' -> the first CUDA device, else the CPU
     if args.threads:
         torch.set_num_threads(args.threads)
     from opendiloco_stream.commands import peer_ranks
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return ranks
     if ranks is not None and not ranks.leader:
         peer_ranks.end_rank(peer_ranks.follow(cfg, ranks))
+    print_device(setting, cfg)
     try:
         code = _lead(args, cfg, auth, ranks)
     except RuntimeError as e:

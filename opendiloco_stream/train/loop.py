@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,9 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
 from opendiloco_stream.algorithm.fragments import partition
+from opendiloco_stream.algorithm.staging import OuterPlacement
 from opendiloco_stream.config import ConfigError, RunConfig
 from opendiloco_stream.stats import SyncStats
+from opendiloco_stream.train.devices import resolve_device
 from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
 from opendiloco_stream.train.export import save_model_at_end
 from opendiloco_stream.train.metrics_file import MetricsWriter, read_metrics  # noqa: F401 (re-exported)
@@ -84,6 +88,9 @@ class WorkerReport:
     params: int = 0
     outer_gradient_numel: int = 0
     rank_digests: list[str] = field(default_factory=list)  # a multi-rank peer: each rank's parameter digest
+    device: str = ""  # where it trained (train.device resolved)
+    peak_gpu_memory: int = 0  # torch.cuda.max_memory_allocated of a CUDA worker (bytes; 0 elsewhere)
+    outer_device: str = ""  # where its outer state lived: "cuda:0", "cpu (pinned)", "cpu"
 
 
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -128,6 +135,7 @@ class _Worker:
     emit: Callable[[dict[str, Any]], None]
     should_stop: Optional[Callable[[], bool]]
     ranks: Optional["Ranks"] = None
+    placement: Optional[OuterPlacement] = None  # where the outer state lives (rank 0; None: data-parallel)
     sharded: bool = False
     ckpt: Optional[Any] = None  # rank 0's checkpoint file
     shard_ckpt: Optional[Any] = None  # a sharded peer: every rank's model and optimizer shards
@@ -177,7 +185,9 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     w = _build(rank, cfg, transport, val, emit, should_stop, before_join, ranks, vocab_size)
     start_step, data_position = _restore_or_join(w, transport, join_running)
     report = WorkerReport(rank=rank, params=sum(p.numel() for p in w.model.parameters()),
-                          outer_gradient_numel=sum(f.numel for f in w.diloco.fragments))
+                          outer_gradient_numel=sum(f.numel for f in w.diloco.fragments), device=str(w.device))
+    if w.placement is not None:
+        report.outer_device = w.placement.device + (" (pinned)" if w.placement.pinned else "")
     report.eval_loss_initial = w.evaluate()
     emit({"event": "eval", "rank": rank, "step": start_step, "eval_loss": report.eval_loss_initial, "wall_s": 0.0})
     if data_position is not None:  # a streamed dataset resumes at the recorded position, not by re-reading
@@ -192,7 +202,7 @@ def _build(rank: int, cfg: RunConfig, transport: Transport, val: torch.Tensor, e
            before_join, ranks: Optional["Ranks"], vocab_size: int) -> _Worker:
     """The model, optimizer, schedule and wrapper (a sharded or multi-rank one where asked)."""
     tc = cfg.train
-    device = ranks.device if ranks is not None else tc.device
+    device = ranks.device if ranks is not None else resolve_device(tc.device)  # 'auto': the CLI resolved it already
     leader = ranks is None or ranks.leader
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     with _BUILD_LOCK:
@@ -213,6 +223,7 @@ def _build(rank: int, cfg: RunConfig, transport: Transport, val: torch.Tensor, e
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc.warmup_steps, tc.steps))
     diloco = build_wrapper(model, opt, transport, cfg.diloco, blocks, param_access=access,
                            on_event=lambda rec: emit({**rec, "rank": rank})) if leader else None
+    wrapped = diloco
     net = model
     if sharded:
         diloco = Sharded(device, frags, diloco, stop_source=should_stop)  # serves rank 0's reads above
@@ -221,9 +232,15 @@ def _build(rank: int, cfg: RunConfig, transport: Transport, val: torch.Tensor, e
         net = ranks.ddp(model)
         diloco = ranks.replicate(model, diloco, stop_source=should_stop)
         should_stop = lambda: diloco.stopped  # noqa: E731 (rank 0's flag, the same on every rank)
+    placement = wrapped.placement if isinstance(wrapped, StreamingDiLoCo) else None
+    if placement is not None:  # where the outer state went (outer_device 'auto' decides by free GPU memory)
+        emit({"event": "outer_state", "rank": rank, "device": str(device), "outer_device": placement.device,
+              "pinned": placement.pinned, "bytes": placement.outer_bytes, "reason": placement.reason})
+        if torch.device(device).type == "cuda" and rank == 0:
+            print(placement.line(), file=sys.stderr, flush=True)
     w = _Worker(rank=rank, cfg=cfg, model=model, net=net, opt=opt, sched=sched, diloco=diloco, device=device,
                 bf16=use_bf16_autocast(tc.precision, device), val=val, emit=emit, should_stop=should_stop,
-                ranks=ranks, sharded=sharded, vocab_size=vocab_size)
+                ranks=ranks, sharded=sharded, vocab_size=vocab_size, placement=placement)
     w.ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir and leader else None
     if sharded and tc.checkpoint_dir:
         w.shard_ckpt = checkpoint_path(tc.checkpoint_dir, ranks.share(rank))
@@ -327,7 +344,7 @@ def _train_loop(w: _Worker, report: WorkerReport, start_step: int,
         recent = (recent + [loss_value])[-20:]
         w.emit({"event": "step", "rank": w.rank, "step": step + 1, "loss": round(loss_value, 5),
                 "lr": w.sched.get_last_lr()[0], "tokens": tokens, "compute_s": round(t1 - t0, 5),
-                "sync_s": round(t2 - t1, 5)})
+                "sync_s": round(t2 - t1, 5), "t": round(t2 - wall_start - eval_s, 5)})
         if on_step is not None:
             on_step(w.rank, loss_value, diloco.stats)
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
@@ -381,6 +398,8 @@ def _finish(w: _Worker, report: WorkerReport, start_step: int, recent: list[floa
     report.stats = SyncStats.of(diloco.stats)
     if w.ranks is not None:
         report.rank_digests = w.ranks.digests(w.model, sharded=w.sharded)
+    if torch.device(w.device).type == "cuda":
+        report.peak_gpu_memory = torch.cuda.max_memory_allocated(w.device)
     diloco.close()
     return report
 
@@ -407,6 +426,8 @@ def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_
         "model_outer_gradient_bytes": codec_bytes(numel),
         **({"ranks": len(reports[0].rank_digests), "rank_digests": reports[0].rank_digests}
            if reports and reports[0].rank_digests else {}),
+        "device": reports[0].device if reports else "", "outer_device": reports[0].outer_device if reports else "",
+        "peak_gpu_memory_bytes": max((r.peak_gpu_memory for r in reports), default=0),
         "compute_utilization": compute / walls if walls > 0 else 0.0,
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,

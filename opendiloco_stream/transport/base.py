@@ -145,6 +145,12 @@ class Transport(abc.ABC):
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
         """Register a callable that returns the state a late joiner downloads from this peer."""
 
+    def wire_codec(self) -> Optional[Any]:
+        """The codec (``compression.Codec``) this transport encodes contributions with, or None where
+        it has none to tell: a peer whose outer gradients live on a GPU encodes them there first
+        with it (``algorithm/staging.py``), so that only the encoded bytes cross to the host."""
+        return None
+
     def round_late(self, key: tuple[int, int]) -> bool:
         """Whether the other peers launched round ``key`` long enough ago that this peer, not yet at
         that round's sync step, would miss its group: the algorithm then syncs at once (catch-up).

@@ -70,7 +70,7 @@ def hivemind_settings(cfg: RunConfig, **overrides: Any) -> "HivemindSettings":
         allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout, link_mbit=n.link_mbit,
         client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=chunk_bytes(cfg), norm_bound=n.norm_bound,
         direct=n.direct and not n.relay, direct_port=n.data_port,
-        direct_plaintext=n.direct_plaintext)
+        direct_plaintext=n.direct_plaintext, pin_buffers=cfg.train.device.startswith("cuda"))
     return replace(settings, **overrides)
 
 

@@ -240,6 +240,9 @@ class LocalTransport(Transport):
         rnd = self.swarm._contribute(self.rank, key, tensor, weight)
         return _LocalHandle(self.swarm, self.rank, key, rnd)
 
+    def wire_codec(self):
+        return get_codec(**self.swarm.codec_args)
+
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
         self.swarm._state_providers[self.rank] = provider
 

@@ -13,6 +13,10 @@ tensor or view of it is gone, the view is freed and ``weakref.finalize`` returns
 pool. One pool serves every fragment of a peer, so it holds about what fresh tensors would at the
 busiest moment (the rounds the rules keep, and the one decoding), and never more than ``keep``
 free blocks per size.
+
+On a GPU peer (``pinned=True``) the blocks are pinned (page-locked) host memory: the averages a
+round decodes into are copied to the GPU by DMA on a side stream (``algorithm/staging.py``), with
+no staging copy through pageable memory and without holding up the training thread.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from opendiloco_stream.compression import native
 
 
 class BufferPool:
-    """Recycled fp32 CPU tensors by size (thread-safe: blocks come back from the trainer's thread)."""
+    """Recycled fp32 CPU tensors by size (thread-safe: blocks come back from the trainer's thread);
+    ``pinned``: page-locked blocks (a GPU peer's)."""
 
-    def __init__(self, keep: int = 8):
-        self.keep = int(keep)
+    def __init__(self, keep: int = 8, pinned: bool = False):
+        self.keep, self.pinned = int(keep), bool(pinned)
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
         self.allocated = 0  # blocks made (counted under the lock; tests read it)
@@ -42,7 +47,8 @@ class BufferPool:
             free = self._free.get(numel)
             block = free.pop() if free else None
         if block is None:
-            block = native.touched_huge(numel).numpy()  # the block keeps its torch storage alive
+            # the block keeps its torch storage alive; pinned memory is resident already
+            block = (torch.empty(numel, pin_memory=True) if self.pinned else native.touched_huge(numel)).numpy()
             with self._lock:
                 self.allocated += 1
         view = block[:]  # a new array object over the block: only the tensor below holds it

@@ -66,17 +66,18 @@ class AveragingService:
         request_timeout: bound on one DHT call made for the service.
         startup_timeout: bound on connecting to the p2p daemon.
         loop: which event loop (``new_loop``: ``auto`` takes uvloop when it is importable).
+        pin_buffers: the rounds' result buffers in pinned host memory (a peer training on a GPU).
     """
 
     def __init__(self, dht: Any, dht_lock: threading.Lock, *, request_timeout: float, startup_timeout: float = 30.0,
-                 loop: str = "auto"):
+                 loop: str = "auto", pin_buffers: bool = False):
         self.dht, self.dht_lock, self.request_timeout = dht, dht_lock, request_timeout
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         self.loop = new_loop(loop)
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(CODEC_THREADS, "ods-codec"))
         self._dht_pool = concurrent.futures.ThreadPoolExecutor(DHT_THREADS, "ods-dht")
-        self.buffers = BufferPool()  # what rounds decode into, shared by the fragments (buffers.py)
+        self.buffers = BufferPool(pinned=pin_buffers)  # what rounds decode into, shared by the fragments (buffers.py)
         self._thread = threading.Thread(target=self.loop.run_forever, name="ods-averaging", daemon=True)
         self._thread.start()
         self.closed = False

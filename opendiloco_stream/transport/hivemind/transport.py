@@ -98,7 +98,8 @@ class HivemindSettings:
         state_timeout: the longest silence tolerated inside a state download.
         startup_timeout: bound on connecting the averaging service to the p2p daemon.
 
-    The last three are no config fields: their defaults live here.
+    The last four are no config fields: their defaults live here (``pin_buffers``: set for a peer
+    that trains on CUDA, ``transport/factory.py``).
     """
 
     run_id: str
@@ -123,6 +124,7 @@ class HivemindSettings:
     presence_ttl: float = DEFAULT_TTL_S
     state_timeout: float = 30.0
     startup_timeout: float = 60.0
+    pin_buffers: bool = False  # a GPU peer: rounds decode into pinned host memory (buffers.py)
 
 
 class HivemindTransport(Transport):
@@ -231,7 +233,8 @@ class HivemindTransport(Transport):
             raise RuntimeError("transport closed")
         if self._service is None:
             self._service = AveragingService(self.dht, self._dht_lock, request_timeout=self.timeout_args["request_timeout"],
-                                             startup_timeout=self.startup_timeout)
+                                             startup_timeout=self.startup_timeout,
+                                             pin_buffers=self.settings.pin_buffers)
         return self._service
 
     def early_group(self, fragment: int) -> Optional[str]:
@@ -266,6 +269,9 @@ class HivemindTransport(Transport):
         handle = HivemindSyncHandle(key, time.monotonic() + lane.timeouts.round_bound)
         lane.submit(handle, tensor, float(weight))
         return handle
+
+    def wire_codec(self):
+        return self.codec
 
     def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
         fragment, _round = key
