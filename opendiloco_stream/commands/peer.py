@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve_fragments(config_from_args(args, updates=net_overrides(args)))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
+    from opendiloco_stream.net.dht import EXAMPLE_PEER, parse_maddr
+
+    for maddr in cfg.net.initial_peers:  # a malformed address fails here, before the start-up lines
+        parse_maddr(maddr, what="initial peer", example=EXAMPLE_PEER, need_peer_id=True)
     auth = RunAuth.from_config(cfg.net)  # a missing or short key file fails here, before anything starts
     setting, cfg = cfg.train.device, require_device(cfg)  # 'auto' -> the first CUDA device, else the CPU
     if args.threads:
