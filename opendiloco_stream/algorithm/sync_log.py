@@ -64,6 +64,8 @@ class SyncLog:
                        included_self=result.included_self, rejected=result.rejected)
             if result.expected_size is not None:
                 rec["expected_size"] = result.expected_size
+            if result.phases:  # seconds per phase (matchmaking, exchange...): what a round's time went to
+                rec["phases"] = {k: round(v, 4) for k, v in result.phases.items()}
             s.bytes_sent += result.bytes_sent
             s.bytes_received += result.bytes_received
             s.peak_bytes_per_sync = max(s.peak_bytes_per_sync, result.bytes_sent)
