@@ -41,6 +41,10 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
             reasons[r.get("reason", "?")] = reasons.get(r.get("reason", "?"), 0) + 1
     waits = [r["wait_s"] for r in syncs if r.get("ok")]
     rtts = [v for r in syncs for v in (r.get("rtt_ms") or {}).values() if v is not None]
+    phases: dict[str, list] = {}
+    for r in syncs:
+        for k, v in (r.get("phases") or {}).items():
+            phases.setdefault(k, []).append(v)
     summary = next((r for r in recs if r.get("event") == "summary"), {})
     steps = [r for r in recs if r.get("event") == "step"]
     joins = [r for r in recs if r.get("event") in ("joined", "join_stale")]
@@ -48,6 +52,7 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rounds": len(syncs), "averaged": sum(1 for r in syncs if r.get("ok") and r.get("group_size", 0) >= 2),
             "failed": reasons, "wait_s_median": statistics.median(waits) if waits else None,
             "rtt_ms_median": statistics.median(rtts) if rtts else None,
+            "phases_s_median": {k: round(statistics.median(v), 3) for k, v in phases.items()},
             "steps_trained": len(steps), "compute_utilization": summary.get("compute_utilization"),
             "wall_time_s": summary.get("wall_time_s"),
             "join": [{k: r.get(k) for k in ("event", "attempts", "attempt", "missed_rounds", "step")} for r in joins],
