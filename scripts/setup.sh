@@ -18,9 +18,9 @@ TORCH_VERSION=2.13.0
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtual environment $VENV" >&2
   "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 fi
 V="$VENV/bin/python"
-"$V" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 
 pip_torch() {  # pip_torch LOG [pip args...]: install torch quietly into the venv, output to LOG
   local log="$1"; shift

@@ -12,6 +12,7 @@ import hashlib
 from typing import Any, Iterable
 
 from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
+from opendiloco_stream.config import BLOCKS_PER_FRAGMENT
 from opendiloco_stream.config_cli import (  # noqa: F401 (re-exported for the commands)
     TRAINING_SECTIONS, add_config_flags, config_from_args, overrides_from_args,
 )
@@ -43,6 +44,15 @@ def resolve_fragments(cfg):
     if cfg.diloco.num_fragments != "auto":
         return cfg
     return cfg.model_copy(update={"diloco": cfg.diloco.resolved(model_blocks(cfg))})
+
+
+def resolve_for_dry_run(cfg, sources):
+    """:func:`resolve_fragments` for ``--dry-run``, whose table then says the count was derived."""
+    resolved = resolve_fragments(cfg)
+    if resolved is not cfg:
+        sources = type(sources)(sources)
+        sources["diloco.num_fragments"] = f"{sources.of('diloco.num_fragments')} 'auto' (1 per {BLOCKS_PER_FRAGMENT} blocks)"
+    return resolved, sources
 
 
 SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id

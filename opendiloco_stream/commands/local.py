@@ -17,7 +17,7 @@ import torch
 from opendiloco_stream.cli import deprecated_alias
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
     add_training_flags, config_from_args, prepare_data, print_device, print_summary, require_device,
-    resolve_fragments,
+    resolve_for_dry_run, resolve_fragments,
     worker_config,
 )
 from opendiloco_stream.net.flags import add_log_level
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         from opendiloco_stream.commands.dry_run import dry_run
 
         cfg, sources = config_from_args(args, return_sources=True)
-        return dry_run(resolve_fragments(cfg), sources, command="local", config_path=args.config, workers=args.workers)
+        return dry_run(*resolve_for_dry_run(cfg, sources), command="local", config_path=args.config, workers=args.workers)
     cfg = resolve_fragments(config_from_args(args))
     if cfg.train.nproc_per_node > 1 and args.transport != "hivemind":
         raise UsageError("--nproc-per-node needs --transport hivemind: the local transport runs the workers as "

@@ -31,7 +31,7 @@ import torch
 
 from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-exported)
     SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, print_device, require_device,
-    resolve_fragments,
+    resolve_for_dry_run, resolve_fragments,
 )
 from opendiloco_stream.net.flags import add_network_flags, net_overrides
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         from opendiloco_stream.commands.dry_run import dry_run
 
         cfg, sources = config_from_args(args, updates=net_overrides(args), return_sources=True)
-        return dry_run(resolve_fragments(cfg), sources, command="peer", config_path=args.config, workers=None)
+        return dry_run(*resolve_for_dry_run(cfg, sources), command="peer", config_path=args.config, workers=None)
     cfg = resolve_fragments(config_from_args(args, updates=net_overrides(args)))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
