@@ -223,3 +223,14 @@ def test_the_wrapper_reports_where_the_outer_state_lives():
     assert diloco.placement.device == "cpu" and not diloco.placement.pinned
     assert diloco.placement.outer_bytes == outer_state_bytes(numel, momentum=True, eager_start=False)
     diloco.close()
+
+
+def test_a_non_finite_outer_gradient_reaches_the_transport_unencoded_for_it_to_refuse():
+    staging = Staging(torch.device("cpu"), get_codec("fp4-e3m0"), encode=True)
+    d = _outer_gradient(256)
+    d[100] = float("nan")
+    host = staging.to_host(d)
+    assert host is not d and torch.equal(host.nan_to_num(), d.nan_to_num()) and bool(host[100].isnan())
+    handle = staging.launch((0, 0), d, lambda h: LocalSwarm(1).transport(0).all_reduce((0, 0), h, 1.0))
+    with pytest.raises(SyncFailed):
+        handle.wait(5.0)

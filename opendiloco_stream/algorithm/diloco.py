@@ -27,11 +27,11 @@ from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess, _Pending
+from opendiloco_stream.algorithm.prematch import Prematcher
+from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
     OuterPlacement, Staging, adamw_pending_bytes, outer_state_bytes, place_outer_state,
 )
-from opendiloco_stream.algorithm.prematch import Prematcher
-from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig

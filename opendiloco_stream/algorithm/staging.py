@@ -40,6 +40,7 @@ import torch
 
 from opendiloco_stream.compression import blockwise
 from opendiloco_stream.compression.codecs import Codec
+from opendiloco_stream.compression.wire import NonFiniteError
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
 
 
@@ -105,8 +106,8 @@ def place_outer_state(setting: str, model_device: torch.device, outer_bytes: int
 class Ready:
     """The point in a side stream where a copy is complete; always complete on the CPU."""
 
-    def __init__(self, event: Optional[Any] = None):
-        self.event = event
+    def __init__(self, event: Optional[Any] = None, device: Optional[torch.device] = None):
+        self.event, self.device = event, device
 
     def query(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -119,7 +120,7 @@ class Ready:
     def wait_here(self) -> None:
         """The calling thread's current stream waits for the copy (on the GPU; the host goes on)."""
         if self.event is not None:
-            torch.cuda.current_stream(self.event.device).wait_event(self.event)
+            torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 DEVICE_CODECS = frozenset({"fp4-e3m0", "fp4-e2m1"})
@@ -188,7 +189,7 @@ class Staging:
             return Ready()
         event = torch.cuda.Event()
         event.record(self.stream)
-        return Ready(event)
+        return Ready(event, self.device)
 
     def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A host buffer (pinned when staging for a GPU: the copies are then DMA, asynchronous)."""
@@ -212,13 +213,18 @@ class Staging:
         with self._side():
             if after is not None and after.event is not None:
                 self.stream.wait_event(after.event)
-            parts = [flat] if self.codec is None else encode_parts(self.codec, flat)
+            parts = [flat]
+            if self.codec is not None:
+                try:
+                    parts = encode_parts(self.codec, flat)
+                except NonFiniteError:  # the transport refuses it as it refuses any non-finite contribution
+                    pass
             host = [self.host_empty(p.numel(), p.dtype) for p in parts]
             for h, p in zip(host, parts):
                 h.copy_(p, non_blocking=True)
             done = self._record()
         done.synchronize()
-        if self.codec is None:
+        if len(host) == 1:
             return host[0]
         return decode_parts(self.codec, host, flat.numel(), self.host_empty(flat.numel()))
 
@@ -231,7 +237,7 @@ class Staging:
         if not self.cuda:
             handle.started(self._launch_now(flat, None, start))
             return handle
-        after = Ready(torch.cuda.Event())
+        after = Ready(torch.cuda.Event(), self.device)
         after.event.record(torch.cuda.current_stream(self.device))
         flat.record_stream(self.stream)  # the allocator must not reuse it before the side stream read it
         self._submit(lambda: handle.started(self._launch_now(flat, after, start)), handle)

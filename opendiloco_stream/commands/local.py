@@ -12,6 +12,8 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
+
 import torch
 
 from opendiloco_stream.cli import deprecated_alias
@@ -72,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
                              "hivemind the link is real (shape it with tc, benchmarks/wan.py)")
         print_device(setting, cfg)
         return run_hivemind(args, cfg)
-    print_device(setting, cfg)
-    return run_threads(args, cfg, link)
+    return run_threads(args, cfg, link, setting)
 
 
 def link_model(args: argparse.Namespace):
@@ -89,7 +90,7 @@ def link_model(args: argparse.Namespace):
         raise UsageError(f"{e} (--link-delay-steps, or --link-mbit with --link-step-s)") from None
 
 
-def run_threads(args: argparse.Namespace, cfg, link=None) -> int:
+def run_threads(args: argparse.Namespace, cfg, link=None, setting: Optional[str] = None) -> int:
     from tqdm import tqdm
 
     from opendiloco_stream.train.loggers import Fanout, build_loggers
@@ -99,6 +100,7 @@ def run_threads(args: argparse.Namespace, cfg, link=None) -> int:
     M = args.workers
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // M))
     train_source, val, vocab_size = prepare_data(cfg)
+    print_device(cfg.train.device if setting is None else setting, cfg)  # once the data opened: a bad input is one line
     d = cfg.diloco
     swarm = local_swarm(cfg, M, link)
     writer = MetricsWriter(cfg.train.metrics_file)

@@ -84,9 +84,8 @@ def run(args: argparse.Namespace) -> int:
         return ranks
     if ranks is not None and not ranks.leader:
         peer_ranks.end_rank(peer_ranks.follow(cfg, ranks))
-    print_device(setting, cfg)
     try:
-        code = _lead(args, cfg, auth, ranks)
+        code = _lead(args, cfg, auth, ranks, setting)
     except RuntimeError as e:
         if ranks is None or not peer_ranks.lost_rank(e):
             raise
@@ -177,7 +176,7 @@ def _exporter(cfg) -> Any:
                          "pick another port or 0 for any free one") from None
 
 
-def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
+def _lead(args: argparse.Namespace, cfg, auth, ranks, setting: str = "auto") -> int:
     """The peer itself (rank 0 of a multi-rank peer): DHT, transport, metrics, training."""
     from opendiloco_stream.commands._common import prepare_data
     from opendiloco_stream.net.auth import Admission
@@ -203,6 +202,7 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks) -> int:
             shards = _announce(cfg, dht, ranks, exporter)
             for logger_ in loggers:  # W&B: one run per peer, named after it; TensorBoard: DIR/<peer id>
                 logger_.set_peer(str(dht.peer_id))
+            print_device(setting, cfg)  # train.device as given (setting) and as resolved
             admission = Admission(auth)
             transport = hivemind_transport(cfg, dht, admission)
             _train(args, cfg, ranks, dht, gate, admission, transport, sinks, stop, shards,
