@@ -60,7 +60,7 @@ def timing(rtts: list[float], count: int) -> list[dict[str, Any]]:
 
 def loss_and_jitter(loss: float, jitter: float, rtt: float, count: int) -> dict[str, Any]:
     with netns.Topology(peers=2, regions=Regions.pair(rtt, loss=loss)) as topo:
-        lossy = _stats_delta(topo, lambda: wp.measure_udp(topo, "p0", "p1", 10.0, 2.0))
+        lossy = _stats_delta(topo, lambda: wp.measure_udp(topo, "p0", "p1", 20.0, 3.0))
     with netns.Topology(peers=2, regions=Regions.pair(rtt, jitter_ms=jitter)) as topo:
         jittered = wp.measure_rtt(topo, "p0", "p1", count)
     print(f"loss {loss:.1%}: {lossy['lost_fraction']:.2%} of {lossy['sent']} datagrams lost; jitter +-{jitter:g} ms: "
@@ -78,8 +78,10 @@ def ceiling(rtt: float, rates: list[float], tcp_bytes: int, tcp_buffer: int, sha
             out["udp"].append({"rate_mbit": rate, **r})
             print(f"ceiling: UDP {rate:g} Mbit/s at RTT {rtt:g}: {r['lost_fraction']:.2%} lost, forwarder late "
                   f"{r['forwarder']['late_mean_ms']:.2f} ms on average", file=sys.stderr)
-        clean = [row["rate_mbit"] for row in out["udp"] if row["clean"]]
-        out["udp_ceiling_mbit"] = max(clean) if clean else 0.0
+        # what the sender reached, not what it was asked: on a busy machine the probe itself falls short
+        clean = [row["offered_mbit_s"] for row in out["udp"] if row["clean"]]
+        out["udp_ceiling_mbit"] = round(max(clean), 1) if clean else 0.0
+        out["udp_ceiling_is_the_senders"] = all(row["clean"] for row in out["udp"])
         for limit in (None, shaped):
             if limit:
                 topo.shape(limit, nodes=["p0", "p1"])
@@ -107,7 +109,10 @@ def report(result: dict[str, Any]) -> str:
     return "\n\n".join([
         "Round trips (ICMP echo from a raw socket, kernel receive timestamps; median of the echoes):", t,
         f"Ceiling at RTT {c['rtt_ms']:g} ms ({c['rtt_ms'] / 2:g} ms one-way): "
-        f"**{c['udp_ceiling_mbit']:g} Mbit/s** without a lost frame (UDP, 1400-byte datagrams, 2 s each).", u, tcp,
+        f"**{'at least ' if c['udp_ceiling_is_the_senders'] else ''}{c['udp_ceiling_mbit']:g} Mbit/s** without a "
+        f"lost frame (UDP, 1400-byte datagrams, 2 s each"
+        + ("; no rate lost a frame: the Python sender could not offer more" if c["udp_ceiling_is_the_senders"]
+           else "") + ").", u, tcp,
         f"Loss set to {lj['loss']['set']:.1%}: {lj['loss']['lost_fraction']:.2%} of {lj['loss']['sent']} datagrams "
         f"lost. Jitter set to +-{lj['jitter']['set_ms']:g} ms each way at RTT {lj['jitter']['rtt_ms']:g}: echoes "
         f"{lj['jitter']['min_ms']:.1f}-{lj['jitter']['max_ms']:.1f} ms, median {lj['jitter']['median_ms']:.1f}."])

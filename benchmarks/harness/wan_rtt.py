@@ -93,3 +93,24 @@ def finish(records: list[dict[str, Any]], report: Optional[str], plots: Optional
     if plots:
         draw(records, f"{plots}-rtt.png")
     return text
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m benchmarks.harness.wan_rtt RESULT.json... [--report MD] [--plots PREFIX]``: the
+    distance table and plot again, from one or more ``wan`` results (e.g. a grid run in parts)."""
+    import argparse
+
+    from benchmarks.harness.results import read_result
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("results", nargs="+")
+    p.add_argument("--report")
+    p.add_argument("--plots")
+    args = p.parse_args(argv)
+    records = [r for path in args.results for r in read_result(path)["rows"]]
+    finish(records, args.report, args.plots)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
