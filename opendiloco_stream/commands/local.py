@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved configuration (with where each value came from), check it, start nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
-    add_log_level(p, help="--transport hivemind: each peer's logging level, in its log (default WARNING)")
+    add_log_level(p, help="--transport hivemind: each peer's logging level, in its log (default WARNING)",
+                  old_verbose=False)
     link = p.add_argument_group("simulated link (--transport local)", "when each round lands, in inner steps "
                                 "after its launch: the same bits every run (default: at once, an instant link)")
     link.add_argument("--link-delay-steps", type=int, default=None, metavar="D",

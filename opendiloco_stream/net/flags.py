@@ -40,15 +40,17 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def add_log_level(p: argparse.ArgumentParser, help: str = "logging level of this command and of hivemind; "
-                  "DEBUG shows hivemind's logs (default WARNING)") -> None:
-    """``--log-level`` (one spelling on every command); ``-v`` / ``--verbose`` are kept one release as
-    deprecated spellings of ``--log-level DEBUG``."""
+                  "DEBUG shows hivemind's logs (default WARNING)", *, old_verbose: bool = True) -> None:
+    """``--log-level`` (one spelling on every command); ``old_verbose``: the commands that had
+    ``-v`` / ``--verbose`` keep them one release as deprecated spellings of ``--log-level DEBUG``."""
     from opendiloco_stream.cli import deprecated_alias
 
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", metavar="LEVEL",
                    help=help.replace("%", "%%") + f" ({', '.join(LOG_LEVELS)})")
-    deprecated_alias(p, "-v", "--log-level", help="deprecated: use --log-level DEBUG", const_value="DEBUG")
-    deprecated_alias(p, "--verbose", "--log-level", help="deprecated: use --log-level DEBUG", const_value="DEBUG")
+    if old_verbose:
+        deprecated_alias(p, "-v", "--log-level", help="deprecated: use --log-level DEBUG", const_value="DEBUG")
+        deprecated_alias(p, "--verbose", "--log-level", help="deprecated: use --log-level DEBUG",
+                         const_value="DEBUG")
 
 
 def verbose(args: argparse.Namespace) -> bool:
