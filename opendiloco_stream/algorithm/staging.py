@@ -240,7 +240,7 @@ class Staging:
         after = Ready(torch.cuda.Event(), self.device)
         after.event.record(torch.cuda.current_stream(self.device))
         flat.record_stream(self.stream)  # the allocator must not reuse it before the side stream read it
-        self._submit(lambda: handle.started(self._launch_now(flat, after, start)), handle)
+        self._submit(lambda: handle.started(self._launch_now(flat, after, start)))
         return handle
 
     def _launch_now(self, flat: torch.Tensor, after: Optional[Ready], start: Callable) -> concurrent.futures.Future:
@@ -251,7 +251,7 @@ class Staging:
             future.set_exception(e)
         return future
 
-    def _submit(self, job: Callable[[], None], handle: "StagedHandle") -> None:
+    def _submit(self, job: Callable[[], None]) -> None:
         if self._thread is None:
             self._jobs = queue.Queue()
             self._thread = threading.Thread(target=self._run, name="ods-staging", daemon=True)
