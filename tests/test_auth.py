@@ -113,7 +113,7 @@ def test_first_difference_names_the_field_and_both_values():
 
 
 def test_fingerprint_covers_model_shapes_and_the_codec():
-    cfg = RunConfig()
+    cfg = RunConfig(diloco={"codec": "fp32"})
     small, large = torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)
     assert fingerprint_fields(cfg, small) == fingerprint_fields(cfg, torch.nn.Linear(4, 4))
     assert first_difference(fingerprint_fields(cfg, large), fingerprint_fields(cfg, small)).startswith("model")
