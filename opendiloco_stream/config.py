@@ -468,7 +468,7 @@ def _flag_of(section: str, name: str) -> str:
 
 def _where(section: str, name: str, sources: Optional["ConfigSources"], path: Optional[str], value: Any) -> str:
     """Where a bad value was set, in the words the user typed it: ``--inner-steps 0``,
-    ``ODS_DILOCO__INNER_STEPS=0``, ``inner_steps = 0 in peers/x.toml``."""
+    ``ODS_DILOCO__INNER_STEPS=0``, ``inner_steps = 0 in the TOML file``."""
     origin = sources.get(f"{section}.{name}", "default") if sources is not None else "default"
     shown = " ".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
     if origin == "flag":

@@ -140,7 +140,7 @@ def test_a_device_this_machine_lacks_fails_in_one_line_before_anything_starts(ca
     a GPU machine with too few GPUs cannot be produced on CI's CPU machine otherwise)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli_main(["local", "--workers", "2", "--steps", "1", "--no-progress", "--device", "cuda"]) == 2
-    assert cli_main(["peer", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--steps", "1", "--no-progress",
+    assert cli_main(["peer", "--initial-peers", PEER_MADDR, "--steps", "1", "--no-progress",
                      "--device", "cuda:0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("torch sees no CUDA device here" in line and "use --device cpu" in line
