@@ -127,7 +127,8 @@ def size_buffers(sock: socket.socket, rate_mbit: float, rtt_s: float, limits: Op
 
 def probe_rtt(host: str, port: int, samples: int = 5, timeout: float = 5.0) -> Optional[float]:
     """The median time of ``samples`` TCP handshakes with ``host:port`` (one round trip each, plus
-    the far end's accept; closed at once), in seconds; None if none completed within ``timeout``."""
+    the far end's accept; closed at once), in seconds; None if none completed within ``timeout``.
+    The first handshake that fails ends the probe (a closed or filtered port fails them all)."""
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
@@ -135,5 +136,5 @@ def probe_rtt(host: str, port: int, samples: int = 5, timeout: float = 5.0) -> O
             with socket.create_connection((host, port), timeout=timeout):
                 times.append(time.perf_counter() - t0)
         except OSError:
-            continue
+            break
     return statistics.median(times) if times else None
