@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import statistics
 import threading
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.harness.results import write_result
 from opendiloco_stream.transport.hivemind.direct import read_message, write_message
 from opendiloco_stream.transport.hivemind.protocol import Message
 from opendiloco_stream.transport.hivemind.service import loop_kind, new_loop
@@ -136,11 +136,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     table += [f"| {k} | {r['bulk_mib_s_median']} | {r['pingpong_us_median']} |" for k, r in rows.items()]
     print("\n".join(table))
     if args.out:
-        result = {"command": "python -m benchmarks.event_loop " + " ".join(argv or []),
-                  "bulk_mib": args.bulk_mib, "pings": args.pings, "repeats": args.repeats,
-                  "note": "loopback TCP, plaintext direct-path messages, one loop per thread; the machine was "
-                          "shared with other work (2 cores)", "loops": rows}
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        settings = {"bulk_mib": args.bulk_mib, "pings": args.pings, "repeats": args.repeats,
+                    "note": "loopback TCP, plaintext direct-path messages, one loop per thread"}
+        write_result(args.out, settings=settings, rows=[{"loop": k, **r} for k, r in rows.items()], argv=argv,
+                     benchmark="event_loop")
         Path(args.out).with_suffix(".md").write_text(
             "# Event loop of the averaging service: uvloop vs asyncio (same run)\n\n"
             f"`python -m benchmarks.event_loop --out {args.out}` ({args.repeats} repeats each, alternating; "

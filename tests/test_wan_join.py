@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.harness import netns
-from benchmarks.wan_targets import run_once
+from benchmarks.harness.wan_pair import run_once
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.network,
