@@ -90,6 +90,9 @@ def peer_row(node: str, records: list[dict]) -> dict[str, Any]:
     ok = [r for r in syncs if r["ok"]]
     with_others = [r for r in ok if r["group_size"] > 1]
     summary = next((r for r in records if r["event"] == "summary"), {})
+    exchanges = Counter()  # how this peer's exchanges went: direct, punched, relayed, p2p (sync records)
+    for r in ok:
+        exchanges.update(r.get("exchanges") or {})
     return {"node": node, "rounds": len(syncs), "averaged": len(with_others),
             "group_sizes": dict(sorted(Counter(r["group_size"] for r in ok).items())),
             "failed": dict(Counter(r.get("reason") for r in syncs if not r["ok"])),
@@ -99,6 +102,9 @@ def peer_row(node: str, records: list[dict]) -> dict[str, Any]:
             "wait_s_median": round(statistics.median(r["wait_s"] for r in with_others), 3) if with_others else None,
             "payload_sent_bytes": sum(r.get("bytes_sent", 0) for r in ok),
             "payload_received_bytes": sum(r.get("bytes_received", 0) for r in ok),
+            "exchanges": dict(exchanges),
+            "round_s_median": round(statistics.median(r["wait_s"] for r in with_others[2:]), 3)
+            if len(with_others) > 2 else None,
             "eval_loss": summary.get("eval_loss"), "wall_time_s": summary.get("wall_time_s")}
 
 
@@ -131,8 +137,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             errors = {n: (Path(workdir) / f"{n}.log").read_text()[-800:] for n, p in zip(nodes, procs) if p.returncode}
     rows = [peer_row(n, records[n]) for n in nodes]
     payload = sum(r["payload_sent_bytes"] for r in rows)
+    exchanges = Counter()
+    for r in rows:
+        exchanges.update(r["exchanges"])
     links = {n: {k: after[n][k] - before[n][k] for k in ("rx_bytes", "tx_bytes")} for n in after}
+    total = sum(exchanges.values())
     return {"rows": rows, "agreement": agreement(records), "links": links, "payload_sent_bytes": payload,
+            "exchanges": dict(exchanges),
+            "direct_share": round((exchanges["direct"] + exchanges["punched"]) / total, 3) if total else None,
             "relay_rx_over_payload": {n: round(links[n]["rx_bytes"] / payload, 3) if payload else None for n in relays},
             "errors": errors or None}
 

@@ -25,6 +25,8 @@ metric                                                    type     meaning
 ``ods_round_land_steps{fragment}``                        gauge    inner steps between the last round's launch
                                                                    and the landing of its average (when the sync
                                                                    records carry ``land_steps``)
+``ods_exchanges_total{fragment,path}``                    counter  exchanges with groupmates by path: ``direct``,
+                                                                   ``punched`` (through NAT), ``relayed``, ``p2p``
 ``ods_info{mode,codec,...}``                              info     1, with the run's settings as labels
 ========================================================  =======  ===============================================
 
@@ -75,6 +77,8 @@ class PeerMetrics:
         self.last_wait = gauge("ods_last_sync_wait_seconds", "Wait of the fragment's last round in seconds.", frag)
         self.land_steps = gauge("ods_round_land_steps", "Inner steps between the fragment's last round's launch "
                                 "and the landing of its average.", frag)
+        self.exchanges = counter("ods_exchanges", "Exchanges with groupmates by path (direct, punched through "
+                                 "NAT, relayed, p2p).", frag + ["path"])
         self.info = Info("ods", "The run's settings.", names, registry=r)
         self._info = {k: str(v) for k, v in (info or {}).items()}
         self._lock = threading.Lock()  # the wall-time bookkeeping below
@@ -113,6 +117,8 @@ class PeerMetrics:
                 self._of(self.bytes_sent, rec).inc(int(rec.get("bytes_sent", 0)))
                 self._of(self.bytes_received, rec).inc(int(rec.get("bytes_received", 0)))
                 self._of(self.group_size, rec).set(int(rec.get("group_size", 0)))
+            for path, n in (rec.get("exchanges") or {}).items():
+                self._of(self.exchanges, rec, path=str(path)).inc(int(n))
             if rec.get("land_steps") is not None:
                 self._of(self.land_steps, rec).set(float(rec["land_steps"]))
         elif event == "eval":
