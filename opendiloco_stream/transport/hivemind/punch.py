@@ -146,6 +146,8 @@ def observe(local_port: int, echo: tuple[str, int], timeout: float = ECHO_TIMEOU
                 break
             data += more
         local_ip = sock.getsockname()[0]
+        while sock.recv(64):  # wait for the echo's close: its TIME_WAIT, not ours, keeps the 4-tuple
+            pass
     if len(data) != _ECHO.size or data[:4] != ECHO_MAGIC:
         raise ConnectionError(f"echo server {echo[0]}:{echo[1]} answered {len(data)} bytes, not an echo")
     _magic, ip, port = _ECHO.unpack(data)
