@@ -96,6 +96,8 @@ class HivemindSettings:
             ``None``: random free ports.
         relayed: reached through a circuit relay (``--relay``): no data port; groupmates punch a
             direct connection where the run has echo servers (``punch.py``), else use the relay.
+        punch: open direct connections to groupmates without an address of their own by hole
+            punching where the run has echo servers (``punch.py``); off: through the relay.
         presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
             counted, and costs a round ``matchmaking_time``, for at most this long).
         state_timeout: the longest silence tolerated inside a state download.
@@ -124,6 +126,7 @@ class HivemindSettings:
     direct_port: Optional[int]
     direct_plaintext: bool
     relayed: bool = False
+    punch: bool = True
     presence_ttl: float = DEFAULT_TTL_S
     state_timeout: float = 30.0
     startup_timeout: float = 60.0
@@ -206,7 +209,7 @@ class HivemindTransport(Transport):
                              f"pick a lower net.data_port")
         service = self.service()
         with service.dht_lock:  # echo servers for hole punching (punch.py): bootstrap --relay serves one
-            echoes = find_echoes(self.dht, self.run_id) if self.direct else []
+            echoes = find_echoes(self.dht, self.run_id) if self.direct and self.settings.punch else []
         endpoints: dict[int, FragmentEndpoint] = {}
         try:
             for p, n in sorted(numels.items()):
