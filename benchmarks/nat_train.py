@@ -98,6 +98,8 @@ def peer_row(node: str, records: list[dict]) -> dict[str, Any]:
     return {"node": node, "rounds": len(syncs), "averaged": len(with_others),
             "group_sizes": dict(sorted(Counter(r["group_size"] for r in ok).items())),
             "failed": dict(Counter(r.get("reason") for r in syncs if not r["ok"])),
+            "failure_messages": [m for m, _ in Counter(r.get("message", "")[:300] for r in syncs
+                                                        if not r["ok"]).most_common(3)],
             "first_averaged_s": with_others[0]["t"] if with_others else None,
             "first_averaged_round": [with_others[0]["fragment"], with_others[0]["round"]] if with_others else None,
             "averaged_after_first": f"{len(with_others)}/{len([r for r in syncs if with_others and r['t'] >= with_others[0]['t']])}",

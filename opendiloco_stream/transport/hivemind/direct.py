@@ -33,6 +33,9 @@ back on the same connection. Discovery, matchmaking and peer authentication stay
   again. A connect that timed out once on a busy machine so does not keep a pair of peers on the
   slower daemon path for the rest of the run, and an address that never answers costs one
   ``request_timeout`` per back-off, not per round.
+- *Behind NAT.* A reducer with no address of its own (``--relay``) is reached over a connection
+  both sides open at once (hole punching, ``punch.py``): the same hello, sealing and pool, only
+  the connect differs (``DirectStream.open(connect=...)``, ``serve_accepted``).
 """
 
 from __future__ import annotations
