@@ -21,7 +21,7 @@ REASON = unavailable_reason()
 pytestmark = [pytest.mark.network, pytest.mark.slow,
               pytest.mark.skipif(REASON is not None, reason=f"NAT topology unavailable: {REASON}")]
 
-H, P, STEPS, RELAYS = 10, 2, 80, 4
+H, P, STEPS, RELAYS = 5, 2, 100, 4
 TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
         "--mode", "blocking", "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS)]
 DIGESTS = {"ODS_DILOCO__RECORD_DIGESTS": "true"}
