@@ -232,6 +232,8 @@ class Puncher:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 _reusable(sock)
+                # closed with a reset, not a FIN: no TIME_WAIT keeps this 4-tuple (the next punch's) for a minute
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.bind(("0.0.0.0", local_port))
                 sock.setblocking(False)
                 await asyncio.wait_for(loop.sock_connect(sock, address), max(0.0, deadline - loop.time()))
