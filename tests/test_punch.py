@@ -140,7 +140,7 @@ def test_two_peers_behind_home_router_nats_punch_one_connection_and_seal_over_it
     if tamper:
         assert "seal_error" in b and "opened" not in b, out
     else:
-        assert b["opened"] is True and "seal_error" not in b, out
+        assert b["opened"] is True and b["end"] is True and "seal_error" not in b, out
 
 
 @pytest.mark.network

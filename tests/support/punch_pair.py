@@ -73,16 +73,17 @@ async def _peer(role: str, workdir: Path, echo: tuple[str, int], tamper: bool) -
     loop = asyncio.get_event_loop()
     try:
         if role == "a":
-            await loop.sock_sendall(sock, await _sealed_bytes(tamper))
-            await write_end(sock)
             try:
+                await loop.sock_sendall(sock, await _sealed_bytes(tamper))
+                await write_end(sock)
                 await asyncio.wait_for(loop.sock_recv(sock, 1), 10)  # b closes once it has read
             except ConnectionError:
-                pass  # b closed with our END unread
+                pass  # b closed (punched sockets close with a reset) after a message that did not open
         else:
             try:
                 msg = await asyncio.wait_for(read_message(sock, 1 << 20, _channel("reducer")), 10)
                 out["opened"] = bytes(msg.buffer).endswith(PAYLOAD)
+                out["end"] = await asyncio.wait_for(read_message(sock, 1 << 20, _channel("reducer")), 10) is None
             except SealError as e:
                 out["seal_error"] = repr(e)
     finally:
