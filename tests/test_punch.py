@@ -66,8 +66,8 @@ def test_the_nat_kind_follows_from_the_echoes(seen, recv, kind):
     assert nat_kind(5000, 5001, seen, recv) == kind
 
 
-def _member(nat=None, direct=None, client=False, unreached=()):
-    meta = {"client": client}
+def _member(nat=None, direct=None, client=False, unreached=(), relayed=None):
+    meta = {"client": client, "relayed": direct is None if relayed is None else relayed}
     if nat is not None:
         meta["punch"] = {"send": ["9.9.9.9", 1000], "recv": ["9.9.9.9", 1001], "nat": nat, "unreached": list(unreached)}
     return meta, direct
@@ -95,6 +95,14 @@ def test_without_a_member_everyone_reaches_every_non_client_reduces_through_the_
     assert _reducers(_member(CONE), _member(SYMMETRIC)) == [True, True]
     assert _reducers(_member(None), _member(None), _member(None, client=True)) == [True, True, False]
     assert not can_punch(None, {"nat": CONE}) and can_punch({"nat": OPEN}, {"nat": UNKNOWN})
+
+
+def test_a_peer_without_a_data_port_that_is_not_relayed_still_reduces():
+    """``--no-direct``: no address, no punch, but its p2p daemon is dialed directly, not relayed."""
+    public = _member(OPEN, direct=("10.0.0.1", 9000))
+    assert _reducers(public, _member(None, relayed=False)) == [True, True]
+    # ... while a relayed cone, which it has no puncher to reach, reduces nothing that round
+    assert _reducers(public, _member(None, relayed=False), _member(CONE)) == [True, True, False]
 
 
 # ---------------------------------------------------------------------------------------- behind NAT

@@ -306,9 +306,10 @@ def can_punch(a: Optional[dict], b: Optional[dict]) -> bool:
 
 
 def reaches(users: Sequence[Any], peer_names: Sequence[str], direct: Sequence[Any], a: int, b: int) -> bool:
-    """Whether member ``a`` opens a direct connection to member ``b``: ``b`` listens on an address
-    of its own, or a punch can work between them and neither reported it failing lately."""
-    if direct[b] is not None:
+    """Whether member ``a`` reaches member ``b`` without a relay: ``b`` listens on an address of
+    its own, or is not relayed (``--no-direct``: its p2p daemon is dialed directly), or a punch
+    can work between them and neither reported it failing lately."""
+    if direct[b] is not None or not (isinstance(users[b], dict) and users[b].get("relayed")):
         return True
     pa, pb = punch_info(users[a]), punch_info(users[b])
     if not can_punch(pa, pb):
