@@ -19,6 +19,16 @@ harness (``benchmarks/harness/peers.py``); namespaces and every process in them 
 the end, on Ctrl+C and on SIGTERM. Without root / ``ip netns`` it says why and exits 0 without
 numbers. The report (table, ratios, simulator comparison, plots) is ``benchmarks/harness/wan_report.py``.
 
+Distance (``--rtt-ms 0,80,150,300`` and/or ``--regions us/eu/asia``, with ``--loss``, ``--jitter``):
+the namespaces sit in regions of the user-space WAN emulator (``benchmarks/harness/wan_emulator.py``):
+2 peers (``--peers``) RTT apart for each ``--rtt-ms``, and with ``--regions`` one peer per region
+at the preset's RTTs. Each place gets its own topology; the report adds per run the rounds every
+peer averaged with the whole group, failed rounds and why, matchmaking and round time with its
+split, and the time to blocking's final loss at the same place and rate (``benchmarks/harness/wan_rtt.py``).
+
+    sudo .venv/bin/python -m benchmarks.wan --distance --rtt-ms 0,80,150,300 --regions us/eu/asia \
+        --rates 5,20 --out benchmarks/results/wan-rtt.json --report docs/benchmarks-wan-rtt.md --plots docs/img/wan-rtt
+
 ``--time-to-loss``: the peers evaluate every 10 steps, and the report gives per link the training
 time each mode needs to reach blocking streaming fp32's final eval loss (every run has the same
 steps and learning-rate schedule; a run that ends above the target says "not reached") and a plot
@@ -39,11 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.harness import netns, wan_report
+from benchmarks.harness import netns, wan_report, wan_rtt
 from benchmarks.harness import wan_time_to_loss as ttl
 from benchmarks.harness import wan_records as wr
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.results import command_line, environment, write_result
+from benchmarks.harness.wan_emulator import PRESETS, Regions
 from benchmarks.harness.wan_report import CODEC_BITS, wire_bits
 from opendiloco_stream.train.loop import read_metrics
 
@@ -57,6 +68,9 @@ MODES = {  # benchmark label -> (trainer mode, fragments: "P" = --fragments, tau
 }
 TINY_PARAMS = 870_272  # measured: `peer --model tiny` summary "params" (byte vocabulary)
 GRACE_S = 20.0
+#: sequential round trips a round took at distance (measured: ~5 to form the group, ~10 to exchange):
+#: the time bounds add them, so that a run at 300 ms RTT is not cut short
+ROUND_TRIPS = 15
 
 
 @dataclass
@@ -73,10 +87,27 @@ class RunSpec:
     link_mbit: float
     peers: int
     eval_every: int = 0  # --time-to-loss: evaluations along the way (the eval-loss-against-time curve)
+    place: str = ""  # where the peers are: "" (one bridge, no delay), "rtt150" (2 regions), "us/eu/asia"
 
     @property
     def name(self) -> str:
-        return f"{self.label}-{self.codec}-P{self.fragments}-{self.link_mbit:g}mbit"
+        where = f"-{self.place.replace('/', '-')}" if self.place else ""
+        return f"{self.label}-{self.codec}-P{self.fragments}-{self.link_mbit:g}mbit{where}"
+
+
+def place_regions(place: str, loss: float = 0.0, jitter_ms: float = 0.0) -> Regions:
+    """The regions of a place name: ``"rtt<ms>"`` two regions that far apart, else a preset."""
+    if place.startswith("rtt"):
+        return Regions.pair(float(place[3:]), jitter_ms, loss)
+    return Regions.preset(place, jitter_ms, loss)
+
+
+def place_rtt_ms(place: str) -> float:
+    """The largest RTT between two peers of a place (what bounds a round's waiting)."""
+    if not place:
+        return 0.0
+    regions = place_regions(place)
+    return max([link.rtt_ms for link in regions.links.values()] + [0.0])
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -91,12 +122,12 @@ def payload_per_sync(spec: RunSpec, params: int = TINY_PARAMS) -> float:
 def expected_network_s(spec: RunSpec) -> float:
     """Seconds the link needs for all of a run's syncs (one direction; both directions run in parallel)."""
     syncs = spec.steps if spec.mode == "data-parallel" else spec.steps * spec.fragments / spec.inner_steps
-    return syncs * payload_per_sync(spec) * 8 / (spec.link_mbit * 1e6)
+    return syncs * (payload_per_sync(spec) * 8 / (spec.link_mbit * 1e6) + ROUND_TRIPS * place_rtt_ms(spec.place) / 1e3)
 
 
-def dp_steps(args: argparse.Namespace, rate: float, peers: int, codec: str) -> int:
+def dp_steps(args: argparse.Namespace, rate: float, peers: int, codec: str, place: str = "") -> int:
     """Data-parallel syncs every step: bound its steps so that it needs about ``--dp-budget`` s of link."""
-    probe = RunSpec("data-parallel", "data-parallel", codec, 1, 0, args.inner_steps, 1, rate, peers)
+    probe = RunSpec("data-parallel", "data-parallel", codec, 1, 0, args.inner_steps, 1, rate, peers, place=place)
     per_step = expected_network_s(probe) + args.step_time_guess
     return int(max(args.dp_min_steps, min(args.steps * args.longer, args.dp_budget // per_step)))
 
@@ -104,20 +135,24 @@ def dp_steps(args: argparse.Namespace, rate: float, peers: int, codec: str) -> i
 def plan(args: argparse.Namespace) -> list[RunSpec]:
     """Every run of the benchmark, in execution order (rate by rate)."""
     specs = []
-    for rate in args.rates:
-        for label in args.modes:
-            mode, frags, tau = MODES[label]
-            fragments = args.fragments if frags == "P" else frags
-            codecs = args.codecs_for.get(label, args.codecs)
-            for codec in codecs:
-                steps = dp_steps(args, rate, args.peers, codec) if label == "data-parallel" else args.steps
-                if label != "data-parallel" and (label, codec) != ttl.REFERENCE:
-                    steps = int(steps * args.longer)  # room to reach the reference's final loss
-                specs.append(RunSpec(label, mode, codec, fragments, tau, args.inner_steps, steps, rate, args.peers,
-                                     args.eval_every))
+    for place in args.places:
+        peers = len(place_regions(place).names) if place and not place.startswith("rtt") else args.peers
+        for rate in args.rates:
+            for label in args.modes:
+                mode, frags, tau = MODES[label]
+                fragments = args.fragments if frags == "P" else frags
+                codecs = args.codecs_for.get(label, args.codecs)
+                for codec in codecs:
+                    steps = dp_steps(args, rate, peers, codec, place) if label == "data-parallel" else args.steps
+                    if label != "data-parallel" and (label, codec) != ttl.REFERENCE:
+                        steps = int(steps * args.longer)  # room to reach the reference's final loss
+                    specs.append(RunSpec(label, mode, codec, fragments, tau, args.inner_steps, steps, rate, peers,
+                                         args.eval_every, place))
     if args.baseline:  # no sync at all (H > steps): the traffic that is not ours (DHT, metrics)
         steps = min(args.steps, 20)  # a rate per second is all it measures
-        specs.insert(0, RunSpec("idle", "blocking", "fp32", 1, 0, steps + 1, steps, args.rates[0], args.peers))
+        place = args.places[0]
+        peers = len(place_regions(place).names) if place and not place.startswith("rtt") else args.peers
+        specs.insert(0, RunSpec("idle", "blocking", "fp32", 1, 0, steps + 1, steps, args.rates[0], peers, place=place))
     return specs
 
 
@@ -225,10 +260,14 @@ def make_record(spec: RunSpec, metrics: list[list[dict]], iface: dict[str, dict[
     rec: dict[str, Any] = {"mode": spec.label, "trainer_mode": spec.mode, "codec": spec.codec,
                            "fragments": spec.fragments, "link_mbit": spec.link_mbit, "peers": spec.peers,
                            "steps": spec.steps, "inner_steps": spec.inner_steps, "overlap_steps": spec.overlap_steps,
-                           "status": status, "error": error, "elapsed_s": round(elapsed, 1), "workdir": str(workdir)}
+                           "status": status, "error": error, "elapsed_s": round(elapsed, 1), "workdir": str(workdir),
+                           "place": spec.place, "rtt_ms": place_rtt_ms(spec.place)}
     per_peer = [wr.peer_figures(recs, spec.mode, iface.get(f"p{r}", {}), wr.tail_rounds(workdir / f"ckpt-{r}"),
                                 other_bps, elapsed) for r, recs in enumerate(metrics)]
+    for p, recs in zip(per_peer, metrics):
+        p.update(wr.distance_figures(recs, spec.peers))
     rec.update(wr.aggregate(per_peer))
+    rec.update(wr.aggregate_distance(per_peer))
     rec["eval_curve"] = ttl.curve(metrics)
     rec["per_peer"] = per_peer
     return rec
@@ -277,7 +316,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="print the runs (one JSON object each, with the peer "
                    "flags of peer 0) and exit: no root needed")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--rtt-ms", help="RTTs between 2 regions, ms, comma-separated: one topology each (default: "
+                   "none, one bridge)")
+    p.add_argument("--regions", help="also one peer per region of this preset (us/eu/asia: RTTs us-eu 75, "
+                   "us-asia 230, eu-asia 160 ms)")
+    p.add_argument("--loss", type=float, default=0.0, help="loss on every link between regions, a fraction")
+    p.add_argument("--jitter", type=float, default=0.0, help="jitter on every link between regions, +- ms each way")
+    p.add_argument("--distance", action="store_true",
+                   help="the RTT grid's modes: blocking (streaming fp32), overlap (tau=1, fp32), eager fp4-e3m0, "
+                        "DiLoCo, data-parallel; evaluations every --eval-every steps (time to blocking's loss)")
     args = p.parse_args(argv)
+    if args.regions and args.regions not in PRESETS:
+        p.error(f"--regions: unknown preset {args.regions!r}; use one of {', '.join(PRESETS)}")
+    args.places = [f"rtt{float(x):g}" if float(x) > 0 else "" for x in args.rtt_ms.split(",")] if args.rtt_ms else []
+    args.places += [args.regions] if args.regions else []
+    args.places = args.places or [""]
+    if args.distance:
+        args.modes = args.modes or ",".join(MODES)
+        args.codecs = args.codecs or "fp32,fp4-e3m0"
+        args.eval_every = 10 if args.eval_every is None else args.eval_every
     if args.time_to_loss:
         args.modes = args.modes or "data-parallel,diloco,streaming,streaming-eager"
         args.codecs = args.codecs or "fp32,fp4-e3m0,topk-int2"
@@ -302,6 +359,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.codecs_for.update({"streaming": ["fp32"], "streaming-tau1": ["fp32"]})
     if args.time_to_loss:  # the reference, and eager at the two codecs a slow link would use
         args.codecs_for.update({"streaming": ["fp32"], "streaming-eager": [c for c in args.codecs if c != "fp32"]})
+    if args.distance:  # the issue's grid: blocking and overlap fp32 (the reference), eager fp4
+        args.codecs_for.update({"streaming": ["fp32"], "streaming-tau1": ["fp32"],
+                                "streaming-eager": [c for c in args.codecs if c != "fp32"] or ["fp4-e3m0"]})
     return args
 
 
@@ -333,29 +393,48 @@ def main(argv: Optional[list[str]] = None) -> int:
     # one CPU per peer, like one machine per peer: unpinned, a peer waiting in matchmaking (whose DHT
     # polling costs CPU) slows the others down, and under eager the gap between peers then feeds itself
     pin = sorted(os.sched_getaffinity(0)) if args.pin and shutil.which("taskset") else None
-    with netns.Topology(peers=args.peers) as topo:
-        for rate in args.rates:
-            topo.shape(rate)
-            probe = netns.measure_throughput(topo, "p0", "p1" if args.peers > 1 else "boot", 1_000_000)
-            print(f"link {rate:g} Mbit/s: measured {probe['mbit_s']:.2f} Mbit/s (1 MB over TCP, p0 -> p1)",
-                  file=sys.stderr)
-            for spec in [s for s in specs if s.link_mbit == rate]:
-                timeout = args.run_timeout or 120 + 3 * (expected_network_s(spec) + spec.steps * args.step_time_guess)
-                rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, other_bps,
-                              args.matchmaking_time, pin)
-                if spec.label == "idle" and rec["status"] == "ok":
-                    # TCP payload a peer sends when it never syncs (DHT upkeep, metrics), per second of run
-                    other_bps = wr.mean([p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"]]) / rec["elapsed_s"]
-                    rec["other_traffic_bytes_per_s"] = other_bps
-                rec.update(link_measured_mbit=round(probe["mbit_s"], 3), environment=env)
-                records.append(rec)
-                print(wan_report.one_line(rec), file=sys.stderr, flush=True)
-                if args.out:
-                    # after every run: an interrupted benchmark keeps its runs
-                    write_result(args.out, settings=vars(args), rows=records, argv=argv, benchmark="wan",
-                                 environment_info=env, command=env["command"])
-    wan_report.finish(records, args.report, args.plots)
+    for place in args.places:
+        at = [s for s in specs if s.place == place]
+        regions = place_regions(place, args.loss, args.jitter) if place else None
+        with netns.Topology(peers=at[0].peers, regions=regions) as topo:
+            if place:
+                print(f"{place}: {topo.regions.describe()}; peers in "
+                      f"{', '.join(f'{n} {topo.region_of(n)}' for n in topo.peers())}", file=sys.stderr)
+            for rate in args.rates:
+                other_bps = run_rate(args, topo, [s for s in at if s.link_mbit == rate], rate, root, env, records,
+                                     other_bps, pin, argv)
+    if args.places != [""]:
+        wan_rtt.finish(records, args.report, args.plots)
+    else:
+        wan_report.finish(records, args.report, args.plots)
     return 0
+
+
+def run_rate(args: argparse.Namespace, topo: netns.Topology, specs: list[RunSpec], rate: float, root: Path,
+             env: dict, records: list[dict[str, Any]], other_bps: float, pin: Optional[list[int]],
+             argv: Optional[list[str]]) -> float:
+    """Shape ``topo`` to ``rate``, run ``specs`` on it, append their records (and write ``--out``
+    after each); return the traffic rate that is not ours (measured by the idle run, if any)."""
+    topo.shape(rate)
+    probe = netns.measure_throughput(topo, "p0", "p1" if len(topo.peers()) > 1 else "boot", 1_000_000)
+    print(f"link {rate:g} Mbit/s: measured {probe['mbit_s']:.2f} Mbit/s (1 MB over TCP, p0 -> p1)", file=sys.stderr)
+    for spec in specs:
+        timeout = args.run_timeout or 120 + 3 * (expected_network_s(spec) + spec.steps * args.step_time_guess)
+        rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, other_bps,
+                      args.matchmaking_time, pin)
+        if spec.label == "idle" and rec["status"] == "ok":
+            # TCP payload a peer sends when it never syncs (DHT upkeep, metrics), per second of run
+            other_bps = wr.mean([p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"]]) / rec["elapsed_s"]
+            rec["other_traffic_bytes_per_s"] = other_bps
+        rec.update(link_measured_mbit=round(probe["mbit_s"], 3), environment=env,
+                   regions=topo.regions.describe() if topo.delayed else None, loss=args.loss, jitter_ms=args.jitter)
+        records.append(rec)
+        print(wan_report.one_line(rec), file=sys.stderr, flush=True)
+        if args.out:
+            # after every run: an interrupted benchmark keeps its runs
+            write_result(args.out, settings=vars(args), rows=records, argv=argv, benchmark="wan",
+                         environment_info=env, command=env["command"])
+    return other_bps
 
 
 if __name__ == "__main__":

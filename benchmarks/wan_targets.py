@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -28,8 +29,8 @@ from benchmarks.harness import netns
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.wan_emulator import Regions
 
-COMMON = ["--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--steps", "60", "--model", "tiny",
-          "--threads", "1", "--no-progress"]
+COMMON = ["--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--model", "tiny", "--threads", "1",
+          "--no-progress"]
 
 
 def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -41,6 +42,10 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
             reasons[r.get("reason", "?")] = reasons.get(r.get("reason", "?"), 0) + 1
     waits = [r["wait_s"] for r in syncs if r.get("ok")]
     rtts = [v for r in syncs for v in (r.get("rtt_ms") or {}).values() if v is not None]
+    phases: dict[str, list] = {}
+    for r in syncs:
+        for k, v in (r.get("phases") or {}).items():
+            phases.setdefault(k, []).append(v)
     summary = next((r for r in recs if r.get("event") == "summary"), {})
     steps = [r for r in recs if r.get("event") == "step"]
     joins = [r for r in recs if r.get("event") in ("joined", "join_stale")]
@@ -48,6 +53,7 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rounds": len(syncs), "averaged": sum(1 for r in syncs if r.get("ok") and r.get("group_size", 0) >= 2),
             "failed": reasons, "wait_s_median": statistics.median(waits) if waits else None,
             "rtt_ms_median": statistics.median(rtts) if rtts else None,
+            "phases_s_median": {k: round(statistics.median(v), 3) for k, v in phases.items()},
             "steps_trained": len(steps), "compute_utilization": summary.get("compute_utilization"),
             "wall_time_s": summary.get("wall_time_s"),
             "join": [{k: r.get(k) for k in ("event", "attempts", "attempt", "missed_rounds", "step")} for r in joins],
@@ -56,14 +62,18 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float, code: Optional[str],
-             timeout: float) -> dict[str, Any]:
+             timeout: float, steps: int = 60, keep_window: bool = False, extra: tuple = ()) -> dict[str, Any]:
     regions = Regions.pair(rtt_ms, loss=loss)
     env = {"PYTHONPATH": code} if code else None
-    with netns.Topology(2, regions=regions, place={"boot": "a", "p0": "a", "p1": "b"}).create() as topo:
+    with netns.Topology(2, regions=regions, place={"boot": "a", "p0": "a", "p1": "b"}) as topo:
+        if keep_window:  # what doctor advises at a distance: kept-open connections keep their window
+            for node in topo.nodes:
+                subprocess.run(topo.exec_argv(node, ["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"]),
+                               check=True)
         with PeerProcesses(workdir, topology=topo) as run:
             run_id = f"wt{int(time.time())}"
             run.bootstrap(run_id, node="boot")
-            flags = ["--run-id", run_id, "--mode", mode, *COMMON]
+            flags = ["--run-id", run_id, "--mode", mode, "--steps", str(steps), *COMMON, *extra]
             ip = lambda n: ["--host-maddrs", f"/ip4/{topo.ip(n)}/tcp/0"]  # noqa: E731
             p0 = run.peer("peer-0", *flags, *ip("p0"), node="p0", env=env)
             if late_s:
@@ -78,6 +88,7 @@ def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float
             rows = [peer_row(run.records(f"peer-{i}")) for i in range(2)]
             stats = topo.emulator_stats()
     return {"rtt_ms": rtt_ms, "loss": loss, "mode": mode, "late_s": late_s, "code": code or "this checkout",
+            "keep_window": keep_window, "extra_flags": list(extra),
             "seconds": round(time.monotonic() - t0, 1), "peers": rows, "error": error,
             "emulator": {k: stats.get(k) for k in ("frames", "dropped_loss", "late_ms_mean", "late_ms_max")
                          if k in stats}}
@@ -90,6 +101,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--modes", nargs="+", default=["blocking", "eager"])
     ap.add_argument("--late-s", type=float, default=0.0)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--keep-window", action="store_true",
+                    help="sysctl net.ipv4.tcp_slow_start_after_idle=0 in every namespace (what doctor advises)")
+    ap.add_argument("--prematch-steps", type=int, default=0, help="peer --prematch-steps N (groups formed ahead)")
     ap.add_argument("--code", help="run the peers from this checkout (a directory holding opendiloco_stream/)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--workdir", default="/tmp/wan_targets")
@@ -103,7 +118,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         for mode in args.modes:
             for i in range(args.runs):
                 res = run_once(Path(args.workdir) / f"{rtt:g}-{mode}-{i}", rtt, args.loss, mode, args.late_s,
-                               args.code, args.timeout)
+                               args.code, args.timeout, args.steps, args.keep_window,
+                               ("--prematch-steps", str(args.prematch_steps)) if args.prematch_steps else ())
                 results.append(res)
                 line = "; ".join(f"peer {j}: {p['averaged']}/{p['rounds']} averaged, failed {p['failed']}, "
                                  f"wait {p['wait_s_median']}, steps {p['steps_trained']}, join {p['join']}"

@@ -43,6 +43,7 @@ class SyncStats:
     punched_exchanges: int = 0  # over a hole-punched connection (transport/hivemind/punch.py)
     relayed_exchanges: int = 0  # through the p2p daemon, one side reached through a circuit relay
     p2p_exchanges: int = 0  # through the p2p daemon otherwise
+    peak_rtt_ms: float = 0.0  # the largest round-trip time a round measured to a groupmate (0: none measured)
 
     def merge(self, other: "SyncStats") -> "SyncStats":
         """Counters of both workers: sums, except peaks and current values, which take the larger one."""

@@ -589,6 +589,7 @@ def test_a_download_cut_mid_way_resumes_from_another_donor_with_what_it_has(tmp_
         expected = big_state(n_tensors, numel)["outer"]
         assert all(torch.equal(a, b) for a, b in zip(state["outer"], expected))
         assert len(last["donors"]) == 2, last  # the one that died, then the survivor
+        assert last["lanes"] == 8, last  # the survivor served its parts on 8 streams (state.py, "Lanes")
         reused = last["reused_tensors"]
         assert 1 <= reused <= 8 and last["reused_bytes"] == reused * numel * 4, last
         # over the wire: the whole tensors from the first donor once, the others from the second, and

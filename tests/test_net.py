@@ -491,13 +491,14 @@ def test_doctor_passes_against_a_live_bootstrap(bootstrap, publishing_peer):
     data_port = _free_port()
     result = _run("doctor", "--initial-peers", address, "--run-id", "net-test", "--data-port", str(data_port))
     lines = [l for l in result.stdout.splitlines() if l.startswith("[")]
-    assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 8, result.stdout + result.stderr
+    assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 9, result.stdout + result.stderr
     assert "run 'net-test' has 1 peer(s) publishing metrics" in lines[2]  # decoded the signed records
     assert "the bootstrap" in lines[3] and "opened a new connection" in lines[3]  # a real dial-back
     assert lines[4] == "[ok] nat: not behind NAT: the bootstrap sees this machine as 127.0.0.1"
     assert f"[ok] data port: the bootstrap opened a TCP connection to 127.0.0.1:{data_port}" in lines[5]
-    assert lines[6].startswith("[ok] share: --initial-peers /ip4/127.0.0.1/tcp/")
-    assert lines[7].startswith("[ok] kernels: native codec kernels loaded")
+    assert lines[6].startswith(f"[ok] link: RTT {address.split('/p2p/')[0]} ") and " ms;" in lines[6]  # loopback
+    assert lines[7].startswith("[ok] share: --initial-peers /ip4/127.0.0.1/tcp/")
+    assert lines[8].startswith("[ok] kernels: native codec kernels loaded")
     assert result.returncode == 0 and "Traceback" not in result.stderr
     # without --data-port the check says what random ports mean; with its port taken it fails
     plain = _run("doctor", "--initial-peers", address, "--run-id", "net-test")

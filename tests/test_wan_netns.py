@@ -1,7 +1,9 @@
-"""The WAN emulation layer of benchmarks/wan.py: namespaces, tbf shaping, counters, teardown.
+"""The WAN emulation layer of benchmarks/wan.py: namespaces, tbf shaping, counters, teardown, and
+the user-space forwarder that adds delay and loss between regions (benchmarks/harness/wan_emulator.py).
 
 Needs root and ``ip netns``; skipped with the reason otherwise. Bounded: one ~2 MB transfer at
-8 Mbit/s (~2 s) plus namespace set-up, and one short run of transport_rounds.py over 50 Mbit/s links.
+8 Mbit/s (~2 s) plus namespace set-up, ~15 s of echoes and datagrams through the forwarder, and
+one short run of transport_rounds.py over 50 Mbit/s links.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import time
 import pytest
 
 from benchmarks.harness import netns
+from benchmarks.harness import wan_probes
+from benchmarks.harness.nat import NatTopology
+from benchmarks.harness.wan_emulator import Link, Regions
 from tests.support.peers import run_benchmark
 
 REASON = netns.unavailable_reason()
@@ -68,6 +73,42 @@ def test_unshaped_link_is_much_faster_than_the_limit(topo):
     # the limit comes from tbf, not from the machine: without it the same transfer is far faster
     result = netns.measure_throughput(topo, "p0", "p1", NBYTES, timeout=40.0)
     assert result["mbit_s"] > 4 * RATE_MBIT, result
+
+
+def test_emulated_rtt_is_twice_the_one_way_delay_between_each_pair_of_regions():
+    """Three regions (us/eu/asia RTTs 75, 230, 160 ms), one peer in each: the median UDP echo
+    between two peers is their regions' RTT (2 x the one-way delay the forwarder holds each frame)
+    within 2 ms. Medians: a loaded machine delays a few echoes by more (the benchmark shows how much)."""
+    with netns.Topology(peers=3, regions=Regions.preset("us/eu/asia")) as topo:
+        assert topo.delayed and [topo.region_of(p) for p in topo.peers()] == ["us", "eu", "asia"]
+        for a, b, rtt in (("p0", "p1", 75.0), ("p0", "p2", 230.0), ("p1", "p2", 160.0)):
+            assert topo.rtt_ms(a, b) == rtt
+            echo = wan_probes.measure_rtt(topo, a, b, count=25)
+            assert echo["replies"] == 25, echo
+            assert abs(echo["median_ms"] - rtt) < 2.0, (a, b, echo)
+        stats = topo.emulator_stats()
+        assert stats["frames_out"] > 150 and stats["kernel_drops"] == 0 and stats["gso_frames"] == 0, stats
+
+
+def test_loss_rate_applies_per_packet_on_the_lossy_link_only():
+    """10% loss between two regions: about 10% of ~900 datagrams sent across are lost (binomial
+    spread ~1%, the bounds ~5 of it); none is lost between two peers of one region."""
+    regions = Regions(("a", "b"), {frozenset("ab"): Link(rtt_ms=20.0, loss=0.10)})
+    with netns.Topology(peers=3, regions=regions, place={"p0": "a", "p1": "b", "p2": "a"}) as topo:
+        across = wan_probes.measure_udp(topo, "p0", "p1", mbit=5.0, seconds=2.0)
+        within = wan_probes.measure_udp(topo, "p0", "p2", mbit=5.0, seconds=1.0)
+    assert across["sent"] > 800 and 0.05 < across["lost_fraction"] < 0.15, across
+    assert within["lost_fraction"] == 0.0, within
+
+
+def test_nat_routers_sit_on_the_delayed_segment():
+    """NatTopology on regions: the private peer is in its router's region, its traffic crosses the
+    forwarder (RTT of the regions), and the router still keeps one public port per source port."""
+    with NatTopology(public=1, natted=1, regions=Regions.pair(40.0), place={"n0": "b"}) as topo:
+        assert (topo.region_of("p0"), topo.region_of("r0"), topo.region_of("n0")) == ("a", "b", "b")
+        echo = wan_probes.measure_rtt(topo, "n0", "p0", count=10)
+        assert abs(echo["median_ms"] - 40.0) < 2.0, echo
+        assert topo.mapped_ports("n0", ["p0", "boot"]) == [40000, 40000]
 
 
 def test_teardown_removes_namespaces_and_processes():

@@ -77,3 +77,34 @@ def test_curves_from_a_real_run_give_each_mode_its_time_to_the_reference_loss(tm
     assert "not reached" in text and f"{rows['streaming']['time_s']:.1f} s" in text
     ttl.draw([ref, stalled], str(tmp_path / "ttl.png"))
     assert (tmp_path / "ttl.png").stat().st_size > 10_000
+
+
+def test_distance_plans_one_topology_per_place_with_the_grid_modes():
+    """--distance --rtt-ms 0,300 --regions us/eu/asia: blocking and overlap fp32, eager fp4, DiLoCo
+    and data-parallel at each place; 2 peers RTT apart, 3 in the regions preset; the time bounds
+    grow with the RTT (15 round trips a round)."""
+    specs = _plan("--distance", "--rtt-ms", "0,300", "--regions", "us/eu/asia", "--rates", "20")
+    assert [s["place"] for s in specs] == [""] * 5 + ["rtt300"] * 5 + ["us/eu/asia"] * 5
+    assert {s["peers"] for s in specs if s["place"] == "us/eu/asia"} == {3} and {s["peers"] for s in specs[:10]} == {2}
+    assert {(s["label"], s["codec"]) for s in specs[:5]} == {
+        ("data-parallel", "fp32"), ("diloco", "fp32"), ("streaming", "fp32"), ("streaming-tau1", "fp32"),
+        ("streaming-eager", "fp4-e3m0")}
+    assert all(s["eval_every"] == 10 for s in specs) and specs[5]["name"].endswith("-rtt300")
+    dp = {s["place"]: s["steps"] for s in specs if s["label"] == "data-parallel"}
+    assert dp["rtt300"] < dp[""]  # each step's round costs ~15 round trips more at 300 ms
+
+
+def test_distance_figures_count_rounds_with_the_whole_group_and_split_the_round():
+    from benchmarks.harness.wan_records import distance_figures
+
+    phases = {"prepare": 0.0, "matchmaking": 1.0, "contributions": 2.0, "verdicts": 0.0, "reduce": 0.5,
+              "results": 0.5, "drain": 0.0, "finish": 0.0}
+    recs = [{"event": "sync", "fragment": f, "round": k, "ok": True, "group_size": 3, "phases": phases}
+            for f in (0, 1) for k in (0, 1, 2)]
+    recs[3] = {"event": "sync", "fragment": 1, "round": 0, "ok": False, "group_size": 0, "reason": "matchmaking"}
+    recs[5] = {**recs[5], "group_size": 2}
+    got = distance_figures(recs, group=3)
+    assert (got["rounds"], got["rounds_with_all"], got["rounds_after_first"], got["rounds_with_all_after_first"]) == \
+        (6, 4, 4, 3)
+    assert got["failure_counts"] == {"matchmaking": 1}
+    assert (got["phase_matchmaking_s"], got["phase_exchange_s"], got["round_s"]) == (1.0, 3.0, 4.0)

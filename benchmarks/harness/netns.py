@@ -160,6 +160,7 @@ class Topology:
                 raise ValueError(f"{node} is placed in {region!r}, not one of the regions {self.regions.names}")
         self.seed = seed
         self.forwarder: Optional[subprocess.Popen] = None
+        self._macs: dict[str, str] = {}
         self.stats_path = f"/tmp/{self.prefix}-wan-stats.json"
         self._old_handlers: dict[int, object] = {}
 
@@ -207,6 +208,7 @@ class Topology:
             for node in self.nodes:
                 self._add_node(node)
             if self.delayed:
+                self._static_neighbours()
                 self._start_forwarder()
         except BaseException:
             self.teardown()
@@ -230,10 +232,27 @@ class Topology:
         _ip("-n", ns, "addr", "add", f"{self.ip(node)}/24", "dev", IFACE)
         _ip("-n", ns, "link", "set", IFACE, "up")
 
+    def mac(self, node: str) -> str:
+        """The hardware address of ``node``'s ``wan0``."""
+        return json.loads(_ip("-n", self.ns(node), "-j", "link", "show", "dev", IFACE).stdout)[0]["address"]
+
+    def _static_neighbours(self) -> None:
+        """Every node knows every other node's MAC (permanent neighbour entries): on the Internet
+        a peer never ARPs a host across an ocean, only its local gateway, so ARP must not pay the
+        emulated delay or loss (a lost ARP reply would stall a connection for a second)."""
+        macs = {node: self.mac(node) for node in self.nodes}
+        for node in self.nodes:
+            lines = "".join(f"neigh replace {self.ip(other)} lladdr {mac} dev {IFACE} nud permanent\n"
+                            for other, mac in macs.items() if other != node)
+            subprocess.run(["ip", "-n", self.ns(node), "-batch", "-"], input=lines, text=True, check=True,
+                           capture_output=True, timeout=20)
+        self._macs = macs
+
     def _start_forwarder(self, timeout: float = 20.0) -> None:
         """Run ``wan_emulator.py`` in the bridge namespace over every ``v<node>``; wait for its ``ready``."""
         ports = {f"v{node}": self.region_of(node) for node in self.nodes}
         config = self.regions.forwarder_config(ports, self.seed, self.stats_path)
+        config["macs"] = {f"v{node}": mac for node, mac in self._macs.items()}
         argv = ["ip", "netns", "exec", self.bridge, sys.executable, wan_emulator.__file__, json.dumps(config)]
         self.forwarder = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ready, _, _ = select.select([self.forwarder.stdout], [], [], timeout)

@@ -6,7 +6,7 @@ in its ``br`` namespace and runs this module there as a process (the *forwarder*
 Ethernet frame arriving on those ends with ``AF_PACKET`` raw sockets, decides the output port by
 MAC learning (broadcast, multicast and not-yet-learned addresses go to every other port), and
 sends the frame out once the pair's one-way delay has passed (a heap of due times, one thread,
-``epoll``). A rate limit stays a ``tbf`` qdisc on the veths (``Topology.shape``); a frame the
+``select``). A rate limit stays a ``tbf`` qdisc on the veths (``Topology.shape``); a frame the
 forwarder writes passes the destination veth's ``tbf``, as a frame leaving a bottleneck router.
 
 Why it is exact enough:
@@ -50,11 +50,14 @@ SO_TIMESTAMPNS = 35
 SO_RCVBUFFORCE, SO_SNDBUFFORCE = 33, 32
 VNET_HDR_LEN = 10  # struct virtio_net_hdr: flags, gso_type, hdr_len, gso_size, csum_start, csum_offset
 ETH = VNET_HDR_LEN  # offset of the Ethernet header in a frame read with PACKET_VNET_HDR
-SOCKET_BUFFER = 16 << 20
+#: each port's receive buffer: a few ms of descheduling at hundreds of Mbit/s, but not so much
+#: that an overloaded forwarder queues (and delays) frames for long instead of dropping them, as
+#: a router's bounded buffer does
+RCVBUF = 4 << 20
+SNDBUF = 16 << 20
 STATS_EVERY_S = 0.5
-#: frames due within this much are sent now: epoll's timeout has 1 ms steps (rounded up), so
-#: releasing half a step early centres the timing error on zero instead of ~0.5 ms late
-EARLY_S = 0.0005
+#: frames due within this much are sent now: select()'s wake-up comes ~50 us late (timer slack)
+EARLY_S = 0.00005
 
 
 # ---------------------------------------------------------------------- the spec
@@ -161,6 +164,7 @@ class Stats:
     gso_frames: int = 0
     late_sum_s: float = 0.0
     late_max_s: float = 0.0
+    realtime: bool = False  # whether the forwarder got SCHED_FIFO
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -177,8 +181,8 @@ def _open_port(ifname: str) -> socket.socket:
     except OSError:
         pass  # kernels before 4.20: _drain skips PACKET_OUTGOING instead
     s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-    s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, SOCKET_BUFFER)
-    s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, SOCKET_BUFFER)
+    s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
+    s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, SNDBUF)
     s.bind((ifname, ETH_P_ALL))
     s.setblocking(False)
     return s
@@ -196,7 +200,9 @@ class Forwarder:
         self.stats_path: Optional[str] = config.get("stats")
         self.socks = [_open_port(name) for name in self.ports]
         self.by_fd = {s.fileno(): i for i, s in enumerate(self.socks)}
-        self.mac_port: dict[bytes, int] = {}
+        # known addresses (the topology's): no frame is flooded; others are learned as they appear
+        self.mac_port: dict[bytes, int] = {bytes.fromhex(mac.replace(":", "")): self.ports.index(port)
+                                           for port, mac in config.get("macs", {}).items()}
         self.last_due = [[0.0] * len(self.ports) for _ in self.ports]
         self.heap: list[tuple[float, int, int, bytes]] = []
         self.seq = itertools.count()
@@ -204,9 +210,9 @@ class Forwarder:
         self.running = True
 
     def run(self) -> None:
-        poll = select.epoll()
-        for s in self.socks:
-            poll.register(s.fileno(), select.EPOLLIN)
+        # select(), not epoll: its timeout has microsecond steps where epoll's has milliseconds, and
+        # a topology has a few ports at most
+        fds = list(self.by_fd)
         next_stats = time.time()
         while self.running:
             now = time.time()
@@ -214,17 +220,15 @@ class Forwarder:
                 self.write_stats()
                 next_stats = now + STATS_EVERY_S
             wait = min(next_stats, self.heap[0][0] - EARLY_S if self.heap else next_stats) - now
-            try:
-                events = poll.poll(max(0.0, wait))
-            except InterruptedError:
-                continue
-            for fd, _ in events:
+            readable, _, _ = select.select(fds, [], [], max(0.0, wait))
+            for fd in readable:
                 self._drain(self.by_fd[fd])
             self._release(time.time() + EARLY_S)
         self.write_stats()
 
-    def _drain(self, port: int, budget: int = 512) -> None:
-        """Read up to ``budget`` frames waiting on ``port`` and schedule each for its destinations."""
+    def _drain(self, port: int, budget: int = 64) -> None:
+        """Read up to ``budget`` frames waiting on ``port`` and schedule each for its destinations
+        (a small budget: frames already due leave between two batches, not after a long read)."""
         sock = self.socks[port]
         for _ in range(budget):
             try:
@@ -290,11 +294,24 @@ class Forwarder:
         self.running = False
 
 
+def _realtime() -> bool:
+    """Ask for SCHED_FIFO: netem's delay runs in the kernel's softirq, ours in a process that must
+    wake up on time on a busy machine. It sleeps between frames, and the kernel caps real-time
+    tasks at 95% of a CPU, so an overloaded forwarder cannot starve the machine."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+        return True
+    except (OSError, AttributeError):  # not permitted here (no CAP_SYS_NICE, no RT budget): best effort
+        return False
+
+
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
     fwd = Forwarder(config)
+    fwd.stats.realtime = _realtime()
     signal.signal(signal.SIGTERM, fwd.stop)
     signal.signal(signal.SIGINT, fwd.stop)
+    fwd.write_stats()  # the stats file exists once the topology sees "ready"
     print("ready", flush=True)
     fwd.run()
     return 0

@@ -139,3 +139,57 @@ def clean(rec: dict[str, Any]) -> bool:
 def rounds_per_peer(rec: dict[str, Any]) -> float:
     """Successful rounds per peer, tail rounds included."""
     return mean([p["syncs_ok"] + p["tail"]["rounds"] - p["tail"]["failed"] for p in rec["per_peer"]])
+
+
+#: how the transport's round phases (``SyncResult.phases``) are grouped in the distance tables
+PHASE_GROUPS = {"matchmaking": ("matchmaking",), "exchange": ("contributions", "verdicts", "reduce", "results"),
+                "host": ("prepare", "drain", "finish")}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x is not None and x == x)
+    if not xs:
+        return math.nan
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def distance_figures(recs: list[dict[str, Any]], group: int) -> dict[str, Any]:
+    """One peer's rounds at distance: how many averaged with the whole group (``group`` peers),
+    the failed ones by reason, and the median seconds per phase group of its successful rounds
+    (from the sync records' ``phases``, where the transport reports them)."""
+    syncs = [x for x in recs if x.get("event") == "sync"]
+    full = [x for x in syncs if x.get("ok") and x.get("group_size") == group]
+    first = {}
+    for x in syncs:
+        first.setdefault(x["fragment"], x["round"])
+    reasons: dict[str, int] = {}
+    for x in syncs:
+        if not x.get("ok"):
+            reasons[x.get("reason", "?")] = reasons.get(x.get("reason", "?"), 0) + 1
+    phased = [x["phases"] for x in syncs if x.get("ok") and x.get("phases")]
+    split = {name: _median([sum(p.get(k, 0.0) for k in keys) for p in phased]) for name, keys in PHASE_GROUPS.items()}
+    return {"rounds": len(syncs), "rounds_with_all": len(full),
+            # from each fragment's second round: the first one may meet a peer still starting
+            "rounds_after_first": sum(1 for x in syncs if x["round"] != first[x["fragment"]]),
+            "rounds_with_all_after_first": sum(1 for x in full if x["round"] != first[x["fragment"]]),
+            "failure_counts": reasons, "round_s": _median([sum(p.values()) for p in phased]),
+            **{f"phase_{name}_s": v for name, v in split.items()}}
+
+
+def aggregate_distance(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run-level distance figures: the worst peer's rounds with everyone, failures summed over
+    peers, phase medians averaged over peers."""
+    reasons: dict[str, int] = {}
+    for p in per_peer:
+        for k, n in p.get("failure_counts", {}).items():
+            reasons[k] = reasons.get(k, 0) + n
+    out: dict[str, Any] = {
+        "rounds_per_peer": max((p.get("rounds", 0) for p in per_peer), default=0),
+        "rounds_with_all_min": min((p.get("rounds_with_all", 0) for p in per_peer), default=0),
+        "rounds_with_all_after_first_min": min((p.get("rounds_with_all_after_first", 0) for p in per_peer), default=0),
+        "rounds_after_first": max((p.get("rounds_after_first", 0) for p in per_peer), default=0),
+        "failure_counts": reasons}
+    for key in ("round_s", *(f"phase_{name}_s" for name in PHASE_GROUPS)):
+        out[key] = mean([p.get(key) for p in per_peer])
+    return out

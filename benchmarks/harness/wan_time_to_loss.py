@@ -4,7 +4,7 @@ Each peer's metrics hold ``eval`` records with ``wall_s``: its training time so 
 excluded (the last one includes landing the rounds still in flight at the end). A run's curve is,
 at each step every peer evaluated, the mean eval loss over its peers and the latest peer's
 ``wall_s`` (the swarm has a loss when its slowest peer has it). At each link rate the target is the
-last point of the reference run (streaming, blocking, fp32); a run reaches it at its first crossing,
+last point of the reference run (streaming, blocking, fp32) at the same rate and place (RTT); a run reaches it at its first crossing,
 interpolated linearly between the two evaluations around it. A run that never gets there within its
 steps says so, with the best loss it had and when.
 
@@ -50,24 +50,30 @@ def reach_time(points: list[list[float]], target: float) -> Optional[float]:
     return None
 
 
+def link(r: dict[str, Any]) -> tuple[float, str]:
+    """What a run's target depends on: its link rate and where its peers are (``place``: RTT, regions)."""
+    return r["link_mbit"], r.get("place", "")
+
+
 def _runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = [r for r in records if r["mode"] in LABELS and len(r.get("eval_curve") or []) >= 2]
-    return sorted(out, key=lambda r: (r["link_mbit"], LABELS.index(r["mode"]), r["codec"]))
+    return sorted(out, key=lambda r: (*link(r), LABELS.index(r["mode"]), r["codec"]))
 
 
 def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run with a curve: its target (the reference's final loss at its link) and time to it."""
     runs, out = _runs(records), []
-    refs = {x["link_mbit"]: x for x in runs if (x["mode"], x["codec"]) == REFERENCE and x["status"] == "ok"}
+    refs = {link(x): x for x in runs if (x["mode"], x["codec"]) == REFERENCE and x["status"] == "ok"}
     for r in runs:
-        ref = refs.get(r["link_mbit"])
+        ref = refs.get(link(r))
         if ref is None:
             continue
         target = ref["eval_curve"][-1][2]
         t = reach_time(r["eval_curve"], target)
         t_ref = reach_time(ref["eval_curve"], target)
         best = min(r["eval_curve"], key=lambda p: p[2])
-        out.append({"link_mbit": r["link_mbit"], "mode": r["mode"], "codec": r["codec"], "status": r["status"],
+        out.append({"link_mbit": r["link_mbit"], "place": r.get("place", ""), "mode": r["mode"], "codec": r["codec"],
+                    "status": r["status"],
                     "steps": r["eval_curve"][-1][0], "target": target, "time_s": t,
                     "vs_reference": t / t_ref if t is not None and t_ref else None,
                     "final_loss": r["eval_curve"][-1][2], "final_wall_s": r["eval_curve"][-1][1],

@@ -65,6 +65,12 @@ class SyncLog:
                        included_self=result.included_self, rejected=result.rejected)
             if result.expected_size is not None:
                 rec["expected_size"] = result.expected_size
+            if result.phases:  # seconds per phase (matchmaking, exchange...): what a round's time went to
+                rec["phases"] = {k: round(v, 4) for k, v in result.phases.items()}
+            rtts = {peer: link.get("rtt_ms") for peer, link in (result.links or {}).items() if link.get("rtt_ms")}
+            if rtts:  # round-trip time per groupmate, as the round measured it (hivemind's direct path)
+                rec["rtt_ms"] = rtts
+                s.peak_rtt_ms = max(s.peak_rtt_ms, *rtts.values())
             s.bytes_sent += result.bytes_sent
             s.bytes_received += result.bytes_received
             s.peak_bytes_per_sync = max(s.peak_bytes_per_sync, result.bytes_sent)

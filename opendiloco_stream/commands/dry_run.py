@@ -94,6 +94,75 @@ def check_model(cfg: RunConfig, vocab_size: int) -> str:
     return f"{cfg.model.name}: {params / 1e6:.1f} M parameters, {blocks} blocks, {cfg.model.dtype}"
 
 
+def measure_step_s(cfg: RunConfig, vocab_size: int) -> tuple[float, str]:
+    """Seconds of one inner step of this model: timed (the second of two steps at the configured
+    batch on the configured device) for a model of at most ``TIMED_STEP_MAX_PARAMS``, else estimated
+    from its FLOPs (60% of an H100's bf16 peak, ``simulate.step_time_from_flops``)."""
+    import torch
+
+    from opendiloco_stream import simulate
+    from opendiloco_stream.train.models import build_model
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(cfg.model.name, vocab_size=vocab_size,
+                                                     seq_len=cfg.model.seq_len).parameters())
+    device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if params > TIMED_STEP_MAX_PARAMS:
+        tokens = cfg.train.batch_size * cfg.model.seq_len
+        return simulate.step_time_from_flops(params, tokens), "estimated from FLOPs"
+    model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1), device=device)
+    elapsed = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        out = model(input_ids=batch[:, :-1], labels=batch[:, 1:])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    return elapsed, f"timed on {device}"
+
+
+TIMED_STEP_MAX_PARAMS = 50_000_000
+
+
+def check_link(cfg: RunConfig, vocab_size: int) -> "str | tuple[str, str]":
+    """RTT to each initial peer (TCP handshakes) and whether a round of this H, P and codec lands
+    within its window at that RTT and ``net.link_mbit`` (``net/distance.py``)."""
+    import torch
+
+    from opendiloco_stream.net.distance import probe_peers, round_fit
+    from opendiloco_stream.net.tcp import slow_start_after_idle
+    from opendiloco_stream.train.models import build_model, transformer_blocks
+    from opendiloco_stream.transport.factory import codec_from_config
+
+    rtts = probe_peers(cfg.net.initial_peers, samples=3, timeout=3.0)
+    known = [r for r in rtts.values() if r is not None]
+    peers = "; ".join(f"{m.split('/p2p/')[0]} {'unreachable' if r is None else f'{r * 1e3:.0f} ms'}"
+                      for m, r in rtts.items())
+    if not known:
+        return "warn", f"RTT to the initial peers: none answered a TCP handshake ({peers})"
+    rtt = max(known)
+    with torch.device("meta"):
+        model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len)
+    params, layers = sum(p.numel() for p in model.parameters()), len(transformer_blocks(model))
+    codec = codec_from_config(cfg)
+    bits = 8.0 * codec.encoded_size(1 << 20) / (1 << 20)
+    step_s, how = measure_step_s(cfg, vocab_size)
+    d = cfg.diloco
+    fit = round_fit(mode=d.mode, inner_steps=d.inner_steps, fragments=d.num_fragments, overlap_steps=d.overlap_steps,
+                    params=params, layers=layers, codec_bits=bits, step_time_s=step_s, link_mbit=cfg.net.link_mbit,
+                    rtt_s=rtt, prematch=d.prematch_steps > 0, slow_start_after_idle=slow_start_after_idle())
+    text = (f"RTT {peers} (rate: --link-mbit {cfg.net.link_mbit:g} Mbit/s; rounds measure it); a step "
+            f"~{step_s:.3f} s ({how}); {fit.line()}")
+    if fit.fits:
+        return text
+    return "warn", text + "; to fit: " + "; ".join(fit.advice)
+
+
 def check_data(cfg: RunConfig, shard: tuple[int, int]) -> str:
     from opendiloco_stream.commands._common import prepare_data
 
@@ -236,6 +305,8 @@ def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
         checks.run("model", lambda: check_model(cfg, vocab))
         checks.run("data", lambda: check_data(cfg, shard) + shard_note)
+        if command == "peer" and cfg.net.initial_peers and not checks.failure:
+            checks.run("link", lambda: check_link(cfg, vocab))
     checks.run("device", lambda: check_device(cfg.train.device, cfg.train.nproc_per_node))
     if checks.failure:
         raise UsageError(f"dry run failed: {checks.failure}")

@@ -20,8 +20,13 @@ In order, each check printed as it completes:
 6. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
                  TCP D, and the bootstrap opens a TCP connection to D at each address that passed
                  check 4 (skipped for random data ports, ``--no-direct``, client mode and ``--relay``).
-7. ``share``     the address others should pass as ``--initial-peers``.
-8. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
+7. ``link``      the round-trip time to each initial peer (TCP handshakes), and whether this
+                 machine's TCP settings suit a link of that RTT at ``--link-mbit``: buffers that
+                 grow to the bandwidth-delay product, and connections that keep their window
+                 between rounds (``net.ipv4.tcp_slow_start_after_idle``); warn with the fix.
+                 Whether a round of the run's H, P and codec fits that link: ``peer --dry-run``.
+8. ``share``     the address others should pass as ``--initial-peers``.
+9. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
                  them the codecs run in torch, several times slower on the CPU (warn).
 
 Status: ``ok``, ``FAIL`` (the peer will not work as configured), ``warn`` (it may), ``skip``.
@@ -326,6 +331,40 @@ class _Doctor:
         return Check(name, "ok", f"the bootstrap opened a TCP connection to {' '.join(reached)}{extra}; "
                      f"open the next ports too, one per fragment")
 
+    async def link(self) -> Check:
+        from opendiloco_stream.net.distance import probe_peers
+        from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, slow_start_after_idle
+
+        peers = self.net.initial_peers
+        if not peers:
+            return Check("link", "skip", "no --initial-peers given")
+        rtts = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: probe_peers(peers, samples=5, timeout=min(5.0, self.timeout)))
+        known = [r for r in rtts.values() if r is not None]
+        if not known:
+            return Check("link", "warn", "no initial peer answered a TCP handshake: RTT unknown")
+        rtt, rate = max(known), self.net.link_mbit
+        parts = ["RTT " + ", ".join(f"{m.split('/p2p/')[0]} {'-' if r is None else f'{r * 1e3:.0f} ms'}"
+                                    for m, r in rtts.items())]
+        bdp, limits = bdp_bytes(rate, rtt), kernel_buffer_limits()
+        grow = min(limits["rcv_autotune_max"], limits["snd_autotune_max"]) or None
+        parts.append(f"in flight at {rate:g} Mbit/s: {bdp / 1e6:.2f} MB; buffers grow to "
+                     + (f"{grow / 1e6:.1f} MB" if grow else "(unknown)"))
+        fixes = []
+        if grow is not None and bdp > grow:
+            fixes.append(f"raise the TCP buffer maxima to at least {2 * bdp:.0f} bytes (sysctl -w net.ipv4.tcp_rmem="
+                         f"'4096 131072 {2 * bdp:.0f}' net.ipv4.tcp_wmem='4096 16384 {2 * bdp:.0f}')")
+        slow = slow_start_after_idle()
+        if slow and rtt >= 0.02:
+            parts.append("tcp_slow_start_after_idle=1")
+            fixes.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0 (each round's kept-open connection then "
+                         f"keeps its window instead of ~6 round trips of slow start: ~{6 * rtt:.1f} s a round here)")
+        if rtt >= 0.05:
+            fixes.append("peer --prematch-steps 2 (groups form ahead, matchmaking's round trips leave the round); "
+                         "peer --dry-run says whether a round of your H, P and codec fits this link")
+        detail = "; ".join(parts)
+        return Check("link", "warn" if fixes else "ok", detail, "; ".join(fixes)) if fixes else Check("link", "ok", detail)
+
     def share(self) -> Check:
         if not self.reached:
             return Check("share", "skip", "no address was verified")
@@ -368,7 +407,7 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
 
     try:
         if add(await doctor.p2pd()).status == "FAIL":
-            for name in ("listen", "bootstrap", "dial-back", "nat", "data port", "share"):
+            for name in ("listen", "bootstrap", "dial-back", "nat", "data port", "link", "share"):
                 add(Check(name, "skip", "needs p2pd"))
             add(doctor.kernels())
             return checks
@@ -377,6 +416,7 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
         add(await doctor.dial_back())
         add(await doctor.nat())
         add(await doctor.data_port())
+        add(await doctor.link())
         add(doctor.share())
         add(doctor.kernels())
         return checks

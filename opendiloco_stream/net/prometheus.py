@@ -27,6 +27,9 @@ metric                                                    type     meaning
                                                                    records carry ``land_steps``)
 ``ods_exchanges_total{fragment,path}``                    counter  exchanges with groupmates by path: ``direct``,
                                                                    ``punched`` (through NAT), ``relayed``, ``p2p``
+``ods_groupmate_rtt_seconds{fragment,groupmate}``         gauge    round-trip time to a groupmate, as the last
+                                                                   round with it measured it (the direct path's
+                                                                   TCP connection; sync records' ``rtt_ms``)
 ``ods_info{mode,codec,...}``                              info     1, with the run's settings as labels
 ========================================================  =======  ===============================================
 
@@ -79,6 +82,8 @@ class PeerMetrics:
                                 "and the landing of its average.", frag)
         self.exchanges = counter("ods_exchanges", "Exchanges with groupmates by path (direct, punched through "
                                  "NAT, relayed, p2p).", frag + ["path"])
+        self.rtt = gauge("ods_groupmate_rtt_seconds", "Round-trip time to a groupmate, as the fragment's last round "
+                         "with it measured it.", frag + ["groupmate"])
         self.info = Info("ods", "The run's settings.", names, registry=r)
         self._info = {k: str(v) for k, v in (info or {}).items()}
         self._lock = threading.Lock()  # the wall-time bookkeeping below
@@ -121,6 +126,9 @@ class PeerMetrics:
                 self._of(self.exchanges, rec, path=str(path)).inc(int(n))
             if rec.get("land_steps") is not None:
                 self._of(self.land_steps, rec).set(float(rec["land_steps"]))
+            for mate, rtt_ms in (rec.get("rtt_ms") or {}).items():
+                if rtt_ms is not None:
+                    self._of(self.rtt, rec, groupmate=str(mate)).set(float(rtt_ms) / 1e3)
         elif event == "eval":
             v[self.eval_loss].set(float(rec.get("eval_loss", math.nan)))
         elif event == "joined":

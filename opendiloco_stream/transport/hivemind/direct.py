@@ -53,6 +53,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, Optional
 from hivemind.proto import averaging_pb2
 
 from opendiloco_stream.net.dht import NetError, ip4_of
+from opendiloco_stream.net.tcp import TcpInfo, tcp_info
 from opendiloco_stream.transport.hivemind.protocol import DONE, Message, ProtocolError, frame_kind, parse_message
 from opendiloco_stream.transport.hivemind.seal import TAG_BYTES, Channel, DirectSecurity
 
@@ -418,9 +419,8 @@ class DirectStream:
             self._done_read = True
         return msg
 
-    def tcp_info(self) -> Any:
-        """The kernel's measurements of this connection (``link.tcp_info``)."""
-        from opendiloco_stream.transport.hivemind.link import tcp_info
+    def tcp_info(self) -> Optional[TcpInfo]:
+        """The kernel's measurements of this connection (``net/tcp.py``)."""
         return tcp_info(self.sock)
 
     async def aclose(self) -> None:

@@ -289,12 +289,18 @@ class _Lane:
             self._drop_early()
             return
         early = self._take_early(handle.key)
-        plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
-        if plan is not None and plan.skip:
-            handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
-                                   f"part from round {round_index + 1} on (the others did not count it)")
-            return
-        expected = self.target if plan is None else plan.target
+        # A fragment's later rounds are never skipped: their plan (a DHT lookup, one or two round
+        # trips at a distance) is made while the group forms, and its target reaches the
+        # matchmaking when it is known (``_plan_later``); a first round is planned before it starts.
+        later = early is None and self.live_target and self.presence.announced(fragment)
+        expected = None
+        if not later:
+            plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
+            if plan is not None and plan.skip:
+                handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
+                                       f"part from round {round_index + 1} on (the others did not count it)")
+                return
+            expected = self.target if plan is None else plan.target
         current = _Current(handle, expected, self.timeouts.matchmaking)
         with self._lock:
             if handle.done():  # abandoned (or closed) while it was prepared
@@ -305,7 +311,21 @@ class _Lane:
             t_step = time.time()
             current.future = self._previous = self.service.submit(
                 self._round(handle.key, flat, weight, expected, early, current))
-        self._finish(handle, current, t_start, t_step, expected)
+        if later:
+            self._plan_later(int(round_index), current)
+        self._finish(handle, current, t_start, t_step)
+
+    def _plan_later(self, round_index: int, current: _Current) -> None:
+        """Announce and plan a round already forming its group; hand the plan's target to its
+        matchmaking (``Matchmaker.set_target``, on the service's loop)."""
+        plan = self._announce(round_index, plan=True)
+        if plan is None or plan.skip:  # (a later round is never skipped)
+            return
+        current.expected = plan.target
+        try:
+            self.service.loop.call_soon_threadsafe(self.endpoint.matchmaker.set_target, round_index, plan.target)
+        except RuntimeError:  # the loop is closed: the round fails as closed
+            pass
 
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
                      early: Optional[_Early], current: _Current) -> tuple:
@@ -337,8 +357,7 @@ class _Lane:
             return None
         return flat
 
-    def _finish(self, handle: HivemindSyncHandle, current: _Current, t_start: float, t_step: float,
-                expected: Optional[int]) -> None:
+    def _finish(self, handle: HivemindSyncHandle, current: _Current, t_start: float, t_step: float) -> None:
         try:
             summary, average, sent = current.future.result(timeout=handle.remaining())
         except concurrent.futures.TimeoutError:
@@ -356,7 +375,7 @@ class _Lane:
             average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
             group_size=summary["group_size"], weight_share=summary["weight_share"],
             bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
-            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=expected,
+            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=current.expected,
             links=summary.get("links", {})))
 
     def close(self) -> None:

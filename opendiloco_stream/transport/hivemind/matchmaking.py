@@ -118,6 +118,7 @@ class Matchmaker:
         self.rounds: dict[int, _Round] = {}
         self.handler_name = f"{prefix}::join"
         self._background: set = set()  # announcements sent without waiting (held: asyncio holds tasks weakly)
+        self._targets: dict[int, Optional[int]] = {}  # targets set before their round began forming
 
     # ------------------------------------------------------------------ DHT
     async def _announce(self, r: _Round, grouped: bool) -> None:
@@ -162,6 +163,8 @@ class Matchmaker:
         ``window_s`` seconds; ``MatchmakingFailed`` if none formed. ``target``: start as soon as
         that many peers are in (``None``: at the window's end with whoever joined)."""
         loop = asyncio.get_event_loop()
+        if target is None:
+            target = self._targets.pop(round_index, None)
         r = _Round(round_index, pack_meta(meta), target, loop.time() + window_s, outcome=loop.create_future())
         self.rounds[round_index] = r
         # The announcement and the first read of the others' go out together: a DHT store is a
@@ -181,6 +184,18 @@ class Matchmaker:
     async def _announce_after(self, first: asyncio.Future, r: _Round) -> None:
         await asyncio.gather(first, return_exceptions=True)
         await self._announce(r, grouped=True)
+
+    def set_target(self, round_index: int, target: Optional[int]) -> None:
+        """The group size round ``round_index`` waits for, known after it began forming (the lane
+        plans a fragment's later rounds meanwhile): a leader with that many members starts now."""
+        r = self.rounds.get(round_index)
+        if r is None:  # its forming has not begun yet (or is over): kept for it, a few at most
+            self._targets[round_index] = target
+            for old in sorted(self._targets)[:-4]:
+                del self._targets[old]
+            return
+        r.target = target
+        r.changed.set()
 
     def _end(self, r: _Round) -> None:
         if self.rounds.get(r.index) is r:

@@ -174,6 +174,12 @@ class Presence:
         self._store(fragment, round_index + 1, [True, launched_at], wait=False)
         return self._plan(fragment, round_index, new) if plan else None
 
+    def announced(self, fragment: int) -> bool:
+        """Whether this peer launched a round of ``fragment`` before (so the next is not its first:
+        its plan never says skip)."""
+        with self._lock:
+            return fragment in self._ahead
+
     def plan_round(self, fragment: int, round_index: int) -> RoundPlan:
         """Plan ``round_index`` (one DHT lookup) without announcing it: for a group formed ahead
         of the round (``_Lane.prematch``), whose announcement waits for the round's launch."""

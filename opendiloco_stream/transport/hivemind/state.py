@@ -426,12 +426,14 @@ class StateSharing:
         self.last_load["lanes"] = lanes
         streams = []
         try:
-            for lane in range(1, lanes):
-                stream = await self._p2p.iterate_protobuf_handler(
-                    donor, self.handler, self._request(donor.to_bytes(), have, lane=lane,
-                                                       snapshot=manifest.get("snapshot")),
-                    averaging_pb2.DownloadData)
-                streams.append(stream)
+            # the further lanes open together: one after the other, each open's round trip would add up
+            opened = await asyncio.gather(*(self._p2p.iterate_protobuf_handler(
+                donor, self.handler, self._request(donor.to_bytes(), have, lane=lane, snapshot=manifest.get("snapshot")),
+                averaging_pb2.DownloadData) for lane in range(1, lanes)), return_exceptions=True)
+            streams = [s for s in opened if not isinstance(s, BaseException)]
+            failed = next((s for s in opened if isinstance(s, BaseException)), None)
+            if failed is not None:
+                raise StateError(f"a lane of the download could not be opened: {failed!r}")
             its = [first] + [s.__aiter__() for s in streams]
             await asyncio.gather(*(self._lane(its[lane], lane, lanes, manifest, items, tensors, parts_left, held,
                                               report) for lane in range(lanes)))
