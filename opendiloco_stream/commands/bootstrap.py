@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-dialback", action="store_true", help="do not answer doctor's dial-back requests")
     p.add_argument("--relay", action="store_true", help="serve as a circuit relay for peers behind NAT that "
                    "run with --relay (every byte of their rounds crosses this node)")
+    p.add_argument("--echo-port", type=int, default=0, metavar="PORT",
+                   help="with --relay: the TCP port of the echo server peers behind NAT learn their public "
+                   "address from, for hole punching (default: a random free port; open it in a firewall)")
     p.set_defaults(func=run)
 
 
@@ -63,10 +66,10 @@ def _heartbeat(dht) -> None:
 class _Echo:
     """A relay's echo server for hole punching (``transport/hivemind/punch.py``), announced on the DHT."""
 
-    def __init__(self, dht, run_id: str, ips: list[str]):
+    def __init__(self, dht, run_id: str, ips: list[str], port: int = 0):
         from opendiloco_stream.transport.hivemind.punch import EchoServer
         self.dht, self.run_id, self.ips = dht, run_id, ips
-        self.server = EchoServer("0.0.0.0")
+        self.server = EchoServer("0.0.0.0", port)
         self.publish()
 
     def publish(self) -> None:
@@ -77,12 +80,12 @@ class _Echo:
         self.server.close()
 
 
-def _start_echo(dht, run_id: str, maddrs: list[str]) -> "_Echo | None":
+def _start_echo(dht, run_id: str, maddrs: list[str], port: int = 0) -> "_Echo | None":
     """Peers behind NAT learn their public address and port from this node (hole punching)."""
     from opendiloco_stream.net.dht import ip4_of
     ips = [ip for ip in dict.fromkeys(ip4_of(m) for m in maddrs) if ip and ip != "0.0.0.0"]
     try:
-        return _Echo(dht, run_id, ips) if ips else None
+        return _Echo(dht, run_id, ips, port) if ips else None
     except OSError as e:
         logger.warning("no echo server for hole punching: %s", e)
         return None
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_dialback:
                 service = DialbackService(dht).start()
             maddrs = visible_maddrs(dht)
-            echo = _start_echo(dht, net.run_id, maddrs) if args.relay else None
+            echo = _start_echo(dht, net.run_id, maddrs, args.echo_port) if args.relay else None
             if args.addr_file:
                 write_addr_file(args.addr_file, maddrs)
             print(f"bootstrap node {dht.peer_id} is up (run '{net.run_id}'); peers join with:", file=sys.stderr)
