@@ -158,3 +158,21 @@ def test_behind_symmetric_nats_the_punch_fails_within_its_bound(tmp_path):
     out = _punch_pair(tmp_path, symmetric=True)
     assert not out["a"]["punched"] and not out["b"]["punched"], out
     assert out["a"]["kind"] in (SYMMETRIC, UNKNOWN) and out["b"]["kind"] in (SYMMETRIC, UNKNOWN), out
+
+
+def test_exchanges_by_path_are_counted_in_the_summary_and_in_prometheus():
+    from opendiloco_stream.net.prometheus import PeerMetrics
+    from opendiloco_stream.stats import SyncStats
+
+    stats = SyncStats()
+    stats.count_exchanges({"punched": 2, "direct": 1})
+    stats.count_exchanges({"relayed": 1})
+    assert (stats.direct_exchanges, stats.punched_exchanges, stats.relayed_exchanges, stats.p2p_exchanges) == (1, 2, 1, 0)
+    assert stats.merge(stats).summary_fields(2)["punched_exchanges"] == 4
+    metrics = PeerMetrics({"run": "r", "peer": "p"})
+    for exchanges in ({"punched": 2, "direct": 1}, {"punched": 1}):
+        metrics.observe({"event": "sync", "fragment": 0, "round": 1, "ok": True, "wait_s": 0.1, "bytes_sent": 1,
+                         "bytes_received": 1, "group_size": 3, "exchanges": exchanges})
+    text = metrics.exposition()
+    assert 'ods_exchanges_total{fragment="0",path="punched",peer="p",run="r"} 3.0' in text, text
+    assert 'ods_exchanges_total{fragment="0",path="direct",peer="p",run="r"} 1.0' in text, text
