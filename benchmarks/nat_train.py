@@ -5,6 +5,8 @@
     python -m benchmarks.nat_train --natted 2 --relay --relays 4            # 4 relay bootstraps on one machine
     python -m benchmarks.nat_train --natted 2 --relay --rate 20             # the routers' uplinks at 20 Mbit/s
     python -m benchmarks.nat_train --public 2 --natted 1 --symmetric --client-mode --steps 40
+    python -m benchmarks.nat_train --natted 2 --relay --relays 4 --symmetric-routers 1     # one of each NAT
+    python -m benchmarks.nat_train --natted 2 --relay --relays 4 --rate 100 --relay-rate 20 [--no-punch]
 
 Builds :class:`benchmarks.harness.nat.NatTopology` (the bootstrap and ``--public`` peers on a
 public bridge, ``--natted`` peers each behind its own masquerading router; ``--symmetric``: a new
@@ -49,7 +51,7 @@ def train_flags(args: argparse.Namespace) -> list[str]:
 
 def node_flags(args: argparse.Namespace, topo: NatTopology, node: str) -> list[str]:
     """Where the peer listens (``listen_flags``), with ``--relay`` / ``--client-mode`` on NATed ones if asked."""
-    extra = ["--relay"] * args.relay + ["--client-mode"] * args.client_mode
+    extra = ["--relay"] * args.relay + ["--client-mode"] * args.client_mode + ["--no-punch"] * args.no_punch
     return listen_flags(topo, node) + (extra if node in topo.private else [])
 
 
@@ -90,15 +92,21 @@ def peer_row(node: str, records: list[dict]) -> dict[str, Any]:
     ok = [r for r in syncs if r["ok"]]
     with_others = [r for r in ok if r["group_size"] > 1]
     summary = next((r for r in records if r["event"] == "summary"), {})
+    exchanges = Counter()  # how this peer's exchanges went: direct, punched, relayed, p2p (sync records)
+    for r in ok:
+        exchanges.update(r.get("exchanges") or {})
     return {"node": node, "rounds": len(syncs), "averaged": len(with_others),
             "group_sizes": dict(sorted(Counter(r["group_size"] for r in ok).items())),
             "failed": dict(Counter(r.get("reason") for r in syncs if not r["ok"])),
+            "failure_messages": [m for m, _ in Counter(r.get("message", "")[:300] for r in syncs
+                                                        if not r["ok"]).most_common(3)],
             "first_averaged_s": with_others[0]["t"] if with_others else None,
             "first_averaged_round": [with_others[0]["fragment"], with_others[0]["round"]] if with_others else None,
             "averaged_after_first": f"{len(with_others)}/{len([r for r in syncs if with_others and r['t'] >= with_others[0]['t']])}",
             "wait_s_median": round(statistics.median(r["wait_s"] for r in with_others), 3) if with_others else None,
             "payload_sent_bytes": sum(r.get("bytes_sent", 0) for r in ok),
             "payload_received_bytes": sum(r.get("bytes_received", 0) for r in ok),
+            "exchanges": dict(exchanges),
             "eval_loss": summary.get("eval_loss"), "wall_time_s": summary.get("wall_time_s")}
 
 
@@ -114,9 +122,12 @@ def agreement(records: dict[str, list[dict]]) -> dict[str, int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ods-nat-train-") as workdir, \
-            NatTopology(public=args.public, natted=args.natted, symmetric=args.symmetric) as topo:
+            NatTopology(public=args.public, natted=args.natted,
+                        symmetric=args.symmetric_routers if args.symmetric_routers else args.symmetric) as topo:
         if args.rate:
             topo.shape(args.rate, latency_ms=100.0)  # every router's uplink (and public peer's), both ways
+        if args.relay_rate:
+            topo.shape(args.relay_rate, latency_ms=100.0, nodes=["boot"])  # the relays' machine
         with PeerProcesses(Path(workdir), grace=5.0, topology=topo) as launched:
             t0 = time.monotonic()
             hosts = start_relays(launched, topo, args)
@@ -131,8 +142,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             errors = {n: (Path(workdir) / f"{n}.log").read_text()[-800:] for n, p in zip(nodes, procs) if p.returncode}
     rows = [peer_row(n, records[n]) for n in nodes]
     payload = sum(r["payload_sent_bytes"] for r in rows)
+    exchanges = Counter()
+    for r in rows:
+        exchanges.update(r["exchanges"])
     links = {n: {k: after[n][k] - before[n][k] for k in ("rx_bytes", "tx_bytes")} for n in after}
+    total = sum(exchanges.values())
     return {"rows": rows, "agreement": agreement(records), "links": links, "payload_sent_bytes": payload,
+            "exchanges": dict(exchanges),
+            "direct_share": round((exchanges["direct"] + exchanges["punched"]) / total, 3) if total else None,
             "relay_rx_over_payload": {n: round(links[n]["rx_bytes"] / payload, 3) if payload else None for n in relays},
             "errors": errors or None}
 
@@ -145,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--relay", action="store_true", help="bootstrap --relay, and peer --relay on the NATed peers")
     ap.add_argument("--relays", type=int, default=1, help="relay bootstraps, all in boot (one public machine)")
     ap.add_argument("--spread-relays", action="store_true", help="the extra relays in the first public nodes instead")
+    ap.add_argument("--symmetric-routers", type=int, nargs="+", help="only these routers (0-based) are symmetric")
     ap.add_argument("--client-mode", action="store_true", help="the NATed peers run with --client-mode")
+    ap.add_argument("--no-punch", action="store_true", help="the peers punch no hole: NATed pairs through the relay")
     ap.add_argument("--rate", type=float, help="shape every router's and public peer's link to this many Mbit/s")
+    ap.add_argument("--relay-rate", type=float, help="shape the relays' machine (boot) to this many Mbit/s")
     ap.add_argument("--mode", default="blocking")
     ap.add_argument("--fragments", type=int, default=2)
     ap.add_argument("--inner-steps", type=int, default=10)

@@ -328,6 +328,9 @@ class NetConfig(_Strict):
     direct: bool = Field(True, description="stream rounds' bulk bytes over direct TCP between groupmates "
                          "(fast; every message sealed with AES-256-GCM under per-group keys), the p2p daemon as "
                          "fallback; --no-direct: p2p daemon only (encrypted, slower)")
+    punch: bool = Field(True, description="open direct connections to groupmates behind NAT by hole punching "
+                        "(TCP simultaneous open) where the run has echo servers (every bootstrap --relay serves "
+                        "one); --no-punch: such groupmates only through the relay (docs/networking.md)")
     direct_plaintext: bool = Field(False, description="send the direct path's messages unsealed: readable and "
                                    "alterable by anyone on the network path; only to measure what sealing costs "
                                    "(every peer of the run must set it the same)")

@@ -38,6 +38,11 @@ class SyncStats:
     current_alone_streak: int = 0  # such rounds in a row, up to the last one (merged: the largest)
     land_steps: int = 0  # inner steps from launch to landing, summed over the rounds that produced an average
     peak_land_steps: int = 0  # the longest of them
+    # exchanges with groupmates by how they went (hivemind: one per reducer a peer sent to, per round):
+    direct_exchanges: int = 0  # to a groupmate's data port
+    punched_exchanges: int = 0  # over a hole-punched connection (transport/hivemind/punch.py)
+    relayed_exchanges: int = 0  # through the p2p daemon, one side reached through a circuit relay
+    p2p_exchanges: int = 0  # through the p2p daemon otherwise
     peak_rtt_ms: float = 0.0  # the largest round-trip time a round measured to a groupmate (0: none measured)
 
     def merge(self, other: "SyncStats") -> "SyncStats":
@@ -80,6 +85,13 @@ class SyncStats:
         """Inner steps a round took from its launch to landing, on average (how stale an eager
         update is: 1 on an instant link; at most H, where the fragment's next sync waits for it)."""
         return self.land_steps / self.ok_syncs if self.ok_syncs > 0 else float("nan")
+
+    def count_exchanges(self, paths: dict[str, int]) -> None:
+        """Add one round's exchanges by path (``direct``, ``punched``, ``relayed``, ``p2p``)."""
+        self.direct_exchanges += paths.get("direct", 0)
+        self.punched_exchanges += paths.get("punched", 0)
+        self.relayed_exchanges += paths.get("relayed", 0)
+        self.p2p_exchanges += paths.get("p2p", 0)
 
     def summary_fields(self, workers: int) -> dict[str, Any]:
         """The counters as the ``{"event": "summary"}`` record carries them (merged over ``workers``)."""

@@ -12,7 +12,8 @@ leaves ``wan0`` and drops every connection that starts on the public side (``inb
 home router's default; ``"reject"`` answers with a reset instead). Public nodes have no route to
 the private subnets: an address a private peer announces is unreachable from outside, as on the
 Internet. ``symmetric=True`` masquerades with a random port per connection (an endpoint-dependent
-mapping: a "symmetric" NAT, through which hole punching cannot work).
+mapping: a "symmetric" NAT, through which hole punching cannot work); a list of router indices
+makes only those routers symmetric.
 
 With ``regions`` (see ``Topology``), each router's ``wan0`` is on the delayed segment: the
 forwarder holds what crosses between regions, and a private peer is in its router's region.
@@ -159,7 +160,8 @@ class NatTopology(Topology):
         netns._ip("-n", n, "route", "add", "default", "via", f"{lan}.1")
         subprocess.run(["ip", "netns", "exec", r, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True,
                        capture_output=True, timeout=20)
-        rules = RULES.format(random=" random" if self.symmetric else "",
+        symmetric = i in self.symmetric if isinstance(self.symmetric, (list, tuple, set)) else self.symmetric
+        rules = RULES.format(random=" random" if symmetric else "",
                              verdict=self.inbound)
         subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
                        capture_output=True, timeout=20)

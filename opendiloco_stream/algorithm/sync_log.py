@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import Counter
 from typing import Any, Callable, Optional
 
 from opendiloco_stream.stats import SyncStats
@@ -74,6 +75,10 @@ class SyncLog:
             s.bytes_received += result.bytes_received
             s.peak_bytes_per_sync = max(s.peak_bytes_per_sync, result.bytes_sent)
             s.rejected += result.rejected
+            paths = dict(Counter(v["path"] for v in result.links.values() if v.get("path")))
+            if paths:  # how each exchange went (hivemind: direct, punched, relayed, p2p)
+                rec["exchanges"] = paths
+                s.count_exchanges(paths)
             if self.record_digests:
                 rec["digest"] = hashlib.blake2b(result.average.detach().cpu().float().numpy().tobytes(),
                                                 digest_size=16).hexdigest()

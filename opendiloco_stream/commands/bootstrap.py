@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=False,
                    help="serve as a circuit relay for peers behind NAT that run with --relay (every byte of "
                    "their rounds crosses this node); --no-relay: do not (default)")
+    p.add_argument("--echo-port", type=int, default=0, metavar="PORT",
+                   help="with --relay: the TCP port of the echo server peers behind NAT learn their public "
+                   "address from, for hole punching (default: a random free port; open it in a firewall)")
     p.set_defaults(func=run)
 
 
@@ -61,6 +64,34 @@ def _heartbeat(dht) -> None:
         logger.debug("heartbeat lookup: %r", e)
 
 
+class _Echo:
+    """A relay's echo server for hole punching (``transport/hivemind/punch.py``), announced on the DHT."""
+
+    def __init__(self, dht, run_id: str, ips: list[str], port: int = 0):
+        from opendiloco_stream.transport.hivemind.punch import EchoServer
+        self.dht, self.run_id, self.ips = dht, run_id, ips
+        self.server = EchoServer("0.0.0.0", port)
+        self.publish()
+
+    def publish(self) -> None:
+        from opendiloco_stream.transport.hivemind.punch import publish_echo
+        publish_echo(self.dht, self.run_id, self.ips, self.server.port, ttl_s=4 * HEARTBEAT_PERIOD)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _start_echo(dht, run_id: str, maddrs: list[str], port: int = 0) -> "_Echo | None":
+    """Peers behind NAT learn their public address and port from this node (hole punching)."""
+    from opendiloco_stream.net.dht import ip4_of
+    ips = [ip for ip in dict.fromkeys(ip4_of(m) for m in maddrs) if ip and ip != "0.0.0.0"]
+    try:
+        return _Echo(dht, run_id, ips, port) if ips else None
+    except OSError as e:
+        logger.warning("no echo server for hole punching: %s", e)
+        return None
+
+
 def _is_local_only(maddrs: list[str]) -> bool:
     return all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in maddrs)
 
@@ -84,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_dialback:
                 service = DialbackService(dht).start()
             maddrs = visible_maddrs(dht)
+            echo = _start_echo(dht, net.run_id, maddrs, args.echo_port) if args.relay else None
             if args.addr_file:
                 write_addr_file(args.addr_file, maddrs)
             print(f"bootstrap node {dht.peer_id} is up (run '{net.run_id}'); peers join with:", file=sys.stderr)
@@ -98,7 +130,11 @@ def run(args: argparse.Namespace) -> int:
             print("serving; Ctrl+C (or SIGTERM) stops it", file=sys.stderr, flush=True)
             while not stop.wait(HEARTBEAT_PERIOD):
                 _heartbeat(dht)
+                if echo is not None:
+                    echo.publish()
         finally:
+            if echo is not None:
+                echo.close()
             if not verbose(args):  # p2pd complains about the sockets we close on the way out
                 quiet_hivemind(level=60)
             if service is not None:

@@ -25,6 +25,8 @@ metric                                                    type     meaning
 ``ods_round_land_steps{fragment}``                        gauge    inner steps between the last round's launch
                                                                    and the landing of its average (when the sync
                                                                    records carry ``land_steps``)
+``ods_exchanges_total{fragment,path}``                    counter  exchanges with groupmates by path: ``direct``,
+                                                                   ``punched`` (through NAT), ``relayed``, ``p2p``
 ``ods_groupmate_rtt_seconds{fragment,groupmate}``         gauge    round-trip time to a groupmate, as the last
                                                                    round with it measured it (the direct path's
                                                                    TCP connection; sync records' ``rtt_ms``)
@@ -78,6 +80,8 @@ class PeerMetrics:
         self.last_wait = gauge("ods_last_sync_wait_seconds", "Wait of the fragment's last round in seconds.", frag)
         self.land_steps = gauge("ods_round_land_steps", "Inner steps between the fragment's last round's launch "
                                 "and the landing of its average.", frag)
+        self.exchanges = counter("ods_exchanges", "Exchanges with groupmates by path (direct, punched through "
+                                 "NAT, relayed, p2p).", frag + ["path"])
         self.rtt = gauge("ods_groupmate_rtt_seconds", "Round-trip time to a groupmate, as the fragment's last round "
                          "with it measured it.", frag + ["groupmate"])
         self.info = Info("ods", "The run's settings.", names, registry=r)
@@ -118,6 +122,8 @@ class PeerMetrics:
                 self._of(self.bytes_sent, rec).inc(int(rec.get("bytes_sent", 0)))
                 self._of(self.bytes_received, rec).inc(int(rec.get("bytes_received", 0)))
                 self._of(self.group_size, rec).set(int(rec.get("group_size", 0)))
+            for path, n in (rec.get("exchanges") or {}).items():
+                self._of(self.exchanges, rec, path=str(path)).inc(int(n))
             if rec.get("land_steps") is not None:
                 self._of(self.land_steps, rec).set(float(rec["land_steps"]))
             for mate, rtt_ms in (rec.get("rtt_ms") or {}).items():

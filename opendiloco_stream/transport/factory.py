@@ -69,8 +69,8 @@ def hivemind_settings(cfg: RunConfig, **overrides: Any) -> "HivemindSettings":
         matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
         allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout, link_mbit=n.link_mbit,
         client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=chunk_bytes(cfg), norm_bound=n.norm_bound,
-        direct=n.direct and not n.relay, direct_port=n.data_port,
-        direct_plaintext=n.direct_plaintext, pin_buffers=cfg.train.device.startswith("cuda"))
+        direct=n.direct, direct_port=n.data_port, direct_plaintext=n.direct_plaintext, relayed=n.relay,
+        punch=n.punch, pin_buffers=cfg.train.device.startswith("cuda"))
     return replace(settings, **overrides)
 
 

@@ -33,6 +33,9 @@ back on the same connection. Discovery, matchmaking and peer authentication stay
   again. A connect that timed out once on a busy machine so does not keep a pair of peers on the
   slower daemon path for the rest of the run, and an address that never answers costs one
   ``request_timeout`` per back-off, not per round.
+- *Behind NAT.* A reducer with no address of its own (``--relay``) is reached over a connection
+  both sides open at once (hole punching, ``punch.py``): the same hello, sealing and pool, only
+  the connect differs (``DirectStream.open(connect=...)``, ``serve_accepted``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import logging
 import socket
 import struct
 import time
-from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, Optional, Sequence
 
 from hivemind.proto import averaging_pb2
 
@@ -356,17 +359,26 @@ class DirectStream:
     @classmethod
     async def open(cls, address: tuple[str, int], hello: bytes, outgoing: Callable[[], AsyncIterator],
                    timeout: float, max_bytes: int, channel: Optional[Channel] = None,
-                   pool: Optional[ConnectionPool] = None, buffers: Callable[[socket.socket], Any] = None
-                   ) -> "DirectStream":
+                   pool: Optional[ConnectionPool] = None, buffers: Callable[[socket.socket], Any] = None,
+                   connect: Optional[Callable[[], Awaitable[socket.socket]]] = None) -> "DirectStream":
         """Connect (or take a kept-open connection from ``pool``) and say hello; ``OSError`` or
         ``asyncio.TimeoutError`` if that cannot be done within ``timeout`` (the caller falls back to
         the p2p daemon). ``channel``: the sender's end of the sealed connection the hello announces
-        (None: plaintext). ``buffers(sock)``: sizes a new socket's buffers before it connects."""
+        (None: plaintext). ``buffers(sock)``: sizes a new socket's buffers before it connects.
+        ``connect()``: opens the connection instead of a plain connect to ``address`` (a punched
+        one, ``punch.py``; ``address`` then only names it in ``pool``)."""
         loop = asyncio.get_event_loop()
         sock = pool.take(address) if pool is not None else None
         reused, connect_s = sock is not None, None
         try:
-            if sock is None:
+            if sock is None and connect is not None:
+                t0 = loop.time()
+                sock = await connect()
+                _configure(sock)
+                connect_s = loop.time() - t0
+                if pool is not None:
+                    pool.opened += 1
+            elif sock is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 _configure(sock)
                 if buffers is not None:
@@ -494,6 +506,14 @@ async def serve_connections(listener: DirectListener, groups: RunningGroups, pre
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def serve_accepted(sock: socket.socket, groups: RunningGroups, prefix: str, wait_s: float,
+                         security: DirectSecurity) -> None:
+    """Serve a connection opened otherwise than by our listener (a punched one, ``punch.py``)
+    exactly as an accepted one: its exchanges, one per hello, until it closes."""
+    _configure(sock)
+    await _serve_connection(sock, groups, prefix, wait_s, security)
 
 
 async def _read_hello(sock: socket.socket, wait_s: float, idle_s: Optional[float] = None) -> Optional[Hello]:

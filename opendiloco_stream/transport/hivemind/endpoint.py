@@ -25,8 +25,9 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.transport.hivemind.direct import (
-    ConnectionPool, DirectListener, FailedAddresses, RunningGroups, serve_connections,
+    ConnectionPool, DirectListener, FailedAddresses, RunningGroups, serve_accepted, serve_connections,
 )
+from opendiloco_stream.transport.hivemind.punch import Puncher
 from opendiloco_stream.transport.hivemind.link import LinkBook
 from opendiloco_stream.transport.hivemind.matchmaking import Group, Matchmaker
 from opendiloco_stream.transport.hivemind.protocol import as_protobufs
@@ -46,14 +47,17 @@ class FragmentEndpoint:
     ``runner_cls``: the round's runner (tests pass subclasses that fake bad senders or log paths).
     ``timeout_base`` and ``link_mbit``: ``derive_timeouts``' other arguments and the configured
     rate; with them, :meth:`refresh_timeouts` derives the next rounds' bounds from the links this
-    fragment's rounds measured (``links``, ``link.py``).
+    fragment's rounds measured (``links``, ``link.py``). ``relayed``: this peer is reached through
+    a relay (``--relay``): no listener (its addresses are private), and its groupmates are told.
+    ``echoes``: echo servers (``punch.py``); with them, groupmates without an address of their own
+    are reached by hole punching.
     """
 
     def __init__(self, service: AveragingService, numel: int, *, prefix: str, codec: Codec, timeouts: RoundTimeouts,
                  chunk_bytes: int, norm_bound: Optional[float], client_mode: bool, admission: Any = None,
                  direct: bool = True, direct_port: int = 0, direct_plaintext: bool = False,
                  runner_cls: type = HvAllReduceRunner, timeout_base: Optional[dict] = None,
-                 link_mbit: Optional[float] = None):
+                 link_mbit: Optional[float] = None, relayed: bool = False, echoes: tuple = ()):
         self.service, self.numel, self.prefix = service, int(numel), prefix
         self.codec, self.timeouts, self.chunk_bytes, self.norm_bound = codec, timeouts, chunk_bytes, norm_bound
         self.client_mode, self.admission, self.runner_cls = client_mode, admission, runner_cls
@@ -64,9 +68,11 @@ class FragmentEndpoint:
         self._timeouts_refused: Optional[str] = None  # the last measure that broke the hierarchy (logged once)
         self.direct_security = DirectSecurity(direct_plaintext, admission.auth if admission is not None else None)
         self.listener: Optional[DirectListener] = None
-        if direct and not client_mode:
+        if direct and not client_mode and not relayed:
             with service.dht_lock:  # (reads the DHT's visible addresses down its pipe)
                 self.listener = DirectListener.for_dht(service.dht, direct_port)
+        self.relayed = relayed
+        self.puncher = Puncher.start(echoes) if direct and echoes else None
         self.running: dict[bytes, asyncio.Future] = {}  # group id -> future of its runner
         self.groups = RunningGroups(self.running)
         self.matchmaker = Matchmaker(service.p2p, service.dht_call, prefix, client_mode=client_mode,
@@ -88,12 +94,17 @@ class FragmentEndpoint:
                                            averaging_pb2.JoinRequest, stream_output=True)
             await p2p.add_protobuf_handler(self.aggregate_name, self.rpc_aggregate, averaging_pb2.AveragingData,
                                            stream_input=True, stream_output=True)
+        if self.puncher is not None:  # a punched connection is served as an accepted one
+            self.puncher.adopt = lambda sock: asyncio.ensure_future(serve_accepted(
+                sock, self.groups, self.prefix, self.timeouts.next_chunk, self.direct_security))
         if self.listener is not None:
             self._serving = asyncio.ensure_future(serve_connections(
                 self.listener, self.groups, self.prefix, self.timeouts.next_chunk, self.direct_security))
 
     async def close(self) -> None:
         self.direct_pool.close()
+        if self.puncher is not None:
+            self.puncher.close()
         if self._serving is not None:
             self._serving.cancel()  # ended before the socket closes: its fd may be reused at once
             await asyncio.gather(self._serving, return_exceptions=True)
@@ -116,6 +127,10 @@ class FragmentEndpoint:
         meta["client"] = bool(self.client_mode)
         if self.listener is not None:
             meta["direct"] = self.listener.addresses  # where to stream our part (direct.py)
+        if self.puncher is not None:
+            meta["punch"] = self.puncher.meta()  # how to punch to us (punch.py)
+        if self.relayed:
+            meta["relayed"] = True
         return meta if self.admission is None else self.admission.seal(meta, self.service.peer_id.to_bytes())
 
     async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float) -> Group:
@@ -177,7 +192,8 @@ class FragmentEndpoint:
                 p2p=self.service.p2p, handler=self.aggregate_name, prefix=self.prefix, group=group, tensor=tensor,
                 codec=self.codec, timeouts=self.timeouts, norm_bound=self.norm_bound,
                 direct_failed=self.direct_failed if self.direct else None, direct_security=self.direct_security,
-                result=result, sent=sent, direct_pool=self.direct_pool, links=self.links, link_mbit=self.link_mbit)
+                result=result, sent=sent, direct_pool=self.direct_pool, links=self.links, link_mbit=self.link_mbit,
+                **({"puncher": self.puncher} if self.puncher is not None else {}))
         except RoundError as e:
             running.set_exception(e)
             running.exception()  # retrieved: a late sender's handler may never look at it

@@ -30,6 +30,7 @@ from opendiloco_stream.transport.hivemind.link import LinkBook, size_buffers
 from opendiloco_stream.transport.hivemind.seal import DirectSecurity, new_salt
 from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
 from opendiloco_stream.transport.hivemind.matchmaking import Group, unpack_meta
+from opendiloco_stream.transport.hivemind.punch import Puncher, direct_reducers, punch_info, reaches
 from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
@@ -61,7 +62,7 @@ class HvAllReduceRunner:
                  direct_failed: Optional[FailedAddresses] = None, result: Optional[torch.Tensor] = None,
                  sent: Optional[torch.Tensor] = None, direct_security: Optional[DirectSecurity] = None,
                  direct_pool: Optional[ConnectionPool] = None, links: Optional[LinkBook] = None,
-                 link_mbit: Optional[float] = None):
+                 link_mbit: Optional[float] = None, puncher: Optional[Puncher] = None):
         self.p2p, self.handler, self.prefix = p2p, handler, prefix  # handler: groupmates' p2p fallback
         self.group_id, self.peer_ids = group.group_id, tuple(group.peer_ids)
         self.me = self.peer_ids.index(p2p.peer_id)
@@ -78,15 +79,23 @@ class HvAllReduceRunner:
             self.weights, status = judge_members(users, self.me, [False] * n)
         except GroupMismatch as e:
             raise RoundError("rejected", f"round {self.key}: {e}") from None
-        # client-mode peers accept no connections: they send and receive, but reduce no part
-        self.is_reducer = [not u.get("client", False) for u in users]
+        # client-mode peers accept no connections: they send and receive, but reduce no part; and
+        # where some members reach every other one directly (listening, or by a punch), only those
+        # reduce (punch.py): the parts' bytes then avoid the relay
+        self.direct = [parse_address(u.get("direct")) if isinstance(u, dict) else None for u in users]
+        self.users, self.names = users, [str(p) for p in self.peer_ids]
+        self.punch = [punch_info(u) for u in users]
+        self.relayed = [isinstance(u, dict) and bool(u.get("relayed")) for u in users]
+        self.is_reducer = direct_reducers(users, self.names, self.direct,
+                                          [isinstance(u, dict) and not u.get("client", False) for u in users])
         self.senders = list(range(n))
         # chunks of the smallest size a member announced (sizes derive from each one's link rate)
         self.layout = GroupLayout.for_codec(codec, tensor.numel(), self.is_reducer, group_chunk_bytes(users))
         # direct TCP streams (direct.py): None where disabled; addresses whose connection failed;
         # how they are sealed (seal.py; default: sealed, no run key)
         self.direct_failed, self.direct_security = direct_failed, direct_security or DirectSecurity()
-        self.direct = [parse_address(u.get("direct")) if isinstance(u, dict) else None for u in users]
+        self.puncher = puncher if direct_failed is not None else None  # hole punching (punch.py), None: none
+        self.paths: dict[int, str] = {}  # reducer -> how our exchange with it went: direct, punched, relayed, p2p
         # connections kept open between rounds (direct.py); the groupmates' links as measured in
         # our rounds (link.py): new connections' buffers are sized from them, and this round adds to them
         self.direct_pool, self.links, self.link_mbit = direct_pool, links, link_mbit
@@ -332,14 +341,63 @@ class HvAllReduceRunner:
                                                  security.channel(self.group_id, self.prefix, self.me, q, salt, "sender"),
                                                  pool=self.direct_pool, buffers=self._buffers_for(q))
                 self.direct_failed.succeeded(address)
+                self.paths[q] = "direct"
                 return stream
             except (OSError, asyncio.TimeoutError) as e:
                 logger.info("round %s: no direct connection to %s at %s (%r): using the p2p daemon (direct again "
                             "in %.0f s)", self.key, self._name(q), address, e, self.direct_failed.failed(address))
+        elif address is None and self._punches(self.me, q):
+            stream = await self._punched_stream(q)
+            if stream is not None:
+                return stream
+        self.paths[q] = "relayed" if self.relayed[q] or self.relayed[self.me] else "p2p"
         return await asyncio.wait_for(
             self.p2p.iterate_protobuf_handler(self.peer_ids[q], self.handler, as_protobufs(self._contributions_for(q)),
                                               averaging_pb2.AveragingData),
             min(self.t.next_chunk, self._remaining()))
+
+    def _punches(self, s: int, q: int) -> bool:
+        """Whether sender ``s`` and reducer ``q`` punch a connection this round: ``q`` has no address
+        of its own and a punch can work between them (``punch.reaches``; both sides decide alike,
+        from the same metadata)."""
+        return (self.puncher is not None and s != q and self.is_reducer[q] and self.direct[q] is None
+                and reaches(self.users, self.names, self.direct, s, q))
+
+    async def _punched_stream(self, q: int) -> Optional[DirectStream]:
+        """A direct stream to reducer ``q`` over a punched connection (``punch.py``), kept open
+        between rounds like any other; None where the punch failed (the p2p daemon carries it)."""
+        puncher, remote = self.puncher, tuple(self.punch[q]["recv"])
+        timeout = min(self.t.request, self._remaining())
+        security, salt = self.direct_security, new_salt()
+        hello = make_hello(security, self.group_id, self.prefix, self.me, q, salt)
+        try:
+            stream = await DirectStream.open(("punch", remote), hello, lambda: self._contributions_for(q), timeout,
+                                             self.max_message_bytes,
+                                             security.channel(self.group_id, self.prefix, self.me, q, salt, "sender"),
+                                             pool=self.direct_pool,
+                                             connect=lambda: puncher.dial(puncher.send_port, remote, timeout))
+        except (OSError, asyncio.TimeoutError) as e:
+            puncher.mark_unreached(self.names[q])
+            logger.info("round %s: no punched connection to %s at %s:%d (%r): using the p2p daemon", self.key,
+                        self._name(q), remote[0], remote[1], e)
+            return None
+        if not stream.reused:
+            puncher.punched += 1
+        self.paths[q] = "punched"
+        return stream
+
+    async def _answer_punches(self) -> None:
+        """The reducer's side of the punches of this round (``_punches``): towards each sender with
+        no punched connection to us still open, at the same time as it punches towards us."""
+        puncher, answers = self.puncher, []
+        for s in self.senders:
+            if self._punches(s, self.me):
+                remote = tuple(self.punch[s]["send"])
+                if not puncher.serving(remote):
+                    answers.append((s, puncher.answer(remote, min(self.t.request, self._remaining()))))
+        for s, ok in zip([s for s, _ in answers], await asyncio.gather(*(a for _, a in answers))):
+            if not ok:
+                puncher.mark_unreached(self.names[s])
 
     def _buffers_for(self, q: int):
         """What sizes a new connection's buffers to reducer ``q`` (``link.size_buffers``), from
@@ -362,9 +420,9 @@ class HvAllReduceRunner:
             rate = moved * 8 / elapsed_s / 1e6
         if rtt is None and rate is None:
             return
-        self.links_seen[q] = {"rtt_ms": None if rtt is None else round(rtt * 1e3, 2),
-                              "rate_mbit": None if rate is None else round(rate, 2),
-                              "reused": bool(getattr(stream, "reused", False))}
+        self.links_seen.setdefault(q, {}).update(rtt_ms=None if rtt is None else round(rtt * 1e3, 2),
+                                                 rate_mbit=None if rate is None else round(rate, 2),
+                                                 reused=bool(getattr(stream, "reused", False)))
         if self.links is not None:
             self.links.record(self.peer_ids[q], rtt_s=rtt, rate_mbit=rate)
 
@@ -395,6 +453,7 @@ class HvAllReduceRunner:
             # DONE (with the verdict when the part is empty) ends it; then we close: the reducer waits
             timeout = min(self.t.next_chunk, self._remaining()) if self.layout.chunks[q] else self._remaining()
             await self._next_result(q, it, DONE, len(self.layout.chunks[q]), timeout)
+            self.links_seen.setdefault(q, {})["path"] = self.paths.get(q)
             self._measure(q, stream, asyncio.get_event_loop().time() - t0)
         except RoundError:
             raise
@@ -428,6 +487,8 @@ class HvAllReduceRunner:
         if self.is_reducer[self.me]:
             tasks += [asyncio.ensure_future(self._contribute_locally()), asyncio.ensure_future(self._reduce())]
             helpers.append(asyncio.ensure_future(self._watch_for_absent_senders()))
+            if self.puncher is not None:
+                helpers.append(asyncio.ensure_future(self._answer_punches()))
         try:
             try:
                 outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())

@@ -50,6 +50,7 @@ from opendiloco_stream.transport.base import Transport
 from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
 from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane  # noqa: F401 (re-exported)
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
+from opendiloco_stream.transport.hivemind.punch import find_echoes
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
 from opendiloco_stream.transport.hivemind.service import AveragingService
 from opendiloco_stream.transport.hivemind.state import StateSharing
@@ -93,6 +94,10 @@ class HivemindSettings:
             costs; every peer of the run must set it the same).
         direct_port: fragment ``p``'s data port is ``direct_port + p`` (ports to open in a firewall);
             ``None``: random free ports.
+        relayed: reached through a circuit relay (``--relay``): no data port; groupmates punch a
+            direct connection where the run has echo servers (``punch.py``), else use the relay.
+        punch: open direct connections to groupmates without an address of their own by hole
+            punching where the run has echo servers (``punch.py``); off: through the relay.
         presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
             counted, and costs a round ``matchmaking_time``, for at most this long).
         state_timeout: the longest silence tolerated inside a state download.
@@ -121,6 +126,8 @@ class HivemindSettings:
     direct: bool
     direct_port: Optional[int]
     direct_plaintext: bool
+    relayed: bool = False
+    punch: bool = True
     presence_ttl: float = DEFAULT_TTL_S
     state_timeout: float = 30.0
     startup_timeout: float = 60.0
@@ -203,6 +210,8 @@ class HivemindTransport(Transport):
             raise ValueError(f"data ports {self.direct_port}..{self.direct_port + max(numels)} go past 65535: "
                              f"pick a lower net.data_port")
         service = self.service()
+        with service.dht_lock:  # echo servers for hole punching (punch.py): bootstrap --relay serves one
+            echoes = find_echoes(self.dht, self.run_id) if self.direct and self.settings.punch else []
         endpoints: dict[int, FragmentEndpoint] = {}
         try:
             for p, n in sorted(numels.items()):
@@ -212,7 +221,8 @@ class HivemindTransport(Transport):
                     chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound, client_mode=self.client_mode,
                     admission=self.admission, direct=self.direct,
                     direct_port=0 if self.direct_port is None else self.direct_port + p,
-                    direct_plaintext=self.direct_plaintext, runner_cls=self.runner_cls)
+                    direct_plaintext=self.direct_plaintext, runner_cls=self.runner_cls,
+                    relayed=self.settings.relayed, echoes=tuple(echoes))
                 service.call(endpoint.start(), self.startup_timeout)
         except BaseException:
             for endpoint in endpoints.values():

@@ -1,0 +1,96 @@
+"""Two peers behind NAT train through 4 relays (``--relay``) and punch direct connections for
+their rounds (``transport/hivemind/punch.py``), in the NAT topology of ``tests/support/nat.py``.
+
+Behind home-router NATs every exchange after the relays are up goes over a punched connection:
+the relays' machine carries under 5% of the payload from the first averaged round on, and every
+round both peers averaged has one digest. Behind symmetric NATs no punch is tried (the echoes
+show a new port per destination): every exchange is relayed, and the rounds still average with
+one digest. Needs root, ``ip netns`` and ``nft``; each test removes its namespaces and processes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks.harness.peers import PeerProcesses
+from tests.support.nat import NatTopology, listen_flags, unavailable_reason
+
+REASON = unavailable_reason()
+pytestmark = [pytest.mark.network, pytest.mark.slow,
+              pytest.mark.skipif(REASON is not None, reason=f"NAT topology unavailable: {REASON}")]
+
+H, P, STEPS, RELAYS = 5, 2, 100, 4
+TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress",
+        "--mode", "blocking", "--fragments", str(P), "--inner-steps", str(H), "--steps", str(STEPS)]
+DIGESTS = {"ODS_DILOCO__RECORD_DIGESTS": "true"}
+NODES = ["n0", "n1"]
+
+
+def _averaged(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"] == "sync" and r["ok"] and r["group_size"] == 2]
+
+
+def _train_relayed_pair(tmp, symmetric: bool, run_id: str) -> tuple[dict, int, dict]:
+    """Both peers with ``--relay`` and 4 relays in ``boot``. Returns each peer's records, the bytes
+    the relays' machine received from the moment both peers had averaged a round together, and
+    how many of each peer's sync records came before that moment."""
+    with NatTopology(public=0, natted=2, symmetric=symmetric) as topo, PeerProcesses(tmp, topology=topo) as run:
+        first = run.bootstrap(run_id, "--relay", node="boot")
+        for i in range(1, RELAYS):
+            run.bootstrap(run_id, "--relay", "--initial-peers", *first, node="boot", name=f"relay{i}")
+        procs = [run.peer(n, "--run-id", run_id, *TINY, *listen_flags(topo, n), "--relay", "--shard", f"{i}/2",
+                          node=n, env=DIGESTS) for i, n in enumerate(NODES)]
+        deadline = time.monotonic() + 300
+        while not all(_averaged(run.records(n)) for n in NODES):  # the first round averaged on both
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                {n: run.records(n)[-3:] for n in NODES}
+            time.sleep(0.5)
+        before = topo.counters("boot")["rx_bytes"]
+        seen = {n: len([r for r in run.records(n) if r["event"] == "sync"]) for n in NODES}
+        run.wait(procs, 300)
+        relay_rx = topo.counters("boot")["rx_bytes"] - before
+        return {n: run.records(n) for n in NODES}, relay_rx, seen
+
+
+def _later(records: dict, seen: dict) -> dict[str, list[dict]]:
+    """Each peer's sync records after the first one averaged by both."""
+    return {n: [r for r in records[n] if r["event"] == "sync"][seen[n]:] for n in NODES}
+
+
+def _same_digests(records: dict) -> int:
+    """Rounds both peers averaged together; each must have one digest."""
+    by_key = [{(r["fragment"], r["round"]): r for r in _averaged(records[n])} for n in NODES]
+    common = set(by_key[0]) & set(by_key[1])
+    for key in common:
+        assert by_key[0][key]["digest"] == by_key[1][key]["digest"], key
+    return len(common)
+
+
+@pytest.mark.timeout(480)
+def test_a_home_router_pair_punches_its_rounds_past_the_relay(tmp_path):
+    records, relay_rx, seen = _train_relayed_pair(tmp_path, symmetric=False, run_id="natpunch")
+    later = _later(records, seen)
+    payload = sum(r["bytes_sent"] for recs in later.values() for r in recs if r["ok"])
+    for n, recs in later.items():
+        assert len(recs) >= 8 and all(r["ok"] and r["group_size"] == 2 for r in recs), (n, recs)
+        assert all(r["exchanges"] == {"punched": 1} for r in recs), (n, [r.get("exchanges") for r in recs])
+        summary = records[n][-1]
+        assert summary["event"] == "summary" and summary["punched_exchanges"] >= len(recs), summary
+        assert summary["relayed_exchanges"] <= 2, summary  # a first round, before a punch, may go relayed
+    assert relay_rx < 0.05 * payload, (relay_rx, payload)
+    assert _same_digests(records) >= 8
+
+
+@pytest.mark.timeout(480)
+def test_a_symmetric_pair_falls_back_to_the_relay_and_still_averages(tmp_path):
+    records, relay_rx, seen = _train_relayed_pair(tmp_path, symmetric=True, run_id="natsym")
+    later = _later(records, seen)
+    payload = sum(r["bytes_sent"] for recs in later.values() for r in recs if r["ok"])
+    for n, recs in later.items():
+        assert len(recs) >= 8 and all(r["ok"] and r["group_size"] == 2 for r in recs), (n, recs)
+        assert all(r["exchanges"] == {"relayed": 1} for r in recs), (n, [r.get("exchanges") for r in recs])
+        assert records[n][-1]["punched_exchanges"] == 0
+    assert relay_rx > 0.9 * payload, (relay_rx, payload)  # every byte crossed the relay
+    assert _same_digests(records) >= 8
