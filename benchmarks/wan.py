@@ -276,7 +276,8 @@ def make_record(spec: RunSpec, metrics: list[list[dict]], iface: dict[str, dict[
 # ---------------------------------------------------------------------------------------- main
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """The bench's flags (``parse_args`` derives the settings that depend on several of them)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Needs root and `ip netns` (exits 0 with the reason otherwise).")
@@ -325,6 +326,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--distance", action="store_true",
                    help="the RTT grid's modes: blocking (streaming fp32), overlap (tau=1, fp32), eager fp4-e3m0, "
                         "DiLoCo, data-parallel; evaluations every --eval-every steps (time to blocking's loss)")
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     if args.regions and args.regions not in PRESETS:
         p.error(f"--regions: unknown preset {args.regions!r}; use one of {', '.join(PRESETS)}")
