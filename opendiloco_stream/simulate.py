@@ -99,7 +99,8 @@ class Setup:
     """The knobs shared by every method (defaults: the paper's Table 4 setting).
 
     inner_steps: H, inner steps per outer round. fragment_layers: blocks per fragment (P =
-    ceil(layers / fragment_layers)). overlap_steps: tau, inner steps a streaming-overlap sync may
+    ceil(layers / fragment_layers)); fragments: P itself for every model (wins over fragment_layers,
+    at most one fragment per block), as the training commands' ``--fragments``. overlap_steps: tau, inner steps a streaming-overlap sync may
     take before the result is needed. bits / quant_bits: bits per value on the wire at full
     precision (DP gradients, outer gradients) and for the *-fp4 methods. allreduce_factor: bytes on
     the link per byte of payload (2.0 = ring all-reduce among many peers, 2(M-1)/M for M peers).
@@ -109,6 +110,7 @@ class Setup:
 
     inner_steps: int = 100
     fragment_layers: int = 3
+    fragments: Optional[int] = None
     overlap_steps: int = 1
     bits: float = 16.0
     quant_bits: float = 4.0
@@ -122,6 +124,8 @@ class Setup:
             raise ValueError(f"inner steps (H) must be >= 1, got {self.inner_steps}")
         if self.fragment_layers < 1:
             raise ValueError(f"fragment layers must be >= 1, got {self.fragment_layers}")
+        if self.fragments is not None and self.fragments < 1:
+            raise ValueError(f"fragments (P) must be >= 1, got {self.fragments}")
         if self.overlap_steps < 0:
             raise ValueError(f"overlap steps (tau) must be >= 0, got {self.overlap_steps}")
         for name in ("bits", "quant_bits", "allreduce_factor"):
@@ -134,6 +138,13 @@ class Setup:
             raise ValueError(f"backward fraction must be in (0, 1), got {self.backward_fraction}")
         if self.pattern not in PATTERNS:
             raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}, got {self.pattern!r}")
+
+
+def fragments_of(model: "Model", setup: Setup) -> int:
+    """P for this model: ``setup.fragments`` (at most one per block), else from ``fragment_layers``."""
+    if setup.fragments is not None:
+        return max(1, min(setup.fragments, model.layers))
+    return num_fragments(model.layers, setup.fragment_layers)
 
 
 def num_fragments(layers: int, fragment_layers: int) -> int:
@@ -167,8 +178,7 @@ class _Plan:
 
 def _plan(method: str, model: Model, setup: Setup) -> _Plan:
     everything = (tuple(range(model.layers)),)
-    frags = fragment_blocks(model.layers, num_fragments(model.layers, setup.fragment_layers),
-                            setup.pattern)
+    frags = fragment_blocks(model.layers, fragments_of(model, setup), setup.pattern)
     H, tau = setup.inner_steps, setup.overlap_steps
     plans = {
         "data-parallel": (1, everything, 0, setup.bits),

@@ -189,6 +189,24 @@ def test_default_run_prints_a_table_per_paper_model(monkeypatch, capsys):
     assert "50%" in out and "99%" in out
 
 
+def test_fragments_sets_p_for_every_model_as_the_training_flag(monkeypatch, capsys):
+    """``--fragments P`` is P itself (the training commands' flag), at most one per block;
+    ``--fragment-layers K`` stays blocks per fragment; the same P gives the same prediction."""
+    assert _main(monkeypatch, ["--fragments", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("fragments") >= 3 and "P=4 fragments" in out and "P=8 fragments" not in out
+    small = ["--params", "4.2e6", "--layers", "4", "--step-time", "0.05", "--at-mbit", "10", "--json"]
+    assert _main(monkeypatch, [*small, "--fragments", "2"]) == 0
+    by_p = json.loads(capsys.readouterr().out)
+    assert _main(monkeypatch, [*small, "--fragment-layers", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == by_p  # 4 blocks, 2 per fragment: P = 2 either way
+    assert _main(monkeypatch, [*small, "--fragments", "9"]) == 0  # capped at one fragment per block
+    capped = json.loads(capsys.readouterr().out)
+    assert _main(monkeypatch, [*small, "--fragment-layers", "1"]) == 0
+    assert json.loads(capsys.readouterr().out) == capped
+    assert capped != by_p
+
+
 def test_at_mbit_predicts_utilization_for_a_measured_step_time(monkeypatch, capsys):
     argv = ["--params", "4.2e6", "--layers", "4", "--step-time", "0.05", "--inner-steps", "20",
             "--fragment-layers", "2", "--at-mbit", "5,20,100"]
@@ -228,6 +246,7 @@ def test_unreachable_target_prints_null_and_word(monkeypatch, capsys):
     (["--params", "1e9", "--step-time", "0.1", "--mfu", "0.5"], "--step-time"),
     (["--mfu", "1.5"], "--mfu"),
     (["--params", "4e6", "--layers", "2", "--fragment-layers", "3"], "--fragment-layers"),
+    (["--fragments", "0"], "--fragments"),
 ])
 def test_bad_values_exit_2_with_one_line(monkeypatch, capsys, argv, flag):
     assert _main(monkeypatch, argv) == 2

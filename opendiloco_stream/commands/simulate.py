@@ -51,8 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     algo.add_argument("--methods", metavar="LIST",
                       help=f"comma-separated subset of: {', '.join(sim.METHODS)} (default: all)")
     algo.add_argument("--inner-steps", metavar="H", default="100", help="H (default 100)")
-    algo.add_argument("--fragment-layers", metavar="K", default="3",
-                      help="blocks per fragment, P = ceil(layers / K) (default 3)")
+    algo.add_argument("--fragments", metavar="P",
+                      help="fragments per model, as the training commands' flag (at most one per block; "
+                      "default: from --fragment-layers)")
+    algo.add_argument("--fragment-layers", metavar="K",
+                      help="blocks per fragment, P = ceil(layers / K) (default 3; --fragments wins)")
     algo.add_argument("--fragment-pattern", dest="pattern", choices=sim.PATTERNS, default="strided",
                       help="which blocks form a fragment (default strided), as the training commands' flag")
     deprecated_alias(algo, "--pattern", "--fragment-pattern")
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     setup = _setup(args)
     models = _models(args)
     methods = _methods(args.methods)
-    too_deep = [m for m in models if setup.fragment_layers > m.layers]
+    too_deep = [m for m in models if setup.fragments is None and setup.fragment_layers > m.layers]
     if too_deep:
         raise UsageError(f"--fragment-layers {setup.fragment_layers} exceeds the {too_deep[0].layers}"
                          f" layers of the {too_deep[0].name or _size(too_deep[0].params)} model")
@@ -114,7 +117,8 @@ def _setup(args: argparse.Namespace) -> sim.Setup:
     tau = _count(args.overlap_steps, "--overlap-steps", minimum=0)
     return sim.Setup(
         inner_steps=_count(args.inner_steps, "--inner-steps"),
-        fragment_layers=_count(args.fragment_layers, "--fragment-layers"),
+        fragment_layers=_count(args.fragment_layers or "3", "--fragment-layers"),
+        fragments=_count(args.fragments, "--fragments") if args.fragments is not None else None,
         overlap_steps=tau,
         bits=_positive(args.bits, "--bits"),
         quant_bits=_positive(args.quant_bits, "--quant-bits"),
@@ -222,14 +226,15 @@ def _size(params: float) -> str:
 
 
 def _describe(setup: sim.Setup) -> str:
-    return (f"H={setup.inner_steps}, {setup.fragment_layers} layers/fragment ({setup.pattern}), "
+    split = f"P={setup.fragments}" if setup.fragments is not None else f"{setup.fragment_layers} layers/fragment"
+    return (f"H={setup.inner_steps}, {split} ({setup.pattern}), "
             f"tau={setup.overlap_steps}, {setup.bits:g}-bit payloads, fp4 = {setup.quant_bits:g} bits, "
             f"all-reduce moves {setup.allreduce_factor:g} x payload, latency "
             f"{setup.latency_s * 1e3:g} ms")
 
 
 def _heading(model: sim.Model, setup: sim.Setup) -> str:
-    frags = sim.num_fragments(model.layers, setup.fragment_layers)
+    frags = sim.fragments_of(model, setup)
     return (f"{model.name or _size(model.params)} params, {model.layers} layers, "
             f"step {model.step_time_s:.3g} s, P={frags} fragments")
 

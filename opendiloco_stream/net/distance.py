@@ -65,7 +65,7 @@ def round_fit(*, mode: str, inner_steps: int, fragments: int, overlap_steps: int
     else:
         window, method = None, ("diloco" if fragments <= 1 else "streaming")
     model = simulate.Model(params=max(params, 1.0), layers=max(1, layers), step_time_s=step_time_s)
-    setup = simulate.Setup(inner_steps=inner_steps, fragment_layers=max(1, math.ceil(layers / max(1, fragments))),
+    setup = simulate.Setup(inner_steps=inner_steps, fragments=max(1, fragments),
                            overlap_steps=max(overlap_steps, 0), bits=codec_bits, quant_bits=codec_bits,
                            allreduce_factor=1.0, latency_s=rtts * rtt_s)
     util = simulate.utilization(model, setup, method, link_mbit / 1e3)
