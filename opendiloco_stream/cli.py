@@ -108,6 +108,8 @@ def deprecated_alias(parser, old: str, new: str, *, const_value=None, **kwargs) 
     ``const_value``: ``old`` takes no value and stands for ``new const_value`` (``-v`` for
     ``--log-level DEBUG``); a flag ``new`` that takes no value is mirrored the same way.
     """
+    # argparse keeps no public map from a flag to its Action: ``_option_string_actions`` (CPython
+    # 3.11's argparse, as ``unknown`` above reads it too) is the one private name this module uses
     action = parser._option_string_actions[new]
     shown = new if const_value is None else f"{new} {const_value}"
     if const_value is not None or action.nargs == 0:
