@@ -45,7 +45,7 @@ RUN_ID = "nattrain"
 
 def train_flags(args: argparse.Namespace) -> list[str]:
     return ["--run-id", RUN_ID, "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1",
-            "--no-progress", "--mode", args.mode, "--fragments", str(args.fragments), "--inner-steps",
+            "--no-progress", "--mode", args.mode, "--codec", args.codec, "--fragments", str(args.fragments), "--inner-steps",
             str(args.inner_steps), "--steps", str(args.steps)]
 
 
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, help="shape every router's and public peer's link to this many Mbit/s")
     ap.add_argument("--relay-rate", type=float, help="shape the relays' machine (boot) to this many Mbit/s")
     ap.add_argument("--mode", default="blocking")
+    ap.add_argument("--codec", default="fp32", help="the peers' codec (default fp32, as the documented runs: "
+                    "a 4-bit payload is 1/8 of the bytes, so the relay's share of control traffic grows)")
     ap.add_argument("--fragments", type=int, default=2)
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--steps", type=int, default=600)
