@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from opendiloco_stream import DiLoCoConfig, wrap
 from opendiloco_stream.cli import main as cli_main
@@ -20,6 +19,7 @@ from opendiloco_stream.config import ConfigError, load_config
 from opendiloco_stream.train.loop import use_bf16_autocast
 from opendiloco_stream.train.ranks import data_shard, rank_device, rank_env
 from opendiloco_stream.transport.local import LocalSwarm
+from tests.support.two_workers import mlp, train_two_workers
 from tests.support.peers import run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,29 +28,11 @@ PEER_MADDR = "/ip4/127.0.0.1/tcp/31337/p2p/QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv
 
 # ---------------------------------------------------------------------------- outer device
 def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    return mlp(8)
 
 
 def _train_two_workers(config: DiLoCoConfig, steps: int = 14):
-    torch.manual_seed(3)
-    data = [[torch.randn(5, 8) for _ in range(3)] for _ in range(2)]  # a different stream per worker
-    swarm, models, wrappers = LocalSwarm(num_workers=2, codec=config.codec), [_mlp(), _mlp()], [None, None]
-
-    def worker(rank):
-        model = models[rank]
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        diloco = wrappers[rank] = wrap(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
-        for i in range(steps):
-            model(data[rank][i % 3]).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            diloco.step(tokens=5 + rank)
-        diloco.finish()
-        diloco.close()
-
-    swarm.run(worker)
-    return models, wrappers
+    return train_two_workers(config, width=8, steps=steps)
 
 
 @pytest.mark.parametrize("extra", [

@@ -11,7 +11,6 @@ import concurrent.futures
 
 import pytest
 import torch
-from torch import nn
 
 from opendiloco_stream import DiLoCoConfig, wrap
 from opendiloco_stream.algorithm.staging import (
@@ -20,6 +19,7 @@ from opendiloco_stream.algorithm.staging import (
 from opendiloco_stream.compression import CODEC_NAMES, get_codec
 from opendiloco_stream.transport.base import SyncFailed
 from opendiloco_stream.transport.local import LocalSwarm
+from tests.support.two_workers import mlp, train_two_workers
 
 
 def _outer_gradient(numel: int, seed: int = 0) -> torch.Tensor:
@@ -96,32 +96,15 @@ def test_only_codecs_whose_re_encode_gives_their_values_back_are_encoded_on_the_
 
 
 def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    return mlp(16)
 
 
 def _train(config: DiLoCoConfig, encode: bool, steps: int = 12):
-    torch.manual_seed(3)
-    data = [[torch.randn(5, 16) for _ in range(3)] for _ in range(2)]
-    swarm, models = LocalSwarm(num_workers=2, codec=config.codec), [_mlp(), _mlp()]
+    def prepare(diloco, transport):  # the GPU peer's path, run on the CPU: encode, copy, decode before the transport
+        diloco.staging = Staging(torch.device("cpu"), transport.wire_codec(), encode=True)
+        assert diloco.staging.codec is not None
 
-    def worker(rank):
-        model = models[rank]
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        diloco = wrap(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
-        if encode:  # the GPU peer's path, run on the CPU: encode, copy, decode before the transport
-            diloco.staging = Staging(torch.device("cpu"), swarm.transport(rank).wire_codec(), encode=True)
-            assert diloco.staging.codec is not None
-        for i in range(steps):
-            model(data[rank][i % 3]).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            diloco.step(tokens=5 + rank)
-        diloco.finish()
-        diloco.close()
-
-    swarm.run(worker)
-    return models
+    return train_two_workers(config, width=16, steps=steps, prepare=prepare if encode else None)[0]
 
 
 @pytest.mark.parametrize("extra", [
