@@ -14,7 +14,7 @@ from torch import nn
 from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo, wrap
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
-from opendiloco_stream.transport.base import SyncResult
+from opendiloco_stream.transport.base import SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.local import INSTANT_LINK, LinkModel, LocalSwarm
 
 
@@ -551,27 +551,20 @@ def test_state_dict_round_trip_resumes_exactly(extra):
         assert torch.equal(x, y)
 
 
-class _SlowLinkTransport:
+class _SlowLinkTransport(Transport):
     """A stand-in link whose rounds land only when the test says so (a real link's timing cannot be
-    set precisely in a test): it records every wait() and whether that round had landed."""
+    set precisely in a test): it records every wait() and whether that round had landed. The parts
+    of the Transport protocol it does not override are a transport's without a view of the swarm."""
 
     peer_id = "slow"
 
     def __init__(self):
         self.handles, self.waits = [], []
 
-    def prepare(self, numels):
-        pass
-
-    def set_state_provider(self, provider):
-        pass
-
     def all_reduce(self, key, tensor, weight=1.0):
-        from opendiloco_stream.transport.base import SyncResult
-
         outer = self
 
-        class Handle:
+        class Handle(SyncHandle):
             def __init__(self):
                 self.key, self.landed = key, False
                 self.result = SyncResult(average=tensor.clone(), group_size=1, weight_share=1.0, sent=tensor.clone())
@@ -772,10 +765,12 @@ def test_a_donor_at_the_initial_model_hands_out_the_marker_only_while_its_rounds
         donor.step()
     handle = link.handles[0]
     assert donor.at_initial_model() and not handle.done()
-    assert donor._shared_state() == {"step": 0, "initial": True}  # a handle without the method: as before
     handle.takes_newcomers = lambda: True  # a cold start's first round, still matching
     assert donor._shared_state() == {"step": 0, "initial": True}
-    handle.takes_newcomers = lambda: False  # its group formed (or it counts only the peers it knew)
+    # its group formed (or it counts only the peers it knew); SyncHandle's default, a transport
+    # without matchmaking, says the same
+    del handle.takes_newcomers
+    assert handle.takes_newcomers() is False
     state = donor._shared_state()
     assert not state.get("initial") and state["step"] == 5
     assert state["fragments"][0]["pending"] is not None and link.waits == [((0, 0), False)]  # landed first

@@ -17,6 +17,7 @@ from opendiloco_stream.compression.sparse import pack_bits, unpack_bits
 from opendiloco_stream.compression.wire import index_bits
 from opendiloco_stream.config_cli import config_from_args
 from opendiloco_stream.cli import build_parser
+from opendiloco_stream.transport.base import SyncHandle, Transport
 from opendiloco_stream.transport.local import LocalSwarm
 from opendiloco_stream.transport.reduce import (
     OK, REJECTED, PartReducer, RoundRefused, decode_result, encode_chunk, reduce_in_process, weighted_mean,
@@ -298,20 +299,27 @@ def test_error_feedback_decay_scales_the_residual():
 # ---- the trainer: eager estimates and error feedback from exactly what was sent ----------------
 
 
-class _Recorder:
+class _Recorder(Transport):
     """Wraps a LocalTransport: remembers what each round was handed and what it returned."""
 
     def __init__(self, inner):
         self.inner, self.handed, self.results = inner, {}, {}
+        self.peer_id = inner.peer_id
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def prepare(self, numels):
+        self.inner.prepare(numels)
+
+    def wire_codec(self):
+        return self.inner.wire_codec()
+
+    def set_state_provider(self, provider):
+        self.inner.set_state_provider(provider)
 
     def all_reduce(self, key, tensor, weight=1.0):
         self.handed[key] = tensor.detach().clone()
         handle, results = self.inner.all_reduce(key, tensor, weight), self.results
 
-        class Handle:
+        class Handle(SyncHandle):
             def done(self):
                 return handle.done()
 

@@ -55,8 +55,7 @@ class DataParallel(HasSyncLog):
             self._catch_up()
 
     def _round_late(self, step: int) -> bool:
-        round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
-        return round_late is not None and bool(round_late((0, step)))
+        return self.transport.round_late((0, step))
 
     def _catch_up(self) -> None:
         """A peer behind the swarm takes the swarm's step: when the others launched the round after
@@ -78,8 +77,7 @@ class DataParallel(HasSyncLog):
         t = self.step_count + 1
         handle = self.transport.all_reduce((0, t), fr.flatten(grads), weight=1.0)
         # a round the swarm moved past (it launched the next one) is given up rather than waited out
-        watches = getattr(self.transport, "watches_swarm", False)  # duck-typed transports may lack it
-        give_up = (lambda: self._round_late(t + 1)) if watches else None
+        give_up = (lambda: self._round_late(t + 1)) if self.transport.watches_swarm else None
         result, reason, waited = self.log.wait(handle, self.config.sync_timeout, give_up=give_up)
         if result is not None:
             for p, g in zip(params, fr.unflatten(result.average, grads)):

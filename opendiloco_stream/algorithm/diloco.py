@@ -90,8 +90,7 @@ class StreamingDiLoCo(HasSyncLog):
         self.placement = self._place_outer_state(fragments, optimizer, param_access)
         self.frags = [FragmentState(f, o, config, param_access, self.placement) for f, o in zip(fragments, offsets)]
         # outer gradients to the transport and averages back, off the training thread (staging.py)
-        wire_codec = getattr(transport, "wire_codec", None)  # duck-typed transports may lack it
-        self.staging = Staging(self.frags[0].device, wire_codec() if wire_codec is not None else None)
+        self.staging = Staging(self.frags[0].device, transport.wire_codec())
         rule = rule_class(config)  # what each fragment's rounds do: algorithm/rules.py
         self.rules: list[SyncRule] = [rule(self, f, config) for f in self.frags]
         self.transport.set_state_provider(self._shared_state)
@@ -189,8 +188,7 @@ class StreamingDiLoCo(HasSyncLog):
 
     # ------------------------------------------------------------------ rounds
     def _round_late(self, fragment: int, k: int) -> bool:
-        round_late = getattr(self.transport, "round_late", None)  # duck-typed transports may lack it
-        return round_late is not None and bool(round_late((fragment, k)))
+        return self.transport.round_late((fragment, k))
 
     def launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
         """Put round k of fragment ``f`` on the wire with outer gradient ``d`` (for the rules)."""
@@ -205,11 +203,8 @@ class StreamingDiLoCo(HasSyncLog):
         if self._catching_up and not pending.handle.done() and self._round_late(f.index, pending.round + 1):
             # the others launched this fragment's next round a while ago: this round is over for
             # them, and waiting for its group would only make this peer late again
-            abandon = getattr(pending.handle, "abandon", None)  # duck-typed handles may lack it
-            if abandon is not None:
-                abandon()
-        watches = getattr(self.transport, "watches_swarm", False)  # duck-typed transports may lack it
-        give_up = self._swarm_past if watches else None
+            pending.handle.abandon()
+        give_up = self._swarm_past if self.transport.watches_swarm else None
         result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout, give_up=give_up)
         if result is not None and result.average.device != f.device:  # transports hand back CPU tensors
             result = dataclasses.replace(result, average=f.to_outer_device(result.average),
@@ -306,23 +301,17 @@ class StreamingDiLoCo(HasSyncLog):
 
     def _rounds_closed(self) -> bool:
         """Whether a launched round not yet applied is closed to newcomers (``takes_newcomers``)."""
-        for r in self.rules:
-            pending = r.pending
-            takes = getattr(pending.handle, "takes_newcomers", None) if pending is not None else None
-            if takes is not None and takes() is False:  # duck-typed handles may lack it (or answer None)
-                return True
-        return False
+        return any(r.pending is not None and not r.pending.handle.takes_newcomers() for r in self.rules)
 
     def load_state_dict(self, state: dict[str, Any], *, joiner: bool = False) -> None:
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local
         parameters are set to the outer parameters, the donor's own contributions are not taken
         as ours, and error-feedback residuals start empty."""
-        expect_rounds = getattr(self.transport, "expect_rounds", None)
         if state.get("initial"):  # a donor still at the initial model: nothing to adopt (``_shared_state``)
-            if joiner and expect_rounds is not None:
+            if joiner:
                 # but this peer takes part in the first rounds: counted there, it does not sit them
                 # out as a fresh peer in a running swarm would (the donor waits for it in them)
-                expect_rounds(self.next_rounds())
+                self.transport.expect_rounds(self.next_rounds())
             return
         with self._lock:
             self._loaded = True
@@ -336,8 +325,8 @@ class StreamingDiLoCo(HasSyncLog):
                 self.error_feedback = ErrorFeedback(self.config.error_feedback_decay)
                 if not joiner and state.get("error_feedback") is not None:
                     self.error_feedback.load_state_dict(state["error_feedback"])
-            if joiner and expect_rounds is not None:  # so that the others count this peer in them
-                expect_rounds(self.next_rounds())
+            if joiner:  # so that the others count this peer in them
+                self.transport.expect_rounds(self.next_rounds())
 
     def next_rounds(self) -> list[tuple[int, int]]:
         """(fragment, round) of the next round of every fragment from the current step."""
@@ -350,8 +339,7 @@ class StreamingDiLoCo(HasSyncLog):
         parameters would stay a step apart from everyone's: it downloads again (``train/loop.py``)."""
         if self.at_initial_model():
             return []  # the donor was at the initial model too: the others' first rounds are still forming
-        launched = getattr(self.transport, "rounds_launched", None)  # duck-typed transports may lack it
-        return [] if launched is None else list(launched(self.next_rounds()))
+        return list(self.transport.rounds_launched(self.next_rounds()))
 
     @property
     def in_flight(self) -> bool:

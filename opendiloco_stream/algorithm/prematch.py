@@ -13,14 +13,15 @@ from typing import Callable, Optional, Sequence
 
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import FragmentState
+from opendiloco_stream.transport.base import SwarmView
 
 
 class Prematcher:
     """Tells ``transport`` of each round ``steps`` inner steps ahead (nothing if ``steps`` is 0)."""
 
-    def __init__(self, transport: object, steps: int, weight: Callable[[int], float]):
+    def __init__(self, transport: SwarmView, steps: int, weight: Callable[[int], float]):
         self.steps, self.weight = steps, weight
-        self._prematch = getattr(transport, "prematch", None) if steps else None  # duck-typed transports may lack it
+        self._prematch = transport.prematch if steps else None
         self.step_s: Optional[float] = None  # running mean of the time between steps
         self._last: Optional[float] = None
 

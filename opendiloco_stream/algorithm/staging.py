@@ -359,14 +359,14 @@ class StagedHandle(SyncHandle):
             return self._launched.is_set()
         return inner.settle(max(0.0, deadline - time.monotonic()))
 
-    def takes_newcomers(self) -> Optional[bool]:
-        """The transport handle's answer; True while still on its way to the transport; None where
-        the transport's handle has no answer (duck-typed handles may lack the method)."""
+    def takes_newcomers(self) -> bool:
+        """The transport handle's answer; True while still on its way to the transport, and for a
+        launch that failed (the round closes nothing: ``wait`` fails at once)."""
         if not self._launched.is_set():
             return True
-        method = getattr(self._transport_handle(), "takes_newcomers", None)
-        return None if method is None else method()
+        inner = self._transport_handle()
+        return True if inner is None else inner.takes_newcomers()
 
     def abandon(self) -> bool:
-        method = getattr(self._transport_handle(), "abandon", None)  # duck-typed handles may lack it
-        return method is not None and method()
+        inner = self._transport_handle()
+        return inner is not None and inner.abandon()

@@ -46,7 +46,7 @@ class SyncLog:
             result, reason = handle.wait(timeout=max(0.0, timeout - (time.perf_counter() - start))), None
         except SyncFailed as e:
             result, reason = None, e.reason
-            self._messages[getattr(handle, "key", None)] = str(e)
+            self._messages[handle.key] = str(e)
         waited = time.perf_counter() - start
         self.stats.wait_s += waited
         return result, reason, waited

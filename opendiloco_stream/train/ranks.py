@@ -220,7 +220,7 @@ class Replicated(LeaderMirror):
 
     def __init__(self, ranks: Ranks, params: list[torch.Tensor], inner: Any = None,
                  stop_source: Optional[Callable[[], bool]] = None):
-        if inner is not None and getattr(inner, "waits_in_optimizer_step", False):
+        if inner is not None and inner.waits_in_optimizer_step:
             raise ConfigError("mode 'data-parallel' averages gradients inside the optimizer step: "
                               "it runs with one rank per peer (nproc_per_node = 1)")
         self._ranks, self._params, self._inner = ranks, params, inner

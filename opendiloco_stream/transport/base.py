@@ -23,9 +23,11 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional, Protocol
 
 import torch
+
+from opendiloco_stream.compression.codecs import Codec
 
 
 class SyncFailed(RuntimeError):
@@ -72,9 +74,11 @@ class SyncResult:
 
 
 class SyncHandle(abc.ABC):
-    """A pending all-reduce."""
+    """A pending all-reduce. Transports' handles and test doubles subclass it: the defaults of
+    ``settle``, ``takes_newcomers`` and ``abandon`` are those of a transport without matchmaking."""
 
-    key: Hashable
+    #: the round's key, ``(fragment, round)``
+    key: Hashable = None
 
     @abc.abstractmethod
     def done(self) -> bool:
@@ -111,14 +115,11 @@ class SyncHandle(abc.ABC):
         return False
 
 
-class Transport(abc.ABC):
-    """One peer's view of the group."""
+class AllReduce(Protocol):
+    """The all-reduce itself: what every transport offers and every algorithm needs."""
 
     #: a printable identifier of this peer
-    peer_id: str = "?"
-    #: whether ``round_late`` sees the other peers' rounds (a networked transport with a live view
-    #: of the swarm); a wait for a round then gives it up once the swarm has moved past it
-    watches_swarm: bool = False
+    peer_id: str
 
     @abc.abstractmethod
     def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> SyncHandle:
@@ -128,13 +129,6 @@ class Transport(abc.ABC):
         The caller must not modify ``tensor`` afterwards; the transport may keep a reference.
         """
 
-    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
-        """Round ``key`` comes soon, in about ``lead_s`` seconds: a transport with matchmaking may
-        form its group now, so that ``all_reduce(key, ...)`` starts exchanging at once. ``weight``
-        is the weight predicted for the round; such a transport uses it instead of the round's own.
-        The caller must launch ``key`` next on that fragment: a group formed ahead and never used
-        fails that round for its other members. Transports without matchmaking ignore it."""
-
     def prepare(self, numels: dict[int, int]) -> None:
         """Declare up front the flat size of every fragment this peer will reduce.
 
@@ -142,14 +136,24 @@ class Transport(abc.ABC):
         their per-fragment state here (the hivemind transport: one endpoint per fragment).
         """
 
-    def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
-        """Register a callable that returns the state a late joiner downloads from this peer."""
-
-    def wire_codec(self) -> Optional[Any]:
-        """The codec (``compression.Codec``) this transport encodes contributions with, or None where
-        it has none to tell: a peer whose outer gradients live on a GPU encodes them there first
-        with it (``algorithm/staging.py``), so that only the encoded bytes cross to the host."""
+    def wire_codec(self) -> Optional[Codec]:
+        """The codec this transport encodes contributions with, or None where it has none to tell:
+        a peer whose outer gradients live on a GPU encodes them there first with it
+        (``algorithm/staging.py``), so that only the encoded bytes cross to the host."""
         return None
+
+    def close(self) -> None:
+        """Release background resources; pending handles fail with reason "closed"."""
+
+
+class SwarmView(Protocol):
+    """What this peer sees of the other peers' rounds: lateness, launches, expected rounds, groups
+    formed ahead. The defaults are a transport without a view of the swarm (in-process, a test
+    double): nothing is late, nothing launched, announcements go nowhere."""
+
+    #: whether ``round_late`` sees the other peers' rounds (a networked transport with a live view
+    #: of the swarm); a wait for a round then gives it up once the swarm has moved past it
+    watches_swarm: bool = False
 
     def round_late(self, key: tuple[int, int]) -> bool:
         """Whether the other peers launched round ``key`` long enough ago that this peer, not yet at
@@ -158,16 +162,30 @@ class Transport(abc.ABC):
         swarm say False."""
         return False
 
-    def expect_rounds(self, keys: list[tuple[int, int]]) -> None:
-        """This peer just loaded a running swarm's state and takes part in these rounds (its next
-        round of every fragment): a networked transport announces it now, so the others wait for it."""
-
     def rounds_launched(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Of these rounds, those other peers launched already (a joiner's check that the state it
         downloaded is still current: one of its next rounds gone without it would leave its outer
         parameters a step apart from the swarm's for good). May block briefly; transports without
         a view of the swarm say none."""
         return []
+
+    def expect_rounds(self, keys: list[tuple[int, int]]) -> None:
+        """This peer just loaded a running swarm's state and takes part in these rounds (its next
+        round of every fragment): a networked transport announces it now, so the others wait for it."""
+
+    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
+        """Round ``key`` comes soon, in about ``lead_s`` seconds: a transport with matchmaking may
+        form its group now, so that ``all_reduce(key, ...)`` starts exchanging at once. ``weight``
+        is the weight predicted for the round; such a transport uses it instead of the round's own.
+        The caller must launch ``key`` next on that fragment: a group formed ahead and never used
+        fails that round for its other members. Transports without matchmaking ignore it."""
+
+
+class StateSource(Protocol):
+    """The run's state between peers: what this peer hands a late joiner, and the download of it."""
+
+    def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
+        """Register a callable that returns the state a late joiner downloads from this peer."""
 
     def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
                               since: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
@@ -176,5 +194,13 @@ class Transport(abc.ABC):
         ``since``: a state this peer loaded before (stale now): a transport may fetch only what changed."""
         return None
 
-    def close(self) -> None:
-        """Release background resources; pending handles fail with reason "closed"."""
+
+class Transport(AllReduce, SwarmView, StateSource, Protocol):
+    """One peer's view of the group: the all-reduce, the swarm's view and the state source.
+
+    Transports (``LocalTransport``, ``HivemindTransport``) and test doubles subclass it and inherit
+    the defaults of the parts they do not offer; a class that implements every method itself
+    satisfies it structurally. The algorithm calls every method directly, never probing for one.
+    """
+
+    peer_id: str = "?"
