@@ -83,8 +83,10 @@ class StreamingDiLoCo(HasSyncLog):
         if blocks is None:
             blocks = fr.find_blocks(model)
         config = self.config = config.resolved(len(blocks))  # num_fragments "auto": from the model's blocks
-        fragments = fr.partition(model, blocks, config.num_fragments, config.fragment_pattern)
-        offsets = fr.fragment_offsets(config.inner_steps, config.num_fragments)
+        num_fragments = config.num_fragments
+        assert isinstance(num_fragments, int), "resolved() gives a number of fragments"
+        fragments = fr.partition(model, blocks, num_fragments, config.fragment_pattern)
+        offsets = fr.fragment_offsets(config.inner_steps, num_fragments)
         # before the outer state exists: a forking transport's children would keep its old pages (docs/benchmarks.md)
         self.transport.prepare({f.index: f.numel for f in fragments})
         self.placement = self._place_outer_state(fragments, optimizer, param_access)

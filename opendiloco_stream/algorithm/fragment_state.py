@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, overload
 
 import torch
 
@@ -113,7 +113,15 @@ class FragmentState:
         """The local parameters as fp32 tensors on the outer device (themselves if they already are)."""
         return [q.to(self.device, torch.float32) for q in self.access.read(self.fragment)]
 
+    @overload
+    def to_outer_device(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def to_outer_device(self, t: None) -> None: ...
+    @overload
+    def to_outer_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]: ...
+
     def to_outer_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``t`` on the outer device (None stays None)."""
         return None if t is None else t.to(self.device)
 
     def outer_grad(self, reference: list[torch.Tensor]) -> torch.Tensor:

@@ -109,14 +109,14 @@ def partition(model: nn.Module, blocks: list[nn.Module], num_fragments: int,
             sizes[owner[id(p)]] += p.numel()
     for name, p in named:
         if id(p) not in owner:  # outside the blocks: smallest fragment so far
-            frag = min(range(P), key=lambda j: (sizes[j], j))
-            owner[id(p)] = frag
-            sizes[frag] += p.numel()
+            smallest = min(range(P), key=lambda j: (sizes[j], j))
+            owner[id(p)] = smallest
+            sizes[smallest] += p.numel()
         fragments[owner[id(p)]].names.append(name)
         fragments[owner[id(p)]].params.append(p)
-    for frag in fragments:
-        if not frag.params:
-            raise ValueError(f"fragment {frag.index} is empty; use fewer fragments")
+    for fragment in fragments:
+        if not fragment.params:
+            raise ValueError(f"fragment {fragment.index} is empty; use fewer fragments")
     return fragments
 
 

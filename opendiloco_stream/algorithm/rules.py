@@ -63,6 +63,12 @@ class SyncRule:
         """The local parameters restart from ``values``."""
         self.f.set_local(values)
 
+    def take_pending(self) -> _Pending:
+        """The round in flight, which the caller now consumes (there is one: the caller checked)."""
+        pending, self.pending = self.pending, None
+        assert pending is not None, "no round in flight"
+        return pending
+
     def on_step(self, t: int) -> None:
         """Inner step t, before the syncs due at t."""
 
@@ -71,7 +77,7 @@ class SyncRule:
 
     def finish(self) -> None:
         """End of training: record the round in flight (rules that apply it override this)."""
-        pending, self.pending = self.pending, None
+        pending = self.take_pending()
         self.host.consume(self.f, pending)
         self.host.keep_unsent(self.f)
 
@@ -119,7 +125,7 @@ class Overlap(SyncRule):
         self.apply()
 
     def apply(self) -> None:
-        f, pending, self.pending = self.f, self.pending, None
+        f, pending = self.f, self.take_pending()
 
         def merge(result: Optional[SyncResult]) -> dict[str, Any]:
             before = [t.clone() for t in f.outer]
@@ -216,7 +222,7 @@ class EagerCorrected(SyncRule):
         prev, scale = self.last, None
         if prev is None:
             estimate, kind = d, "local-only"
-        elif self.config.eager_estimate == "mixed" and prev.average is not None:
+        elif self.config.eager_estimate == "mixed" and prev.average is not None and prev.sent is not None:
             estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
         elif self.config.eager_estimate == "scaled" and prev.coef is not None:
             estimate, scale, kind = d, prev.coef, "eager"  # projected_estimate: d * its coefficient kept at landing
@@ -231,7 +237,7 @@ class EagerCorrected(SyncRule):
         peer's own outer gradient). With ``shift`` (mid-round, on arrival) the estimate step is
         swapped for the true one at once: local parameters and ``start`` move by
         theta_bar - start, keeping the local progress made since the restart."""
-        f, pending, self.pending = self.f, self.pending, None
+        f, pending = self.f, self.take_pending()
 
         def commit(result: Optional[SyncResult]) -> dict[str, Any]:
             before = _flat(f.outer)
@@ -254,7 +260,8 @@ class EagerCorrected(SyncRule):
         """The estimate round ``pending`` was given at its sync (up to the 'scaled' coefficient,
         which a cosine does not see)."""
         prev = self.last
-        if self.config.eager_estimate == "mixed" and prev is not None and prev.average is not None:
+        if (self.config.eager_estimate == "mixed" and prev is not None and prev.average is not None
+                and prev.sent is not None):
             return eager_estimate(pending.outer_grad, prev.average, prev.sent, prev.share)
         return pending.outer_grad
 

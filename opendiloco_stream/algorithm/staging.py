@@ -169,10 +169,12 @@ class Staging:
         self.codec = codec if (self.cuda if encode is None else encode) and device_encodes(codec) else None
         # fp32 on the wire: what this peer sent is its outer gradient itself, already on the device
         self.lossless = codec is not None and codec.name == "fp32"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # the side stream (CUDA only). Typed Any: torch's stubs declare ``record_stream``'s argument a
+        # ``torch._C.Stream``, which ``torch.cuda.Stream`` is not declared to be (torch 2.x)
+        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self._held: list[tuple[Ready, list[torch.Tensor]]] = []  # host buffers a side copy still reads
         self._held_lock = threading.Lock()
-        self._jobs: Optional["queue.Queue[Optional[Callable[[], None]]]"] = None
+        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ helpers
@@ -224,7 +226,7 @@ class Staging:
                 h.copy_(p, non_blocking=True)
             done = self._record()
         done.synchronize()
-        if len(host) == 1:
+        if self.codec is None or len(host) == 1:
             return host[0]
         return decode_parts(self.codec, host, flat.numel(), self.host_empty(flat.numel()))
 
@@ -237,8 +239,9 @@ class Staging:
         if not self.cuda:
             handle.started(self._launch_now(flat, None, start))
             return handle
-        after = Ready(torch.cuda.Event(), self.device)
-        after.event.record(torch.cuda.current_stream(self.device))
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        after = Ready(event, self.device)
         flat.record_stream(self.stream)  # the allocator must not reuse it before the side stream read it
         self._submit(lambda: handle.started(self._launch_now(flat, after, start)))
         return handle
@@ -253,7 +256,6 @@ class Staging:
 
     def _submit(self, job: Callable[[], None]) -> None:
         if self._thread is None:
-            self._jobs = queue.Queue()
             self._thread = threading.Thread(target=self._run, name="ods-staging", daemon=True)
             self._thread.start()
         self._jobs.put(job)
@@ -298,28 +300,34 @@ class StagedHandle(SyncHandle):
     def __init__(self, key: Any, staging: Staging, sent: Optional[torch.Tensor] = None):
         self.key, self.staging, self._sent = key, staging, sent  # _sent: what was sent, on the device (fp32)
         self._launched = threading.Event()
-        self._inner: Optional[concurrent.futures.Future] = None
+        self._inner: Optional["concurrent.futures.Future[SyncHandle]"] = None
         self._landed: Optional[tuple[SyncResult, Ready]] = None
         self._failure: Optional[BaseException] = None
 
-    def started(self, inner: concurrent.futures.Future) -> None:
+    def started(self, inner: "concurrent.futures.Future[SyncHandle]") -> None:
         self._inner = inner
         self._launched.set()
+
+    def _launch_future(self) -> "concurrent.futures.Future[SyncHandle]":
+        """The launch's outcome (the transport's handle, or why it failed); only once launched."""
+        assert self._inner is not None, "asked for a launch that has not happened"
+        return self._inner
 
     def _transport_handle(self, timeout: Optional[float] = 0.0) -> Optional[SyncHandle]:
         """The transport's handle; None while the launch is still copying (or failed: see wait)."""
         if not self._launched.wait(timeout):
             return None
-        return None if self._inner.exception() is not None else self._inner.result()
+        future = self._launch_future()
+        return None if future.exception() is not None else future.result()
 
-    def _land(self, result: SyncResult) -> None:
-        if self._landed is not None:
-            return
-        average, ready = self.staging.to_device(result.average)
-        sent = result.sent if self._sent is None else self._sent.view(-1)
-        if sent is not None and sent.device != average.device:
-            sent, ready = self.staging.to_device(sent)  # issued after the average's: its event covers both
-        self._landed = (dataclasses.replace(result, average=average, sent=sent), ready)
+    def _land(self, result: SyncResult) -> tuple[SyncResult, Ready]:
+        if self._landed is None:
+            average, ready = self.staging.to_device(result.average)
+            sent = result.sent if self._sent is None else self._sent.view(-1)
+            if sent is not None and sent.device != average.device:
+                sent, ready = self.staging.to_device(sent)  # issued after the average's: its event covers both
+            self._landed = (dataclasses.replace(result, average=average, sent=sent), ready)
+        return self._landed
 
     def done(self) -> bool:
         if self._landed is not None:
@@ -332,23 +340,24 @@ class StagedHandle(SyncHandle):
         if not inner.done():
             return False
         try:
-            self._land(inner.wait(0.0))
+            return self._land(inner.wait(0.0))[1].query()
         except SyncFailed:
             return True
-        return self._landed[1].query()
 
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._landed is None:
+        landed = self._landed
+        if landed is None:
             if not self._launched.wait(timeout):
                 raise SyncFailed(f"round {self.key}: its outer gradient was not on the host within {timeout:.1f}s",
                                  key=self.key, reason="timeout")
-            failure = self._inner.exception()
+            future = self._launch_future()
+            failure = future.exception()
             if failure is not None:
                 raise failure
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._land(self._inner.result().wait(left))
-        result, ready = self._landed
+            landed = self._land(future.result().wait(left))
+        result, ready = landed
         ready.wait_here()
         return result
 

@@ -145,7 +145,7 @@ class AloneWatch:
         self._causes[cause] = self._causes.get(cause, 0) + 1
         if self.streak >= ALONE_WARN_AFTER and not self.warned:
             self.warned = True
-            top = max(self._causes, key=self._causes.get)
+            top = max(self._causes, key=lambda c: self._causes[c])
             message = (f"this peer has synced alone for {self.streak} rounds in a row: "
                        f"{self.CAUSES.get(top, f'rounds fail ({top})')}; it is training alone, not with a swarm")
             self.emit({"event": "warning", "kind": "alone", "fragment": rec["fragment"], "round": rec["round"],
