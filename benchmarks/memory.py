@@ -71,8 +71,10 @@ def held_bytes(diloco: Any) -> int:
                 visit(v, depth + 1)
 
     params = {p.untyped_storage().data_ptr() for p in diloco.model.parameters()}
-    for f, rule in zip(diloco.frags, diloco.rules):  # a rule's own state: not its host or fragment
-        visit([f.outer, f.unsent, f.opt.opt.state, [v for k, v in vars(rule).items() if k not in ("host", "f", "config")]])
+    for s in diloco.syncs:  # a fragment's state, its round in flight and its rule's own state
+        f = s.f
+        visit([f.outer, f.unsent, f.opt.opt.state, s.pending,
+               [v for k, v in vars(s.rule).items() if k not in ("f", "config")]])
     visit(diloco.error_feedback)
     return sum(n for ptr, n in seen.items() if ptr not in params)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import dataclasses
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -26,7 +25,8 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
-from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess, _Pending
+from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess
+from opendiloco_stream.algorithm.fragment_sync import FragmentSync, Rounds
 from opendiloco_stream.algorithm.prematch import Prematcher
 from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
@@ -35,7 +35,7 @@ from opendiloco_stream.algorithm.staging import (
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
-from opendiloco_stream.transport.base import SyncResult, Transport
+from opendiloco_stream.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +68,9 @@ class StreamingDiLoCo(HasSyncLog):
         self.model, self.optimizer, self.transport, self.config = model, optimizer, transport, config
         self.step_count = 0  # t: inner steps taken
         self.log = SyncLog(on_event, config.record_digests)
-        # error feedback: what the codec did not send waits in a residual buffer added to the next
-        # outer gradient ('buffer'), or in this peer's local parameters ('parameters', see keep_unsent)
-        self._unsent_in_params = config.use_error_feedback and config.error_feedback_mode == "parameters"
-        self.error_feedback = (ErrorFeedback(config.error_feedback_decay)
-                               if config.use_error_feedback and not self._unsent_in_params else None)
         self._closed = False
         self._catching_up = False  # inside step()'s jump to the swarm's round
         self._loaded = False  # a state was loaded (resume or join): theta_bar is not the initial model
-        self._prematcher = Prematcher(transport, config.prematch_steps, self._weight)  # groups formed ahead
         # state_dict() may run in another thread (a late joiner's download): it must never see a
         # half-applied step, e.g. the step counter advanced but a fragment's outer step not yet done
         self._lock = threading.RLock()
@@ -92,9 +86,12 @@ class StreamingDiLoCo(HasSyncLog):
         self.placement = self._place_outer_state(fragments, optimizer, param_access)
         self.frags = [FragmentState(f, o, config, param_access, self.placement) for f, o in zip(fragments, offsets)]
         # outer gradients to the transport and averages back, off the training thread (staging.py)
-        self.staging = Staging(self.frags[0].device, transport.wire_codec())
+        staging = Staging(self.frags[0].device, transport.wire_codec())
+        self.rounds = Rounds(transport, staging, config, self.log, lambda: self.step_count,
+                             lambda: self._catching_up, self._swarm_past)
+        self._prematcher = Prematcher(transport, config.prematch_steps, self.rounds.weight)  # groups formed ahead
         rule = rule_class(config)  # what each fragment's rounds do: algorithm/rules.py
-        self.rules: list[SyncRule] = [rule(self, f, config) for f in self.frags]
+        self.syncs = [FragmentSync(f, rule(f, config), self.rounds) for f in self.frags]
         self.transport.set_state_provider(self._shared_state)
 
     def _place_outer_state(self, fragments: list[fr.Fragment], optimizer: torch.optim.Optimizer,
@@ -108,6 +105,25 @@ class StreamingDiLoCo(HasSyncLog):
         access = param_access if param_access is not None else DirectAccess()
         device = access.read(fragments[0])[0].device
         return place_outer_state(c.outer_device, device, outer, adamw_pending_bytes(optimizer))
+
+    @property
+    def rules(self) -> list[SyncRule]:
+        """Each fragment's rule (its policy)."""
+        return [s.rule for s in self.syncs]
+
+    @property
+    def staging(self) -> Staging:
+        """Outer gradients to the transport and averages back (``staging.py``)."""
+        return self.rounds.staging
+
+    @staging.setter
+    def staging(self, staging: Staging) -> None:
+        self.rounds.staging = staging
+
+    @property
+    def error_feedback(self) -> Optional[ErrorFeedback]:
+        """The residual buffers of error feedback 'buffer' (None without it, or 'parameters')."""
+        return self.rounds.error_feedback
 
     @property
     def fragments(self) -> list[fr.Fragment]:
@@ -176,93 +192,17 @@ class StreamingDiLoCo(HasSyncLog):
         t, H = self.step_count, self.config.inner_steps
         for f in self.frags:
             f.tokens += tokens
-        for r in self.rules:  # overlap's merge at t_k + tau; on-arrival rules land what arrived
-            r.on_step(t)
-        for f, r in zip(self.frags, self.rules):
-            if fr.syncs_at(t, f.offset, H):
-                r.sync(fr.round_index(t, f.offset, H))
-                self.keep_unsent(f)
+        for s in self.syncs:  # overlap's merge at t_k + tau; on-arrival rules land what arrived
+            s.on_step(t)
+        for s in self.syncs:
+            if fr.syncs_at(t, s.f.offset, H):
+                s.sync(fr.round_index(t, s.f.offset, H))
         if not self._catching_up:
             self._prematcher.after_step(t, self.frags, H, tokens)
-
-    def _weight(self, tokens: int) -> float:
-        return 1.0 if self.config.weighting == "equal" or tokens == 0 else float(tokens)
 
     # ------------------------------------------------------------------ rounds
     def _round_late(self, fragment: int, k: int) -> bool:
         return self.transport.round_late((fragment, k))
-
-    def launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
-        """Put round k of fragment ``f`` on the wire with outer gradient ``d`` (for the rules)."""
-        send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
-        key, weight = (f.index, k), self._weight(f.tokens)
-        handle = self.staging.launch(key, send, lambda host: self.transport.all_reduce(key, host, weight=weight))
-        f.tokens = 0
-        t = self.step_count
-        return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)
-
-    def _wait(self, f: FragmentState, pending: _Pending) -> tuple[Optional[SyncResult], Optional[str], float]:
-        if self._catching_up and not pending.handle.done() and self._round_late(f.index, pending.round + 1):
-            # the others launched this fragment's next round a while ago: this round is over for
-            # them, and waiting for its group would only make this peer late again
-            pending.handle.abandon()
-        give_up = self._swarm_past if self.transport.watches_swarm else None
-        result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout, give_up=give_up)
-        if result is not None and result.average.device != f.device:  # transports hand back CPU tensors
-            result = dataclasses.replace(result, average=f.to_outer_device(result.average),
-                                         sent=f.to_outer_device(result.sent))
-        if self.error_feedback is not None:
-            # residual = what we meant to send minus what went on the wire; dropped if the round failed
-            if result is not None:
-                self.error_feedback.update(f.index, pending.sent_input, result.sent)
-            else:
-                self.error_feedback.reset(f.index)
-        elif self._unsent_in_params and result is not None:
-            # a failed round leaves nothing unsent: theta_bar steps with the whole d (local-only)
-            f.unsent = (pending.sent_input - result.sent) * self.config.error_feedback_decay
-        return result, reason, waited
-
-    def keep_unsent(self, f: FragmentState, scale: float = 1.0) -> None:
-        """Error feedback in the parameters: after a round's result is applied, the local
-        parameters move by minus what this peer did not send, so the inner loop goes on from its
-        own unsent progress and the next outer gradient (taken against theta_bar, or ``start``)
-        carries it, instead of re-learning it and adding it to a residual buffer.
-
-        ``scale``: the part of it still to move. A rule that restarts the local parameters moves
-        all of it (1). A merge that keeps alpha of the local parameters' deviation from theta_bar
-        has already kept alpha of the unsent part (it is in that deviation): it moves the rest,
-        ``1 - alpha``, so the unsent part is carried exactly once (moving all of it carried
-        ``1 + alpha`` of it into the next outer gradient: a part never sent grew by that factor
-        every round until the run diverged)."""
-        if f.unsent is not None:
-            f.set_local([q - scale * u for q, u in zip(f.local(), f.split(f.unsent))])
-            f.unsent = None
-
-    def consume(self, f: FragmentState, pending: _Pending, applied: bool = False,
-                apply: Optional[Callable[[Optional[SyncResult]], dict[str, Any]]] = None) -> Optional[SyncResult]:
-        """Wait for a round and record it (for the rules). ``applied``: the record says what this
-        sync applies ("average", or "local-only" if the round failed), as blocking and overlap do.
-        ``apply(result)``, if given, runs before the record is emitted and returns fields for it
-        (how the landed average compared with what the peer went on with meanwhile). Every record
-        says ``land_steps``: inner steps from the round's launch to this step."""
-        result, reason, waited = self._wait(f, pending)
-        extra = {"land_steps": self.step_count - pending.launched_at}
-        if result is not None:
-            stats = self.log.stats
-            stats.land_steps += extra["land_steps"]
-            stats.peak_land_steps = max(stats.peak_land_steps, extra["land_steps"])
-        if apply is not None:
-            extra.update(apply(result))
-        estimate = ("average" if result is not None else "local-only") if applied else None
-        self.log.record(f.index, pending.round, self.step_count, result, reason, waited, estimate, extra)
-        return result
-
-    def log_outer_step(self, f: FragmentState, k: int, kind: str) -> None:
-        """Record an outer step taken at a sync with an estimate ``kind`` (for the rules)."""
-        if kind == "local-only":
-            self.log.stats.local_only_steps += 1
-        self.log.emit({"event": "outer_step", "fragment": f.index, "round": k, "step": self.step_count,
-                       "estimate": kind})
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -274,8 +214,7 @@ class StreamingDiLoCo(HasSyncLog):
         """
         with self._lock:
             return {"step": self.step_count, "mode": self.config.mode,
-                    "fragments": [{**f.state_dict(), **r.state_dict(self.config.sync_timeout)}
-                                  for f, r in zip(self.frags, self.rules)],
+                    "fragments": [s.state_dict(self.config.sync_timeout) for s in self.syncs],
                     "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict()}
 
     def at_initial_model(self) -> bool:
@@ -303,7 +242,7 @@ class StreamingDiLoCo(HasSyncLog):
 
     def _rounds_closed(self) -> bool:
         """Whether a launched round not yet applied is closed to newcomers (``takes_newcomers``)."""
-        return any(r.pending is not None and not r.pending.handle.takes_newcomers() for r in self.rules)
+        return any(s.pending is not None and not s.pending.handle.takes_newcomers() for s in self.syncs)
 
     def load_state_dict(self, state: dict[str, Any], *, joiner: bool = False) -> None:
         """Restore from ``state_dict()``. With ``joiner=True`` (state from another peer) the local
@@ -320,13 +259,12 @@ class StreamingDiLoCo(HasSyncLog):
             if len(state["fragments"]) != len(self.frags):
                 raise ValueError(f"state has {len(state['fragments'])} fragments, this model has {len(self.frags)}")
             self.step_count = int(state["step"])
-            for f, r, st in zip(self.frags, self.rules, state["fragments"]):
-                f.load_state_dict(st, joiner)
-                r.load_state_dict(st, joiner)
-            if self.error_feedback is not None:
-                self.error_feedback = ErrorFeedback(self.config.error_feedback_decay)
+            for s, st in zip(self.syncs, state["fragments"]):
+                s.load_state_dict(st, joiner)
+            if self.rounds.error_feedback is not None:
+                self.rounds.error_feedback = ErrorFeedback(self.config.error_feedback_decay)
                 if not joiner and state.get("error_feedback") is not None:
-                    self.error_feedback.load_state_dict(state["error_feedback"])
+                    self.rounds.error_feedback.load_state_dict(state["error_feedback"])
             if joiner:  # so that the others count this peer in them
                 self.transport.expect_rounds(self.next_rounds())
 
@@ -346,7 +284,7 @@ class StreamingDiLoCo(HasSyncLog):
     @property
     def in_flight(self) -> bool:
         """Whether a launched round has not been applied yet (what ``finish`` would apply)."""
-        return any(r.pending is not None for r in self.rules)
+        return any(s.pending is not None for s in self.syncs)
 
     def finish(self) -> None:
         """End of training: let the rounds still in flight land and apply them, so the final model
@@ -356,9 +294,8 @@ class StreamingDiLoCo(HasSyncLog):
         Eager 'paper' and naive-delayed have no correction step and only record the rounds.
         Call it once, after the last ``step()``; the state is no longer an exact resume point."""
         with self._lock:
-            for r in self.rules:
-                if r.pending is not None:
-                    r.finish()
+            for s in self.syncs:
+                s.finish()
 
     @contextlib.contextmanager
     def global_params(self) -> Iterator[None]:

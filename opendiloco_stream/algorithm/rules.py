@@ -1,14 +1,19 @@
-"""One object per sync rule: what a mode does with one fragment's rounds.
+"""One policy per sync rule: what a mode does with one fragment's rounds.
 
-A rule owns the fragment's round in flight and whatever else its mode keeps between syncs (eager
-'corrected': the look-ahead start and the last landed round; eager 'paper' and naive-delayed: the
-last consumed round). ``StreamingDiLoCo`` keeps the schedule, the transport and the log, and calls:
+A rule is a policy over one fragment's state (``FragmentState``: theta_bar, its outer optimizer,
+the local parameters) plus whatever its mode keeps between rounds (eager 'corrected': the
+look-ahead start and the last landed round; eager 'paper' and naive-delayed: the last consumed
+round). It never launches, waits or logs: the fragment's sync (``algorithm/fragment_sync.py``)
+owns the round in flight, puts rounds on the wire, waits for them and records them, and asks the
+rule
 
-* ``on_step(t)`` at every inner step, before the syncs due at t (overlap applies, on-arrival rules
-  land what arrived);
-* ``sync(k)`` at the fragment's sync step of round k (take the outer gradient, launch, step);
-* ``finish()`` at the end of training (apply what is still in flight);
-* ``state_dict`` / ``load_state_dict`` for checkpoints and late joiners.
+* ``reference`` -- what the outer gradient is taken against;
+* ``due(pending, t)`` -- at inner step t, whether the round in flight lands now (overlap at
+  t_k + tau, the on-arrival rules once it arrived);
+* ``land(pending, result, at_sync)`` -- the round's result (None: it failed) landed: apply it and
+  say what was done (a :class:`Landing`);
+* ``after_launch(k, d)`` -- round k was launched with outer gradient d: the estimate step, if the
+  rule takes one (its kind, for the record).
 
 ``rule_class(config)`` picks the class; a new rule is one class here plus its config choice.
 docs/algorithm.md states each rule's formulas.
@@ -16,18 +21,15 @@ docs/algorithm.md states each rule's formulas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
-from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending, pending_from_state, pending_state
+from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge, projection_coefficient
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncResult
-
-if TYPE_CHECKING:  # the host: StreamingDiLoCo (launch, consume, keep_unsent, log_outer_step, log)
-    from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
 
 
 def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -44,49 +46,59 @@ def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if nb == 0.0 else float(a.norm()) / nb
 
 
-class SyncRule:
-    """One fragment's rounds under one mode. The base keeps the round in flight (``pending``)."""
+@dataclass
+class Landing:
+    """What a rule did with a landed round, for the fragment's sync to finish it.
 
-    def __init__(self, host: "StreamingDiLoCo", f: FragmentState, config: DiLoCoConfig):
-        self.host, self.f, self.config = host, f, config
-        self.pending: Optional[_Pending] = None
+    ``fields``: extra fields of the round's record (how the average compared with what the peer
+    went on with meanwhile). ``unsent_scale``: the part of this peer's unsent progress (error
+    feedback in the parameters) the local parameters take now; None: at the end of the sync step
+    (the rule restarts the local parameters after the launch). ``local_only``: a failed round
+    counts as an outer step taken with this peer's own outer gradient."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    unsent_scale: Optional[float] = 1.0
+    local_only: bool = False
+
+
+class SyncRule:
+    """One fragment's rounds under one mode (the module docstring says what it is asked)."""
+
+    #: the round is waited for at its own sync (blocking), not left in flight
+    waits_at_sync = False
+    #: the round's record says what it applied ("average", or "local-only" if it failed)
+    records_applied = False
+
+    def __init__(self, f: FragmentState, config: DiLoCoConfig):
+        self.f, self.config = f, config
 
     @property
     def reference(self) -> list[torch.Tensor]:
         """What outer gradients are taken against: ``d = reference - theta_local``."""
         return self.f.outer
 
-    def outer_grad(self) -> torch.Tensor:
-        return self.f.outer_grad(self.reference)
-
     def restart_from(self, values: list[torch.Tensor]) -> None:
         """The local parameters restart from ``values``."""
         self.f.set_local(values)
 
-    def take_pending(self) -> _Pending:
-        """The round in flight, which the caller now consumes (there is one: the caller checked)."""
-        pending, self.pending = self.pending, None
-        assert pending is not None, "no round in flight"
-        return pending
+    def due(self, pending: _Pending, t: int) -> bool:
+        """Whether the round in flight lands at inner step t (before the syncs due at t)."""
+        return False
 
-    def on_step(self, t: int) -> None:
-        """Inner step t, before the syncs due at t."""
+    def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
+        """The round landed (``at_sync``: at the fragment's next sync, before its launch; else on
+        arrival, or at the end of training). The base records it and applies nothing."""
+        return Landing(unsent_scale=None if at_sync else 1.0)
 
-    def sync(self, k: int) -> None:
-        raise NotImplementedError
+    def after_launch(self, k: int, d: torch.Tensor) -> Optional[str]:
+        """Round k was launched with outer gradient ``d``: the estimate step, if any (its kind)."""
+        return None
 
-    def finish(self) -> None:
-        """End of training: record the round in flight (rules that apply it override this)."""
-        pending = self.take_pending()
-        self.host.consume(self.f, pending)
-        self.host.keep_unsent(self.f)
-
-    def state_dict(self, timeout: float) -> dict[str, Any]:
-        """The rule's part of the fragment's checkpoint (the keys every rule writes, None if unused)."""
-        return {"start": None, "pending": pending_state(self.pending, timeout), "last": None, "previous": None}
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's part of the fragment's checkpoint (None where unused)."""
+        return {"start": None, "last": None, "previous": None}
 
     def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
-        self.pending = pending_from_state(st["pending"], self.f, joiner)
         if joiner:  # a joiner has not trained: it starts from the outer parameters
             self.restart_from(self.f.outer)
 
@@ -94,53 +106,41 @@ class SyncRule:
 class Blocking(SyncRule):
     """tau = 0: wait for round k at its sync, step theta_bar with the average, restart from it."""
 
-    def sync(self, k: int) -> None:
-        d = self.outer_grad()
-        pending = self.host.launch(self.f, k, d)
-        result = self.host.consume(self.f, pending, applied=True)
-        self.f.opt.step(result.average if result is not None else d)
+    waits_at_sync = True
+    records_applied = True
+
+    def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
+        self.f.opt.step(result.average if result is not None else pending.outer_grad)
         self.restart_from(self.f.outer)
+        return Landing()
 
 
 class Overlap(SyncRule):
     """Launch at the sync, keep training; when the round is applied, step theta_bar with the
     average and merge: ``theta <- alpha * theta + (1 - alpha) * theta_bar``. Overlap applies at
-    t_k + tau; the eager rules below at the first step after the round landed."""
+    t_k + tau; the eager rules below at the first step after the round landed (and a round not
+    landed by the fragment's next sync is waited for there)."""
 
+    records_applied = True
     on_arrival = False
 
-    def on_step(self, t: int) -> None:
-        p = self.pending
-        if p is None:
-            return
-        if p.apply_at == t if not self.on_arrival else (p.launched_at < t and p.handle.done()):
-            self.apply()
+    def due(self, pending: _Pending, t: int) -> bool:
+        if self.on_arrival:
+            return pending.launched_at < t and pending.handle.done()
+        return pending.apply_at == t
 
-    def sync(self, k: int) -> None:
-        if self.pending is not None:  # not landed by the next sync: wait for it (never under overlap)
-            self.apply()
-        self.pending = self.host.launch(self.f, k, self.outer_grad())
-
-    def finish(self) -> None:
-        self.apply()
-
-    def apply(self) -> None:
-        f, pending = self.f, self.take_pending()
-
-        def merge(result: Optional[SyncResult]) -> dict[str, Any]:
-            before = [t.clone() for t in f.outer]
-            f.opt.step(result.average if result is not None else pending.outer_grad)
-            local = f.local()
-            merged = self.merged(local, before, pending)
-            fields = {} if result is None else {
-                "estimate_cos": round(_cos(pending.outer_grad, result.average), 6),
-                "correction_ratio": round(_ratio(_flat(merged) - _flat(local), _flat(before) - _flat(f.outer)), 6)}
-            f.set_local(merged)
-            return fields
-
-        if self.host.consume(f, pending, applied=True, apply=merge) is None:
-            self.host.log.stats.local_only_steps += 1
-        self.host.keep_unsent(f, scale=1.0 - self.config.alpha)  # the merge kept alpha of it
+    def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
+        f = self.f
+        before = [t.clone() for t in f.outer]
+        f.opt.step(result.average if result is not None else pending.outer_grad)
+        local = f.local()
+        merged = self.merged(local, before, pending)
+        fields = {} if result is None else {
+            "estimate_cos": round(_cos(pending.outer_grad, result.average), 6),
+            "correction_ratio": round(_ratio(_flat(merged) - _flat(local), _flat(before) - _flat(f.outer)), 6)}
+        f.set_local(merged)
+        # the merge kept alpha of the unsent part (it is in the local deviation): the rest moves
+        return Landing(fields, unsent_scale=1.0 - self.config.alpha, local_only=True)
 
     def merged(self, local: list[torch.Tensor], before: list[torch.Tensor], pending: _Pending) -> list[torch.Tensor]:
         """The local parameters after the merge (``before``: theta_bar before the round's step)."""
@@ -193,8 +193,8 @@ class EagerCorrected(SyncRule):
     one-off look-ahead step on top of theta_bar with an estimate of round k's average, which the
     true average replaces when it lands (on arrival, or at the next sync)."""
 
-    def __init__(self, host: "StreamingDiLoCo", f: FragmentState, config: DiLoCoConfig):
-        super().__init__(host, f, config)
+    def __init__(self, f: FragmentState, config: DiLoCoConfig):
+        super().__init__(f, config)
         self.start = [f.fp32_copy(t) for t in f.outer]  # where the local parameters restarted from
         self.last: Optional[_Last] = None  # the last round that landed
         self.on_arrival = config.eager_correction == "on-arrival"
@@ -209,16 +209,10 @@ class EagerCorrected(SyncRule):
                 s.copy_(v)
         self.f.set_local(values)
 
-    def on_step(self, t: int) -> None:
-        p = self.pending
-        if self.on_arrival and p is not None and p.launched_at < t and p.handle.done():  # a non-blocking look
-            self.land(shift=True)
+    def due(self, pending: _Pending, t: int) -> bool:
+        return self.on_arrival and pending.launched_at < t and pending.handle.done()  # a non-blocking look
 
-    def sync(self, k: int) -> None:
-        f, d = self.f, self.outer_grad()
-        if self.pending is not None:
-            self.land(shift=False)
-        self.pending = self.host.launch(f, k, d)
+    def after_launch(self, k: int, d: torch.Tensor) -> Optional[str]:
         prev, scale = self.last, None
         if prev is None:
             estimate, kind = d, "local-only"
@@ -229,32 +223,29 @@ class EagerCorrected(SyncRule):
         else:
             estimate, kind = d, "eager"
         # the look-ahead is written straight into ``start``, param by param
-        self.restart_from(f.opt.lookahead(estimate, scale=scale, out=self.start))
-        self.host.log_outer_step(f, k, kind)
+        self.restart_from(self.f.opt.lookahead(estimate, scale=scale, out=self.start))
+        return kind
 
-    def land(self, shift: bool) -> None:
+    def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
         """Round k's average lands: theta_bar <- OuterOpt(theta_bar, avg_k) (a failed round: this
-        peer's own outer gradient). With ``shift`` (mid-round, on arrival) the estimate step is
-        swapped for the true one at once: local parameters and ``start`` move by
+        peer's own outer gradient). Mid-round (on arrival, or at the end of training) the estimate
+        step is swapped for the true one at once: local parameters and ``start`` move by
         theta_bar - start, keeping the local progress made since the restart."""
-        f, pending = self.f, self.take_pending()
-
-        def commit(result: Optional[SyncResult]) -> dict[str, Any]:
-            before = _flat(f.outer)
-            f.opt.step(result.average if result is not None else pending.outer_grad)
-            if result is None:
-                return {}
+        f = self.f
+        before = _flat(f.outer)
+        f.opt.step(result.average if result is not None else pending.outer_grad)
+        fields: dict[str, Any] = {}
+        if result is not None:
             after = _flat(f.outer)  # the correction: the true step minus the estimate's look-ahead step
-            return {"estimate_cos": round(_cos(self._estimate_of(pending), result.average), 6),
-                    "correction_ratio": round(_ratio(after - _flat(self.start), after - before), 6)}
-
-        result = self.host.consume(f, pending, apply=commit)
+            fields = {"estimate_cos": round(_cos(self._estimate_of(pending), result.average), 6),
+                      "correction_ratio": round(_ratio(after - _flat(self.start), after - before), 6)}
         self.keep_last(result)
-        if shift:
-            local = [q + o - s_ for q, o, s_ in zip(f.local(), f.outer, self.start)]
-            self.restart_from(f.outer)
-            f.set_local(local)
-            self.host.keep_unsent(f)
+        if at_sync:
+            return Landing(fields, unsent_scale=None)
+        local = [q + o - s_ for q, o, s_ in zip(f.local(), f.outer, self.start)]
+        self.restart_from(f.outer)
+        f.set_local(local)
+        return Landing(fields)
 
     def _estimate_of(self, pending: _Pending) -> torch.Tensor:
         """The estimate round ``pending`` was given at its sync (up to the 'scaled' coefficient,
@@ -269,12 +260,9 @@ class EagerCorrected(SyncRule):
         self.last = None if result is None or not result.included_self else _Last.of(
             result.average, result.sent, result.weight_share, result.group_size, self.config.eager_estimate)
 
-    def finish(self) -> None:
-        self.land(shift=True)
-
-    def state_dict(self, timeout: float) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         last = self.last
-        return {**super().state_dict(timeout), "start": [t.clone() for t in self.start],
+        return {**super().state_dict(), "start": [t.clone() for t in self.start],
                 "last": None if last is None else {
                     "share": last.share, "group_size": last.group_size, "coef": last.coef,
                     "average": None if last.average is None else last.average.clone(),
@@ -307,22 +295,23 @@ class _Previous:
 
 
 class Delayed(SyncRule):
-    """Eager 'paper' (and, with ``naive``, naive-delayed): consume round k-1, launch round k, step
-    theta_bar with the estimate (the outer optimizer's momentum consumes it) and restart from it."""
+    """Eager 'paper' (and, with ``naive``, naive-delayed): consume round k-1 at the sync, launch
+    round k, step theta_bar with the estimate (the outer optimizer's momentum consumes it) and
+    restart from it."""
 
     naive = False
 
-    def __init__(self, host: "StreamingDiLoCo", f: FragmentState, config: DiLoCoConfig):
-        super().__init__(host, f, config)
+    def __init__(self, f: FragmentState, config: DiLoCoConfig):
+        super().__init__(f, config)
         self.previous: Optional[_Previous] = None
 
-    def sync(self, k: int) -> None:
-        f, d = self.f, self.outer_grad()
-        if self.pending is not None:
-            result = self.host.consume(f, self.pending)
+    def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
+        if at_sync:  # the estimate of the round launched next (the end of training launches none)
             self.previous = None if result is None else _Previous(
                 result.average, result.sent, result.weight_share, result.group_size, result.included_self)
-        self.pending = self.host.launch(f, k, d)
+        return super().land(pending, result, at_sync)
+
+    def after_launch(self, k: int, d: torch.Tensor) -> Optional[str]:
         prev = self.previous
         if prev is None:
             estimate, kind = d, "local-only"
@@ -333,12 +322,12 @@ class Delayed(SyncRule):
         else:
             estimate, kind = joiner_estimate(d, prev.average, prev.group_size), "eager-joiner"
         self.previous = None  # each round's result is used exactly once
-        f.opt.step(estimate)
-        self.restart_from(f.outer)
-        self.host.log_outer_step(f, k, kind)
+        self.f.opt.step(estimate)
+        self.restart_from(self.f.outer)
+        return kind
 
-    def state_dict(self, timeout: float) -> dict[str, Any]:
-        return {**super().state_dict(timeout),
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(),
                 "previous": None if self.previous is None else dict(self.previous.__dict__)}
 
     def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
@@ -360,7 +349,7 @@ EAGER_RULES: dict[str, type[SyncRule]] = {"corrected": EagerCorrected, "paper": 
 MODE_RULES: dict[str, type[SyncRule]] = {"blocking": Blocking, "overlap": Overlap, "naive-delayed": NaiveDelayed}
 
 
-def rule_class(config: DiLoCoConfig) -> Callable[["StreamingDiLoCo", FragmentState, DiLoCoConfig], SyncRule]:
+def rule_class(config: DiLoCoConfig) -> type[SyncRule]:
     """The rule of ``config.mode`` (and ``config.eager_rule`` for eager)."""
     if config.mode == "eager":
         return EAGER_RULES[config.eager_rule]
