@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -852,3 +853,62 @@ def test_a_state_dict_is_a_snapshot_that_later_steps_do_not_change(mode):
     assert "momentum_buffer" in repr(seen["manifest"]["structure"])
     assert [tensor_digest(t) for t in seen["tensors"]] == seen["manifest"]["digests"]
 
+
+
+@pytest.mark.parametrize("mode", ["eager", "blocking", "data-parallel"])
+def test_the_with_form_trains_the_same_bits_as_explicit_step_calls(mode):
+    """``with wrap(...) as diloco``: the optimizer's step post-hook calls ``diloco.step`` with the
+    tokens ``count_tokens`` gave, so 12 inner steps of two peers (token-weighted rounds) end with
+    the same parameters as the explicit ``opt.step(); diloco.step(tokens=...)`` loop; leaving the
+    block removes the hook and closes the wrapper."""
+    config = DiLoCoConfig(inner_steps=4, num_fragments=2, mode=mode, codec="fp32")
+
+    def train(with_form: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        models = [make_mlp() for _ in range(2)]
+        swarm = LocalSwarm(num_workers=2)
+
+        def worker(rank):
+            model = models[rank]
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(rank)
+            diloco = wrap(model, opt, transport=swarm.transport(rank), config=config, blocks=list(model))
+            batches = [torch.randn(3 + rank + t % 2, 8, generator=gen) for t in range(12)]
+            if with_form:
+                with diloco:
+                    for x in batches:
+                        model(x).pow(2).mean().backward()
+                        diloco.count_tokens(x.numel())
+                        opt.step()
+                        opt.zero_grad()
+                with pytest.raises(RuntimeError, match="after close"):
+                    diloco.step()  # closed on leaving the block
+                opt.step()  # the hook is gone: a closed wrapper's step would raise
+                assert diloco.step_count == 12
+            else:
+                for x in batches:
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    diloco.step(tokens=x.numel())
+                diloco.close()
+
+        swarm.run(worker)
+        return [p.detach().clone() for m in models for p in m.parameters()]
+
+    hooked, explicit = train(True), train(False)
+    assert len(hooked) == len(explicit) and all(torch.equal(a, b) for a, b in zip(hooked, explicit))
+    assert any(not torch.equal(a, b) for a, b in zip(hooked, make_mlp().parameters()))  # it trained
+
+
+def test_the_readme_python_example_runs_as_written_and_trains_both_workers():
+    """README.md's Python example (its first python block), run as it is printed."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    setup, run = code.split("swarm.run(worker)")  # the models as built, before training
+    namespace: dict = {}
+    exec(compile(setup, "README.md", "exec"), namespace)  # noqa: S102 - the project's own example
+    before = [[p.detach().clone() for p in m.parameters()] for m in namespace["models"]]
+    exec(compile("swarm.run(worker)" + run, "README.md", "exec"), namespace)  # noqa: S102
+    for m, initial in zip(namespace["models"], before):
+        assert any(not torch.equal(a, b) for a, b in zip(m.parameters(), initial))

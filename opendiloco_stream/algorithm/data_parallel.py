@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
+from opendiloco_stream.algorithm.step_hook import StepHooked
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import Transport
@@ -22,11 +23,12 @@ from opendiloco_stream.transport.base import Transport
 MAX_STEPS_BEHIND = 64  # how far past its next round one catch-up looks
 
 
-class DataParallel(HasSyncLog):
+class DataParallel(HasSyncLog, StepHooked):
     """Averages gradients inside ``optimizer.step()`` (a step pre-hook), every inner step.
 
     The wait for the average happens inside the optimizer step; ``waits_in_optimizer_step`` tells a
-    training loop to count it as communication, not compute.
+    training loop to count it as communication, not compute. ``with DataParallel(...)`` calls
+    ``step()`` from a step post-hook as well (``step_hook.py``).
     """
 
     waits_in_optimizer_step = True

@@ -8,6 +8,12 @@ The user's training loop stays vanilla; call ``diloco.step()`` once after every 
         diloco.step(tokens=batch.numel())
     diloco.close()
 
+or let the optimizer call it (a step post-hook, ``algorithm/step_hook.py``)::
+
+    with wrap(model, opt, transport=..., config=DiLoCoConfig(...)) as diloco:
+        for batch in data:
+            loss(model, batch).backward(); diloco.count_tokens(batch.numel()); opt.step(); opt.zero_grad()
+
 ``wrap`` returns a :class:`StreamingDiLoCo` (blocking, overlap, eager, naive-delayed) or, for the
 ``data-parallel`` baseline, a :class:`~opendiloco_stream.algorithm.data_parallel.DataParallel`.
 No networking here: everything goes through a Transport. docs/algorithm.md states every rule.
@@ -32,6 +38,7 @@ from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
     OuterPlacement, Staging, adamw_pending_bytes, outer_state_bytes, place_outer_state,
 )
+from opendiloco_stream.algorithm.step_hook import StepHooked
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
@@ -42,8 +49,12 @@ logger = logging.getLogger(__name__)
 MAX_ROUNDS_BEHIND = 16  # how many rounds of one fragment a catch-up looks past the next one
 
 
-class StreamingDiLoCo(HasSyncLog):
+class StreamingDiLoCo(HasSyncLog, StepHooked):
     """Streaming DiLoCo over any Transport: blocking, tau-overlap, eager or naive-delayed.
+
+    Call ``step(tokens)`` after every inner optimizer step and ``close()`` at the end, or use it
+    as a context manager: ``with StreamingDiLoCo(...) as diloco:`` the optimizer's ``step()`` calls
+    it (a step post-hook; ``count_tokens(n)`` before ``opt.step()`` gives the batch's tokens).
 
     Args:
         model: the local model (its parameters are the inner parameters theta_m).
