@@ -14,6 +14,8 @@ from torch import nn
 
 from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo, wrap
 from opendiloco_stream.algorithm import fragments as fr
+from opendiloco_stream.algorithm import rules
+from opendiloco_stream.algorithm.rules import Landing, SyncRule
 from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
 from opendiloco_stream.transport.base import SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.local import INSTANT_LINK, LinkModel, LocalSwarm
@@ -146,6 +148,31 @@ def test_blocking_golden():
     # round outer grads d = [2,0], [4,2], [6,0]; averages 1, 3, 3; theta_bar 0 -> -0.5 -> -2 -> -3.5
     out = run_scripted("blocking", DISP, 6, inner_steps=2)
     assert [(o[0], o[1]) for o in out] == [(-3.5, -3.5), (-3.5, -3.5)]
+
+
+class _ModelAveraging(SyncRule):
+    """A rule written here to show what a new one takes (one class, and its config choice): plain
+    model averaging, theta_bar <- theta_bar - avg (no outer optimizer), waited for at the sync."""
+
+    waits_at_sync = True
+    records_applied = True
+
+    def land(self, pending, result, at_sync):
+        d = result.average if result is not None else pending.outer_grad
+        with torch.no_grad():
+            for o, step in zip(self.f.outer, self.f.split(d)):
+                o.sub_(step)
+        self.restart_from(self.f.outer)
+        return Landing()
+
+
+def test_a_new_rule_is_one_class_and_its_config_choice(monkeypatch):
+    """The same golden run as blocking's with the test rule in blocking's place: every round's full
+    average is applied (theta_bar 0 -> -1 -> -4 -> -7), where blocking's outer lr 0.5 moved half."""
+    monkeypatch.setitem(rules.MODE_RULES, "blocking", _ModelAveraging)
+    out = run_scripted("blocking", DISP, 6, inner_steps=2)
+    assert [(o[0], o[1]) for o in out] == [(-7.0, -7.0), (-7.0, -7.0)]
+    assert [e["estimate"] for e in out[0][2].events if e["event"] == "sync"] == ["average"] * 3
 
 
 def test_eager_paper_golden():
