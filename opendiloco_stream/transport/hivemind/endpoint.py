@@ -166,7 +166,7 @@ class FragmentEndpoint:
                         result: Optional[torch.Tensor] = None, sent: Optional[torch.Tensor] = None) -> tuple:
         """The all-reduce of ``tensor`` (flat fp32, on the CPU) with ``group``.
 
-        Returns ``(summary, average, sent)``: the round's metadata (``round_report.round_summary``),
+        Returns ``(summary, average, sent)``: the round's ``round_report.RoundSummary``,
         the average (a fresh tensor: ``result`` if given) and what this peer sent (``tensor`` itself
         under fp32; else ``sent`` if given). ``formed``: a ``threading.Event`` set once the group
         exists (the lane's abandon reads it)."""
@@ -178,7 +178,7 @@ class FragmentEndpoint:
                 formed.set()
             runner = self._runner(group, tensor, running, result, sent)
             summary = await runner.run()
-            return summary, runner.result, (tensor if summary.get("sent_is_input") else runner.sent)
+            return summary, runner.result, (tensor if summary.sent_is_input else runner.sent)
         finally:
             self.running.pop(group.group_id, None)
 

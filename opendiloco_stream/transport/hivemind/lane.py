@@ -372,11 +372,11 @@ class _Lane:
             handle.fail(reason, message)
             return
         handle.succeed(SyncResult(
-            average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
-            group_size=summary["group_size"], weight_share=summary["weight_share"],
-            bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
-            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=current.expected,
-            links=summary.get("links", {})))
+            average=average, sent=sent, phases=round_phases(t_start, t_step, summary.marks, time.time()),
+            group_size=summary.group_size, weight_share=summary.weight_share,
+            bytes_sent=summary.bytes_sent, bytes_received=summary.bytes_received, peers=summary.peers,
+            included_self=summary.included_self, rejected=summary.rejected, expected_size=current.expected,
+            links=summary.links))
 
     def close(self) -> None:
         """Fail what is queued and the running round ("closed"), stop the worker."""

@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
-from opendiloco_stream.compression import Codec, native
+from opendiloco_stream.compression import Codec, all_finite, native
 from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectStream, FailedAddresses, make_hello, parse_address,
 )
@@ -35,7 +35,7 @@ from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (Round
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
-from opendiloco_stream.transport.hivemind.round_report import describe_progress, round_summary
+from opendiloco_stream.transport.hivemind.round_report import RoundSummary
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 from opendiloco_stream.transport.layout import GroupLayout, group_chunk_bytes
 from opendiloco_stream.transport.reduce import (
@@ -51,7 +51,7 @@ RATE_MIN_BYTES = 1 << 20  # an exchange that moved less says little about the li
 class HvAllReduceRunner:
     """Reduce-scatter, verdict exchange and all-gather of one group (see ``transport/reduce.py``).
 
-    ``run()`` returns the round's metadata (group size, weight share, bytes...) and leaves the
+    ``run()`` returns the round's :class:`RoundSummary` (group size, weight share, bytes...) and leaves the
     average in ``self.result`` and what this peer sent, ``deQ(Q(tensor))``, in ``self.sent``, which
     may be ``tensor`` itself: each chunk is encoded once, then overwritten with what it decodes to.
     Subclasses may override ``encode_contribution`` (tests use it to fake bad senders).
@@ -480,7 +480,45 @@ class HvAllReduceRunner:
         decode_result(self.codec, payload, final, self.weights, hi - lo, out=self.result[lo:hi])  # ValueError -> partial
 
     # ------------------------------------------------------------------ the round
-    async def run(self) -> dict:
+    def summary(self) -> RoundSummary:
+        """The finished round for the host; ``RoundError`` if its parts do not agree or the
+        average is not finite."""
+        verdicts = set(self.part_status.values())
+        if len(verdicts) != 1:
+            raise RoundError("partial", f"round {self.key}: parts were averaged over different groups")
+        final, total_weight = verdicts.pop()
+        outcome = summarize_verdict(final, self.weights, self.me)
+        if not all_finite(self.result):
+            raise RoundError("partial", f"round {self.key}: the average holds non-finite values")
+        return RoundSummary(
+            group_size=outcome.group_size,
+            weight_share=self.weights[self.me] / total_weight if outcome.included_self else 0.0,
+            included_self=outcome.included_self, peers=[str(self.peer_ids[s]) for s in outcome.accepted],
+            rejected=outcome.rejected, missing=outcome.missing,
+            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+            marks=dict(self.marks, end=time.time()), sent_is_input=self.sent_is_input,
+            links={str(self.peer_ids[q]): seen for q, seen in self.links_seen.items()})
+
+    def progress(self) -> str:
+        """Where the round stands, for a timeout's message: what we got from whom, and the phases done."""
+        start = self.marks["group"]
+        marks = ", ".join(f"{k} at +{v - start:.2f}s" for k, v in self.marks.items() if k != "group")
+        items = []
+        for i in range(len(self.peer_ids)):
+            if i == self.me:
+                continue
+            got = []
+            if i in self.sender_done:
+                got.append("contribution " + ("in" if self.sender_done[i].is_set() else
+                                              "streaming" if i in self.connected else "not connected"))
+            if i in self.verdicts:
+                got.append("verdict " + ("in" if self.verdicts[i].done() else "awaited"))
+            if self.is_reducer[i]:
+                got.append("results " + ("begun" if i in self.part_status else "awaited"))
+            items.append(f"peer {i}: {', '.join(got) or 'nothing expected'}")
+        return f"I am {self.me}; {'; '.join(items)}; {marks or 'no phase done'}"
+
+    async def run(self) -> RoundSummary:
         tasks = [asyncio.ensure_future(self._exchange_with(q)) for q in range(len(self.peer_ids))
                  if self.is_reducer[q] and q != self.me]
         helpers = []
@@ -494,7 +532,7 @@ class HvAllReduceRunner:
                 outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())
             except asyncio.TimeoutError:
                 raise RoundError("timeout", f"round {self.key}: not finished within {self.t.allreduce:.1f}s "
-                                            f"({describe_progress(self)})") from None
+                                            f"({self.progress()})") from None
             self.marks["results"] = time.time()
             # others may still be reading our results: let them finish (bounded) before reporting
             pending = [e.wait() for e in self.serving.values()]
@@ -504,7 +542,7 @@ class HvAllReduceRunner:
             if errors:
                 first = next((e for e in errors if isinstance(e, RoundError) and e.reason != "partial"), errors[0])
                 raise first if isinstance(first, RoundError) else RoundError("partial", repr(first))
-            return round_summary(self)
+            return self.summary()
         finally:
             self.finished = True
             for task in tasks + helpers:
