@@ -24,6 +24,7 @@ import torch
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES
 from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
 
@@ -168,7 +169,7 @@ class LocalSwarm:
                                          [rnd.contributions[r][1] for r in ranks], key,
                                          chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound)
         except RoundRefused as e:
-            raise SyncFailed(str(e), key=key, reason="rejected") from None
+            raise SyncFailed(str(e), key=key, reason=FailureReason.REJECTED) from None
         return {r: SyncResult(
             average=o.average, group_size=o.summary.group_size, weight_share=o.summary.weight_share, sent=o.sent,
             bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
@@ -181,11 +182,11 @@ class LocalSwarm:
         with self._cond:
             while rnd.results is None and rnd.error is None:
                 if self._aborted:
-                    raise SyncFailed(f"round {key}: swarm aborted ({self._aborted})", key=key, reason="closed")
+                    raise SyncFailed(f"round {key}: swarm aborted ({self._aborted})", key=key, reason=FailureReason.CLOSED)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SyncFailed(f"round {key}: not all {self.num_workers} workers arrived within {bound:.1f}s",
-                                     key=key, reason="timeout")
+                                     key=key, reason=FailureReason.TIMEOUT)
                 self._cond.wait(remaining)
             rnd.consumed.add(rank)
             if len(rnd.consumed) == self.num_workers:  # everyone has it: forget the round
@@ -223,7 +224,7 @@ class _LocalHandle(SyncHandle):
             try:
                 self._result = self.swarm._wait(self.rank, self.key, self._round, timeout)
             except SyncFailed as e:
-                if e.reason != "timeout" or timeout is None:  # a caller's shorter bound may be retried
+                if e.reason != FailureReason.TIMEOUT or timeout is None:  # a caller's shorter bound may be retried
                     self._error = e
                 raise
         return self._result

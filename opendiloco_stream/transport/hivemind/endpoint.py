@@ -24,6 +24,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from opendiloco_stream.compression import Codec
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectListener, FailedAddresses, RunningGroups, serve_accepted, serve_connections,
 )
@@ -187,7 +188,7 @@ class FragmentEndpoint:
         try:
             why = None if self.admission is None else self.admission.check_group(group.peer_ids, group.gathered)
             if why is not None:  # a leader that admitted an outsider: reduce nothing with it
-                raise RoundError("rejected", f"group refused: {why}")
+                raise RoundError(FailureReason.REJECTED, f"group refused: {why}")
             runner = self.runner_cls(
                 p2p=self.service.p2p, handler=self.aggregate_name, prefix=self.prefix, group=group, tensor=tensor,
                 codec=self.codec, timeouts=self.timeouts, norm_bound=self.norm_bound,

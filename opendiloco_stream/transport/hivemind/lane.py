@@ -28,6 +28,7 @@ import torch
 
 from opendiloco_stream.compression import all_finite
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
 from opendiloco_stream.transport.hivemind.matchmaking import MatchmakingFailed
 from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
@@ -46,7 +47,7 @@ class HivemindSyncHandle(SyncHandle):
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._result: Optional[SyncResult] = None
-        self._failure: Optional[tuple[str, str]] = None
+        self._failure: Optional[tuple[FailureReason, str]] = None
         self.lane: Optional["_Lane"] = None  # set when submitted
 
     def done(self) -> bool:
@@ -67,13 +68,13 @@ class HivemindSyncHandle(SyncHandle):
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         bound = self.remaining() if timeout is None else min(max(0.0, timeout), self.remaining())
         if not self._event.wait(bound):
-            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key, reason="timeout")
+            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key, reason=FailureReason.TIMEOUT)
         if self._failure is not None:
             reason, message = self._failure
             raise SyncFailed(message, key=self.key, reason=reason)
         return self._result
 
-    def _settle(self, result: Optional[SyncResult], failure: Optional[tuple[str, str]]) -> bool:
+    def _settle(self, result: Optional[SyncResult], failure: Optional[tuple[FailureReason, str]]) -> bool:
         with self._lock:  # the first outcome wins (close() may race the worker)
             if self._event.is_set():
                 return False
@@ -84,21 +85,21 @@ class HivemindSyncHandle(SyncHandle):
     def succeed(self, result: SyncResult) -> None:
         self._settle(result, None)
 
-    def fail(self, reason: str, message: str) -> None:
+    def fail(self, reason: FailureReason, message: str) -> None:
         if self._settle(None, (reason, message)):
             logger.info("round %s failed (%s): %s", self.key, reason, message)
 
 
-def _classify(error: BaseException, formed: bool) -> tuple[str, str]:
+def _classify(error: BaseException, formed: bool) -> tuple[FailureReason, str]:
     if isinstance(error, RoundError):
         return error.reason, error.message
-    if isinstance(error, MatchmakingFailed):  # its reason: "matchmaking", "clients", ...
+    if isinstance(error, MatchmakingFailed):  # its reason: MATCHMAKING, CLIENTS, ...
         return error.reason, f"no group formed: {error}"
     if not formed:
-        return "matchmaking", f"no group formed: {error}"
+        return FailureReason.MATCHMAKING, f"no group formed: {error}"
     if isinstance(error, TimeoutError):
-        return "timeout", f"all-reduce did not finish in time: {error!r}"
-    return "failed", repr(error)
+        return FailureReason.TIMEOUT, f"all-reduce did not finish in time: {error!r}"
+    return FailureReason.FAILED, repr(error)
 
 
 # A peer that joins with the initial-model marker (peers started together) needs a few seconds to
@@ -185,7 +186,7 @@ class _Lane:
             current = self._current if self._current is not None and self._current.handle is handle else None
             if current is not None and current.formed.is_set():
                 return handle.done()
-            handle.fail("matchmaking", f"round {handle.key} abandoned before its group formed: this peer caught "
+            handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} abandoned before its group formed: this peer caught "
                                        f"up with the swarm, which moved past it")
             if current is not None and current.future is not None:
                 current.future.cancel()
@@ -222,7 +223,7 @@ class _Lane:
                 self._run(*item)
             except BaseException as e:  # a bug must fail the round, not kill the lane
                 logger.exception("round %s crashed", handle.key)
-                handle.fail("failed", repr(e))
+                handle.fail(FailureReason.FAILED, repr(e))
             finally:
                 self._current = None
                 self.timeouts = self.endpoint.refresh_timeouts()  # the next rounds' bounds, from this round's links
@@ -281,7 +282,7 @@ class _Lane:
     def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
         fragment, round_index = handle.key
         if not self._previous_over(handle.remaining()):
-            handle.fail("timeout", f"the previous round of fragment {fragment} is still running")
+            handle.fail(FailureReason.TIMEOUT, f"the previous round of fragment {fragment} is still running")
             return
         t_start = time.time()
         flat = self._stage(handle, tensor)
@@ -297,7 +298,7 @@ class _Lane:
         if not later:
             plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
             if plan is not None and plan.skip:
-                handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
+                handle.fail(FailureReason.JOINING, f"first round of fragment {fragment} in a running swarm: this peer takes "
                                        f"part from round {round_index + 1} on (the others did not count it)")
                 return
             expected = self.target if plan is None else plan.target
@@ -350,10 +351,10 @@ class _Lane:
         finite or the service is closed."""
         flat = cpu_fp32(tensor)
         if not all_finite(flat):
-            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
+            handle.fail(FailureReason.REJECTED, "the outer gradient holds NaN or Inf: not sent")
             return None
         if self.service.closed:
-            handle.fail("closed", "transport closed")
+            handle.fail(FailureReason.CLOSED, "transport closed")
             return None
         return flat
 
@@ -362,10 +363,10 @@ class _Lane:
             summary, average, sent = current.future.result(timeout=handle.remaining())
         except concurrent.futures.TimeoutError:
             current.future.cancel()
-            handle.fail("timeout", f"round not finished within {self.timeouts.round_bound:.1f}s")
+            handle.fail(FailureReason.TIMEOUT, f"round not finished within {self.timeouts.round_bound:.1f}s")
             return
         except concurrent.futures.CancelledError:
-            handle.fail("matchmaking", f"round {handle.key} was cancelled before its group formed")
+            handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} was cancelled before its group formed")
             return
         except BaseException as e:
             reason, message = _classify(e, current.formed.is_set())
@@ -386,10 +387,10 @@ class _Lane:
             except queue.Empty:
                 break
             if item is not None and not isinstance(item, _Prematch):
-                item[0].fail("closed", "transport closed")
+                item[0].fail(FailureReason.CLOSED, "transport closed")
         current = self._current
         if current is not None:
-            current.handle.fail("closed", "transport closed")
+            current.handle.fail(FailureReason.CLOSED, "transport closed")
             if current.future is not None:
                 current.future.cancel()
         self._queue.put(None)

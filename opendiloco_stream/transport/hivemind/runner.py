@@ -8,7 +8,7 @@ peers in ``protocol.py``'s frames: each sender opens one stream per remote reduc
 if it reduces a part itself, its verdict on it, then reads the averaged chunks back on that stream.
 Every wait is bounded: ``next_chunk`` between two messages of a stream (and for a sender to show
 up), the round deadline (``allreduce``) for the verdicts and the first result. Any part that does
-not arrive complete and consistent fails the whole round with ``RoundError(reason="partial")``.
+not arrive complete and consistent fails the whole round with ``RoundError(reason=FailureReason.PARTIAL)``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
 from opendiloco_stream.compression import Codec, all_finite, native
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectStream, FailedAddresses, make_hello, parse_address,
 )
@@ -78,7 +79,7 @@ class HvAllReduceRunner:
         try:
             self.weights, status = judge_members(users, self.me, [False] * n)
         except GroupMismatch as e:
-            raise RoundError("rejected", f"round {self.key}: {e}") from None
+            raise RoundError(FailureReason.REJECTED, f"round {self.key}: {e}") from None
         # client-mode peers accept no connections: they send and receive, but reduce no part; and
         # where some members reach every other one directly (listening, or by a punch), only those
         # reduce (punch.py): the parts' bytes then avoid the relay
@@ -172,7 +173,7 @@ class HvAllReduceRunner:
     def _record_part(self, q: int, status: bytes, total_weight: float) -> None:
         seen = self.part_status.setdefault(q, (status, total_weight))
         if seen != (status, total_weight):
-            raise RoundError("partial", f"reducer {self._name(q)} changed its verdict between chunks")
+            raise RoundError(FailureReason.PARTIAL, f"reducer {self._name(q)} changed its verdict between chunks")
 
     # ------------------------------------------------------------------ reducer: incoming streams
     async def serve(self, stream: AsyncIterator[averaging_pb2.AveragingData], remote: PeerID
@@ -254,7 +255,7 @@ class HvAllReduceRunner:
             self.sender_done[s].set()
         verdict = self.verdicts.get(s)
         if verdict is not None and not verdict.done():
-            verdict.set_exception(RoundError("partial", f"reducer {self._name(s)} {why} before sending its verdict"))
+            verdict.set_exception(RoundError(FailureReason.PARTIAL, f"reducer {self._name(s)} {why} before sending its verdict"))
             verdict.exception()  # retrieved: our reduction may have stopped waiting already
 
     async def _watch_for_absent_senders(self) -> None:
@@ -282,7 +283,7 @@ class HvAllReduceRunner:
             final = combine_verdicts([verdict, *others])
             outcome = summarize_verdict(final, self.weights, self.me)
             if not outcome.accepted or (total_weight := outcome.total_weight) <= 0:
-                raise RoundError("rejected", f"round {self.key}: no valid contribution left")
+                raise RoundError(FailureReason.REJECTED, f"round {self.key}: no valid contribution left")
             self.marks["verdicts"] = time.time()
             self.final.set_result((final, total_weight))
             for j in range(len(self.my_chunks)):
@@ -292,7 +293,7 @@ class HvAllReduceRunner:
             self._record_part(self.me, final, total_weight)
         except BaseException as e:
             failure = e if isinstance(e, RoundError) else RoundError(
-                "timeout" if isinstance(e, asyncio.TimeoutError) else "partial", f"round {self.key}: reduction failed: {e!r}")
+                FailureReason.TIMEOUT if isinstance(e, asyncio.TimeoutError) else FailureReason.PARTIAL, f"round {self.key}: reduction failed: {e!r}")
             for fut in (self.my_verdict, self.final, *self.result_chunks):
                 if not fut.done():
                     fut.set_exception(failure)
@@ -432,7 +433,7 @@ class HvAllReduceRunner:
         self.bytes_received += msg.ByteSize()
         self._bytes_with[q] += msg.ByteSize()
         if msg.code != averaging_pb2.AVERAGED_PART:
-            raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
+            raise RoundError(FailureReason.PARTIAL, f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
         frame = unpack_frame(msg.tensor_part.buffer)
         if frame.kind != kind or (kind == RESULT and frame.chunk != j) or len(frame.status) != len(self.peer_ids):
             raise ProtocolError(f"expected {'result chunk %d' % j if kind == RESULT else 'the end of results'}, "
@@ -459,12 +460,12 @@ class HvAllReduceRunner:
             raise
         except StopAsyncIteration:
             self._peer_unreachable(q, "ended its stream")
-            raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} ended its results early") from None
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: reducer {self._name(q)} ended its results early") from None
         except asyncio.TimeoutError:
-            raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} stalled") from None
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: reducer {self._name(q)} stalled") from None
         except Exception as e:
             self._peer_unreachable(q, repr(e))
-            raise RoundError("partial", f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
         finally:
             if stream is not None:
                 await stream.aclose()
@@ -485,11 +486,11 @@ class HvAllReduceRunner:
         average is not finite."""
         verdicts = set(self.part_status.values())
         if len(verdicts) != 1:
-            raise RoundError("partial", f"round {self.key}: parts were averaged over different groups")
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: parts were averaged over different groups")
         final, total_weight = verdicts.pop()
         outcome = summarize_verdict(final, self.weights, self.me)
         if not all_finite(self.result):
-            raise RoundError("partial", f"round {self.key}: the average holds non-finite values")
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: the average holds non-finite values")
         return RoundSummary(
             group_size=outcome.group_size,
             weight_share=self.weights[self.me] / total_weight if outcome.included_self else 0.0,
@@ -531,7 +532,7 @@ class HvAllReduceRunner:
             try:
                 outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())
             except asyncio.TimeoutError:
-                raise RoundError("timeout", f"round {self.key}: not finished within {self.t.allreduce:.1f}s "
+                raise RoundError(FailureReason.TIMEOUT, f"round {self.key}: not finished within {self.t.allreduce:.1f}s "
                                             f"({self.progress()})") from None
             self.marks["results"] = time.time()
             # others may still be reading our results: let them finish (bounded) before reporting
@@ -540,8 +541,8 @@ class HvAllReduceRunner:
                 await asyncio.wait([asyncio.ensure_future(p) for p in pending], timeout=self._remaining())
             errors = [o for o in outcomes if isinstance(o, BaseException)]
             if errors:
-                first = next((e for e in errors if isinstance(e, RoundError) and e.reason != "partial"), errors[0])
-                raise first if isinstance(first, RoundError) else RoundError("partial", repr(first))
+                first = next((e for e in errors if isinstance(e, RoundError) and e.reason != FailureReason.PARTIAL), errors[0])
+                raise first if isinstance(first, RoundError) else RoundError(FailureReason.PARTIAL, repr(first))
             return self.summary()
         finally:
             self.finished = True

@@ -23,7 +23,7 @@ Design (docs/architecture.md, "hivemind transport"):
 - Our all-reduce (``runner.py``, over the shared core ``transport/reduce.py``) replaces hivemind's: quantized contributions, fp32 reduction,
   validation of every contribution, one quantization of each part's average sent as the same bytes
   to everyone (bit-identical results), verdicts exchanged so all parts average the same
-  contributions, and any missing or inconsistent part fails the round (``reason="partial"``).
+  contributions, and any missing or inconsistent part fails the round (``reason=FailureReason.PARTIAL``).
 - One worker thread per fragment (``lane.py``) runs the rounds of that fragment in order, so ``all_reduce``
   never blocks.
 - Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given, then from
@@ -47,6 +47,7 @@ from hivemind.dht import DHT
 from opendiloco_stream.compression import get_codec
 from opendiloco_stream.net.routes import keep_routes
 from opendiloco_stream.transport.base import Transport
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
 from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane  # noqa: F401 (re-exported)
 from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
@@ -272,7 +273,7 @@ class HivemindTransport(Transport):
         _check_weight(weight)
         if self._closed:
             handle = HivemindSyncHandle(key, time.monotonic())
-            handle.fail("closed", "transport closed")
+            handle.fail(FailureReason.CLOSED, "transport closed")
             return handle
         if tensor.numel() != lane.numel:
             raise ValueError(f"fragment {fragment} has {lane.numel} elements, got a tensor of {tensor.numel()}")
