@@ -41,6 +41,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from opendiloco_stream.compression.spec import CodecSpec
 from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer runs on (cuda:N, mps:0 with an index), or 'auto'
@@ -164,6 +165,13 @@ class DiLoCoConfig(_Strict):
         if self.num_fragments != "auto":
             return self
         return self.model_copy(update={"num_fragments": self.fragments_for(blocks)})
+
+    def codec_spec(self) -> CodecSpec:
+        """The wire codec these fields name: ``sparse_chunk`` is a sparse codec's block, ``codec_block_size``
+        a dense one's (what every transport and the run's fingerprint take)."""
+        block = self.sparse_chunk if self.codec in SPARSE_CODECS else self.codec_block_size
+        return CodecSpec(self.codec, block_size=block, scale_dtype=self.codec_scale_dtype,
+                         stochastic=self.stochastic_rounding, density=self.density)
 
     @property
     def use_error_feedback(self) -> bool:

@@ -168,7 +168,7 @@ class Staging:
         self.cuda = self.device.type == "cuda"
         self.codec = codec if (self.cuda if encode is None else encode) and device_encodes(codec) else None
         # fp32 on the wire: what this peer sent is its outer gradient itself, already on the device
-        self.lossless = codec is not None and codec.name == "fp32"
+        self.lossless = codec is not None and codec.lossless
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._held: list[tuple[Ready, list[torch.Tensor]]] = []  # host buffers a side copy still reads
         self._held_lock = threading.Lock()

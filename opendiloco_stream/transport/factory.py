@@ -2,7 +2,7 @@
 
     swarm = local_swarm(cfg, workers=4)            # M workers in this process (LocalSwarm)
     transport = hivemind_transport(cfg, dht)       # one peer over hivemind (hivemind_settings(cfg))
-    codec = codec_from_config(cfg)                 # the wire codec both use
+    codec = codec_from_config(cfg)                 # the wire codec both use (cfg.diloco.codec_spec())
 
 Commands (``local``, ``peer``) and benchmarks build their transports here, so a new transport knob
 is a config field plus one line in this module.
@@ -22,19 +22,11 @@ if TYPE_CHECKING:  # the constructors import lazily: torch and hivemind only whe
     from opendiloco_stream.transport.local import LinkModel, LocalSwarm
 
 
-def codec_args(cfg: RunConfig) -> dict[str, Any]:
-    """The codec's parameters (``compression.get_codec`` / the transports' codec arguments)."""
-    from opendiloco_stream.compression.wire import SPARSE_CODECS
-
-    d = cfg.diloco
-    block = d.sparse_chunk if d.codec in SPARSE_CODECS else d.codec_block_size
-    return dict(block_size=block, scale_dtype=d.codec_scale_dtype, stochastic=d.stochastic_rounding, density=d.density)
-
-
 def codec_from_config(cfg: RunConfig) -> "Codec":
-    from opendiloco_stream.compression import get_codec
+    """The wire codec of ``cfg`` (``DiLoCoConfig.codec_spec``), built."""
+    from opendiloco_stream.compression import Codec
 
-    return get_codec(cfg.diloco.codec, **codec_args(cfg))
+    return Codec.from_spec(cfg.diloco.codec_spec())
 
 
 def chunk_bytes(cfg: RunConfig) -> int:
@@ -50,7 +42,7 @@ def local_swarm(cfg: RunConfig, workers: int, link: Optional["LinkModel"] = None
     ``link``: when rounds land, in inner steps (default: at once)."""
     from opendiloco_stream.transport.local import INSTANT_LINK, LocalSwarm
 
-    return LocalSwarm(num_workers=workers, codec=cfg.diloco.codec, **codec_args(cfg), seed=cfg.train.seed,
+    return LocalSwarm(num_workers=workers, codec=cfg.diloco.codec_spec(), seed=cfg.train.seed,
                       timeout=cfg.diloco.sync_timeout, chunk_bytes=chunk_bytes(cfg), norm_bound=cfg.net.norm_bound,
                       link=link or INSTANT_LINK)
 
@@ -61,11 +53,11 @@ def hivemind_settings(cfg: RunConfig, **overrides: Any) -> "HivemindSettings":
     codec parameters: a sparse codec's chunk, not the dense codecs' block)."""
     from opendiloco_stream.transport.hivemind.transport import HivemindSettings
 
-    if "codec" in overrides:
+    if isinstance(overrides.get("codec"), str):  # a name: the configuration's parameters for that codec
         cfg = cfg.model_copy(update={"diloco": cfg.diloco.model_copy(update={"codec": overrides.pop("codec")})})
     n = cfg.net
     settings = HivemindSettings(
-        run_id=n.run_id, codec=cfg.diloco.codec, **codec_args(cfg), target_group_size=n.target_group_size,
+        run_id=n.run_id, codec=cfg.diloco.codec_spec(), target_group_size=n.target_group_size,
         matchmaking_time=n.matchmaking_time, request_timeout=n.request_timeout,
         allreduce_timeout=n.allreduce_timeout, next_chunk_timeout=n.next_chunk_timeout, link_mbit=n.link_mbit,
         client_mode=n.client_mode, window_s=n.window_s, chunk_bytes=chunk_bytes(cfg), norm_bound=n.norm_bound,

@@ -161,7 +161,7 @@ class FragmentEndpoint:
         """(average, sent): tensors of the service's pool (``buffers.py``) for a round of ``numel``
         elements to decode into (``sent`` None under fp32, where what was sent is the input itself)."""
         pool = self.service.buffers
-        return pool.take(numel), (None if self.codec.name == "fp32" else pool.take(numel))
+        return pool.take(numel), (None if self.codec.lossless else pool.take(numel))
 
     async def run_round(self, group: Group, tensor: torch.Tensor, formed: Optional[Any] = None,
                         result: Optional[torch.Tensor] = None, sent: Optional[torch.Tensor] = None) -> tuple:

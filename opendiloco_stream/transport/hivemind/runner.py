@@ -107,7 +107,7 @@ class HvAllReduceRunner:
         self.my_chunks = self.layout.chunks[self.me]
         # fp32 is lossless: what we send is the tensor itself, sent without a copy, and ``sent`` is
         # not written (the trainer uses its own tensor). Not for test doubles that fake what they send.
-        self.sent_is_input = (codec.name == "fp32"
+        self.sent_is_input = (codec.lossless
                               and type(self).encode_contribution is HvAllReduceRunner.encode_contribution)
         # the average is decoded straight into the tensor the trainer receives; what we sent, into
         # its own (none under fp32): a round holds no copy of the outer gradient

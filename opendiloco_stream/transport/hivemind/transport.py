@@ -44,7 +44,8 @@ from typing import Any, Callable, Optional
 import torch
 from hivemind.dht import DHT
 
-from opendiloco_stream.compression import get_codec
+from opendiloco_stream.compression import Codec
+from opendiloco_stream.compression.spec import CodecSpec
 from opendiloco_stream.net.routes import keep_routes
 from opendiloco_stream.transport.base import Transport
 from opendiloco_stream.transport.failure import FailureReason
@@ -75,8 +76,7 @@ class HivemindSettings:
 
     Fields:
         run_id: the run's name ([A-Za-z0-9_-]); peers group only within a run.
-        codec, block_size, scale_dtype, stochastic, density: the wire codec (``compression.get_codec``;
-            ``block_size`` None: the codec's default, ``density``: sparse codecs only).
+        codec: the wire codec (``compression.CodecSpec``; a name: that codec with its default parameters).
         target_group_size: start every round as soon as this many peers are there (an override);
             ``None``: as soon as the run's live peers are there (``presence.py``).
         matchmaking_time, request_timeout, allreduce_timeout, next_chunk_timeout, window_s,
@@ -109,11 +109,7 @@ class HivemindSettings:
     """
 
     run_id: str
-    codec: str
-    block_size: Optional[int]
-    scale_dtype: str
-    stochastic: bool
-    density: float
+    codec: CodecSpec
     target_group_size: Optional[int]
     matchmaking_time: float
     request_timeout: float
@@ -133,6 +129,10 @@ class HivemindSettings:
     state_timeout: float = 30.0
     startup_timeout: float = 60.0
     pin_buffers: bool = False  # a GPU peer: rounds decode into pinned host memory (buffers.py)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.codec, str):  # HivemindTransport(dht, codec="fp32"): the codec's defaults
+            object.__setattr__(self, "codec", CodecSpec(self.codec))
 
 
 class HivemindTransport(Transport):
@@ -162,8 +162,7 @@ class HivemindTransport(Transport):
         if s.norm_bound is not None and not s.norm_bound > 1:
             raise ValueError(f"norm_bound must be > 1 (or None), got {s.norm_bound}")
         self.settings = s
-        self.codec = get_codec(s.codec, block_size=s.block_size, scale_dtype=s.scale_dtype, stochastic=s.stochastic,
-                               density=s.density)
+        self.codec = Codec.from_spec(s.codec)
         self.dht, self.run_id, self.client_mode = dht, s.run_id, s.client_mode
         self.chunk_bytes = resolve_chunk_bytes(s.chunk_bytes, s.link_mbit)
         self.target_group_size, self.norm_bound = s.target_group_size, s.norm_bound
