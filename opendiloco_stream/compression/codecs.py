@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from opendiloco_stream.compression import blockwise, casts, sparse
-from opendiloco_stream.compression.spec import CodecSpec, is_lossless
+from opendiloco_stream.compression.spec import DEFAULT_DENSITY, CodecSpec, is_lossless
 from opendiloco_stream.compression.wire import (
     BLOCK_CODECS,
     CODEC_NAMES,
@@ -73,7 +73,7 @@ class Codec:
         scale_dtype: str = "fp16",
         stochastic: bool = False,
         seed: int | None = None,
-        density: float = sparse.DEFAULT_DENSITY,
+        density: float = DEFAULT_DENSITY,
         k: int | None = None,
     ) -> None:
         if name not in CODEC_NAMES:
@@ -319,7 +319,7 @@ def get_codec(
     scale_dtype: str = "fp16",
     stochastic: bool = False,
     seed: int | None = None,
-    density: float = sparse.DEFAULT_DENSITY,
+    density: float = DEFAULT_DENSITY,
 ) -> Codec:
     """Build the codec ``name`` (one of ``CODEC_NAMES``); raises ``ValueError`` for bad parameters.
 

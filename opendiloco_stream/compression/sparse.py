@@ -32,7 +32,6 @@ import torch
 
 from opendiloco_stream.compression import native
 from opendiloco_stream.compression.blockwise import store_scales
-from opendiloco_stream.compression.spec import DEFAULT_DENSITY  # noqa: F401 (sparse.DEFAULT_DENSITY: its users)
 from opendiloco_stream.compression.wire import CODE_BITS, NonFiniteError, WireHeader, index_bits
 
 TOP = {"topk-int2": 1, "topk-int4": 7}

@@ -4,8 +4,9 @@ owns one lane per fragment).
 
 A round on the lane: wait until the fragment's previous round is over, check the outer gradient
 (finite; a CPU fp32 view of it, copied only if it lives elsewhere), plan the group size
-(``presence.py``), then hand the service the round's coroutine (``FragmentEndpoint.form_group``
-then ``run_round``) and wait for it, never past the handle's deadline.
+(``presence.py``), then hand the fragment's endpoint (``endpoint.py``, the lane's one collaborator
+for a round) the round's coroutine (``FragmentEndpoint.group_for`` then ``run_round``) and wait
+for it, never past the handle's deadline.
 
 A round may have its group formed ahead (``prematch``, a few inner steps before its sync): the
 lane starts forming it as soon as the fragment's previous round is over, and the round itself then
@@ -29,11 +30,8 @@ import torch
 from opendiloco_stream.compression import all_finite
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
 from opendiloco_stream.transport.failure import FailureReason
-from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
-from opendiloco_stream.transport.hivemind.matchmaking import MatchmakingFailed
+from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint, RoundSummary
 from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
-from opendiloco_stream.transport.hivemind.round_report import round_phases
-from opendiloco_stream.transport.hivemind.runner import RoundError
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 
 logger = logging.getLogger(__name__)
@@ -90,18 +88,6 @@ class HivemindSyncHandle(SyncHandle):
             logger.info("round %s failed (%s): %s", self.key, reason, message)
 
 
-def _classify(error: BaseException, formed: bool) -> tuple[FailureReason, str]:
-    if isinstance(error, RoundError):
-        return error.reason, error.message
-    if isinstance(error, MatchmakingFailed):  # its reason: MATCHMAKING, CLIENTS, ...
-        return error.reason, f"no group formed: {error}"
-    if not formed:
-        return FailureReason.MATCHMAKING, f"no group formed: {error}"
-    if isinstance(error, TimeoutError):
-        return FailureReason.TIMEOUT, f"all-reduce did not finish in time: {error!r}"
-    return FailureReason.FAILED, repr(error)
-
-
 # A peer that joins with the initial-model marker (peers started together) needs a few seconds to
 # reach a round the others are matching: its start, a step, and presence's beat to see the round
 # launched. A round whose window ends sooner is closed to it: it downloads the state after the round.
@@ -145,7 +131,6 @@ class _Lane:
     def __init__(self, fragment: int, endpoint: FragmentEndpoint, timeouts: RoundTimeouts,
                  presence: Optional[Presence] = None, target: Optional[int] = None):
         self.fragment, self.endpoint, self.timeouts = fragment, endpoint, timeouts
-        self.service = endpoint.service
         # a fixed target_group_size wins over the live count of presence.py
         self.presence, self.target, self.live_target = presence, target, presence is not None and target is None
         self.numel = endpoint.numel
@@ -256,13 +241,13 @@ class _Lane:
 
     def _prematch(self, key: tuple, weight: float, lead_s: float) -> None:
         self._drop_early()
-        if not self._previous_over(0.0) or self.service.closed:
+        if not self._previous_over(0.0) or self.endpoint.closed:
             return  # the round matches when it is submitted
         plan = self.presence.plan_round(self.fragment, int(key[1])) if self.live_target else None
         if plan is not None and plan.skip:
             return  # the round is skipped (``_run`` says why)
         target = self.target if plan is None else plan.target
-        future = self.service.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking))
+        future = self.endpoint.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking))
         self._early = _Early(key, future, weight)
 
     def _take_early(self, key: tuple) -> Optional[_Early]:
@@ -310,7 +295,7 @@ class _Lane:
                 return
             self._current = current
             t_step = time.time()
-            current.future = self._previous = self.service.submit(
+            current.future = self._previous = self.endpoint.submit(
                 self._round(handle.key, flat, weight, expected, early, current))
         if later:
             self._plan_later(int(round_index), current)
@@ -318,30 +303,21 @@ class _Lane:
 
     def _plan_later(self, round_index: int, current: _Current) -> None:
         """Announce and plan a round already forming its group; hand the plan's target to its
-        matchmaking (``Matchmaker.set_target``, on the service's loop)."""
+        matchmaking (``FragmentEndpoint.set_target``)."""
         plan = self._announce(round_index, plan=True)
         if plan is None or plan.skip:  # (a later round is never skipped)
             return
         current.expected = plan.target
-        try:
-            self.service.loop.call_soon_threadsafe(self.endpoint.matchmaker.set_target, round_index, plan.target)
-        except RuntimeError:  # the loop is closed: the round fails as closed
-            pass
+        self.endpoint.set_target(round_index, plan.target)
 
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
-                     early: Optional[_Early], current: _Current) -> tuple:
+                     early: Optional[_Early], current: _Current) -> RoundSummary:
         """(On the service's loop.) The group, formed ahead or now, then the exchange."""
         # the buffers the round decodes into, faulted in on an executor thread while the group forms
         buffers = asyncio.get_event_loop().run_in_executor(None, self.endpoint.round_buffers, flat.numel())
-        group = None
-        if early is not None:
-            try:
-                group = await asyncio.wrap_future(early.future)
-            except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
-                logger.info("fragment %d: no group formed ahead for round %s: matching now", self.fragment, key)
         try:
-            if group is None:
-                group = await self.endpoint.form_group(key, weight, target, self.timeouts.matchmaking)
+            group = await self.endpoint.group_for(key, weight, target, self.timeouts.matchmaking,
+                                                  None if early is None else early.future)
         finally:
             result, sent = await buffers  # (also on failure: the executor thread is not left behind)
         return await self.endpoint.run_round(group, flat, formed=current.formed, result=result, sent=sent)
@@ -353,14 +329,14 @@ class _Lane:
         if not all_finite(flat):
             handle.fail(FailureReason.REJECTED, "the outer gradient holds NaN or Inf: not sent")
             return None
-        if self.service.closed:
+        if self.endpoint.closed:
             handle.fail(FailureReason.CLOSED, "transport closed")
             return None
         return flat
 
     def _finish(self, handle: HivemindSyncHandle, current: _Current, t_start: float, t_step: float) -> None:
         try:
-            summary, average, sent = current.future.result(timeout=handle.remaining())
+            summary = current.future.result(timeout=handle.remaining())
         except concurrent.futures.TimeoutError:
             current.future.cancel()
             handle.fail(FailureReason.TIMEOUT, f"round not finished within {self.timeouts.round_bound:.1f}s")
@@ -369,15 +345,9 @@ class _Lane:
             handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} was cancelled before its group formed")
             return
         except BaseException as e:
-            reason, message = _classify(e, current.formed.is_set())
-            handle.fail(reason, message)
+            handle.fail(*self.endpoint.failure(e, current.formed.is_set()))
             return
-        handle.succeed(SyncResult(
-            average=average, sent=sent, phases=round_phases(t_start, t_step, summary.marks, time.time()),
-            group_size=summary.group_size, weight_share=summary.weight_share,
-            bytes_sent=summary.bytes_sent, bytes_received=summary.bytes_received, peers=summary.peers,
-            included_self=summary.included_self, rejected=summary.rejected, expected_size=current.expected,
-            links=summary.links))
+        handle.succeed(summary.sync_result(t_start, t_step, time.time(), current.expected))
 
     def close(self) -> None:
         """Fail what is queued and the running round ("closed"), stop the worker."""

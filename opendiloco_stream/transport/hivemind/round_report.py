@@ -10,13 +10,21 @@ turns them into ``SyncResult.phases`` (:func:`round_phases`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from opendiloco_stream.transport.base import SyncResult
 
 
 @dataclass(frozen=True)
 class RoundSummary:
-    """A finished round as the runner saw it (``HvAllReduceRunner.run``); the lane turns it into
-    the ``SyncResult`` the host gets, with the average and what this peer sent."""
+    """A finished round as the runner saw it (``HvAllReduceRunner.run``, returned by
+    ``FragmentEndpoint.run_round``); the lane adds its own marks with :meth:`sync_result`."""
 
+    #: the average (a fresh tensor) and what this peer sent (its input itself where ``sent_is_input``)
+    average: torch.Tensor
+    sent: torch.Tensor
     #: peers whose contribution entered the average (this peer included if it did)
     group_size: int
     #: this peer's share of the accepted weight (0 where its own contribution was not accepted)
@@ -35,6 +43,15 @@ class RoundSummary:
     sent_is_input: bool = False
     #: per groupmate (peer id), what this round measured of the link to it (``link.py``)
     links: dict[str, dict] = field(default_factory=dict)
+
+    def sync_result(self, start: float, step: float, end: float, expected_size: Optional[int]) -> SyncResult:
+        """The host's ``SyncResult``: ``start``, ``step`` and ``end`` are the host's marks
+        (:func:`round_phases`), ``expected_size`` the group size the round waited for."""
+        return SyncResult(
+            average=self.average, sent=self.sent, phases=round_phases(start, step, self.marks, end),
+            group_size=self.group_size, weight_share=self.weight_share, bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received, peers=self.peers, included_self=self.included_self,
+            rejected=self.rejected, expected_size=expected_size, links=self.links)
 
 
 # runner mark -> the phase it ends

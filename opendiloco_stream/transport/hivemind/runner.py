@@ -52,9 +52,9 @@ RATE_MIN_BYTES = 1 << 20  # an exchange that moved less says little about the li
 class HvAllReduceRunner:
     """Reduce-scatter, verdict exchange and all-gather of one group (see ``transport/reduce.py``).
 
-    ``run()`` returns the round's :class:`RoundSummary` (group size, weight share, bytes...) and leaves the
-    average in ``self.result`` and what this peer sent, ``deQ(Q(tensor))``, in ``self.sent``, which
-    may be ``tensor`` itself: each chunk is encoded once, then overwritten with what it decodes to.
+    ``run()`` returns the round's :class:`RoundSummary`: group size, weight share, bytes..., the
+    average (``self.result``) and what this peer sent, ``deQ(Q(tensor))``: ``self.sent``, where each
+    chunk's decoded bytes are written once it is encoded, or ``tensor`` itself under a lossless codec.
     Subclasses may override ``encode_contribution`` (tests use it to fake bad senders).
     """
 
@@ -492,6 +492,7 @@ class HvAllReduceRunner:
         if not all_finite(self.result):
             raise RoundError(FailureReason.PARTIAL, f"round {self.key}: the average holds non-finite values")
         return RoundSummary(
+            average=self.result, sent=self.tensor if self.sent_is_input else self.sent,
             group_size=outcome.group_size,
             weight_share=self.weights[self.me] / total_weight if outcome.included_self else 0.0,
             included_self=outcome.included_self, peers=[str(self.peer_ids[s]) for s in outcome.accepted],
