@@ -72,6 +72,20 @@ class ConfigError(ValueError):
     """A user configuration mistake: printed as one line, exit code 2."""
 
 
+def check_data_parallel(mode: str, *, ranked: bool = False, sharded: bool = False) -> None:
+    """Mode 'data-parallel''s rule for a peer's processes, in one place: it averages the model's own
+    gradients inside the optimizer step, so it runs as one process per peer holding the whole
+    model. ``ranked``: the peer runs as several ranks (``nproc_per_node`` > 1, or started by
+    torchrun); ``sharded``: its model is split over them (``train.sharding`` 'fsdp'). ConfigError
+    saying what to change; checked by ``RunConfig`` and again where ranks or a sharded model are
+    set up (``commands/peer_ranks.py``, ``train/ranks.py``, ``algorithm.wrap``)."""
+    if mode != "data-parallel" or not (ranked or sharded):
+        return
+    what = "not with train.sharding 'fsdp'" if sharded else "not as several ranks (--nproc-per-node 1, no torchrun)"
+    raise ConfigError("mode 'data-parallel' averages the model's own gradients inside the optimizer step: it "
+                      f"runs as one process per peer, {what}")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -393,9 +407,8 @@ class RunConfig(_Strict):
             if self.train.nproc_per_node < 2:
                 raise ValueError("train.sharding 'fsdp' splits the model over a peer's ranks: it needs "
                                  "nproc_per_node >= 2")
-            if self.diloco.mode == "data-parallel":
-                raise ValueError("mode 'data-parallel' averages the model's own gradients over the network: it "
-                                 "runs with one rank per peer, not with train.sharding 'fsdp'")
+        check_data_parallel(self.diloco.mode, ranked=self.train.nproc_per_node > 1,
+                            sharded=self.train.sharding == "fsdp")
         return self
 
 
