@@ -92,10 +92,10 @@ class LocalSwarm:
         link: when a round lands, in inner steps (:class:`LinkModel`; default: at once).
     """
 
-    def __init__(self, num_workers: int, codec: Union[str, CodecSpec] = "fp32", block_size: Optional[int] = None, scale_dtype: str = "fp16",
-                 stochastic: bool = False, seed: int = 0, density: float = DEFAULT_DENSITY, timeout: float = 300.0,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
-                 link: LinkModel = INSTANT_LINK):
+    def __init__(self, num_workers: int, codec: Union[str, CodecSpec] = "fp32", block_size: Optional[int] = None,
+                 scale_dtype: str = "fp16", stochastic: bool = False, seed: int = 0, density: float = DEFAULT_DENSITY,
+                 timeout: float = 300.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 norm_bound: Optional[float] = DEFAULT_NORM_BOUND, link: LinkModel = INSTANT_LINK):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.num_workers = num_workers
@@ -185,7 +185,8 @@ class LocalSwarm:
         with self._cond:
             while rnd.results is None and rnd.error is None:
                 if self._aborted:
-                    raise SyncFailed(f"round {key}: swarm aborted ({self._aborted})", key=key, reason=FailureReason.CLOSED)
+                    raise SyncFailed(f"round {key}: swarm aborted ({self._aborted})", key=key,
+                                     reason=FailureReason.CLOSED)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SyncFailed(f"round {key}: not all {self.num_workers} workers arrived within {bound:.1f}s",

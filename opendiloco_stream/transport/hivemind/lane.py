@@ -66,7 +66,8 @@ class HivemindSyncHandle(SyncHandle):
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         bound = self.remaining() if timeout is None else min(max(0.0, timeout), self.remaining())
         if not self._event.wait(bound):
-            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key, reason=FailureReason.TIMEOUT)
+            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key,
+                             reason=FailureReason.TIMEOUT)
         if self._failure is not None:
             reason, message = self._failure
             raise SyncFailed(message, key=self.key, reason=reason)
@@ -171,8 +172,8 @@ class _Lane:
             current = self._current if self._current is not None and self._current.handle is handle else None
             if current is not None and current.formed.is_set():
                 return handle.done()
-            handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} abandoned before its group formed: this peer caught "
-                                       f"up with the swarm, which moved past it")
+            handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} abandoned before its group formed: this "
+                                                   f"peer caught up with the swarm, which moved past it")
             if current is not None and current.future is not None:
                 current.future.cancel()
             return True
@@ -283,8 +284,9 @@ class _Lane:
         if not later:
             plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
             if plan is not None and plan.skip:
-                handle.fail(FailureReason.JOINING, f"first round of fragment {fragment} in a running swarm: this peer takes "
-                                       f"part from round {round_index + 1} on (the others did not count it)")
+                handle.fail(FailureReason.JOINING, f"first round of fragment {fragment} in a running swarm: this peer "
+                                                   f"takes part from round {round_index + 1} on (the others did not "
+                                                   f"count it)")
                 return
             expected = self.target if plan is None else plan.target
         current = _Current(handle, expected, self.timeouts.matchmaking)

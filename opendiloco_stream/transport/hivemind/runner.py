@@ -32,7 +32,7 @@ from opendiloco_stream.transport.hivemind.seal import DirectSecurity, new_salt
 from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
 from opendiloco_stream.transport.hivemind.matchmaking import Group, unpack_meta
 from opendiloco_stream.transport.hivemind.punch import Puncher, direct_reducers, punch_info, reaches
-from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
+from opendiloco_stream.transport.hivemind.protocol import (
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
@@ -255,7 +255,8 @@ class HvAllReduceRunner:
             self.sender_done[s].set()
         verdict = self.verdicts.get(s)
         if verdict is not None and not verdict.done():
-            verdict.set_exception(RoundError(FailureReason.PARTIAL, f"reducer {self._name(s)} {why} before sending its verdict"))
+            verdict.set_exception(RoundError(FailureReason.PARTIAL,
+                                             f"reducer {self._name(s)} {why} before sending its verdict"))
             verdict.exception()  # retrieved: our reduction may have stopped waiting already
 
     async def _watch_for_absent_senders(self) -> None:
@@ -293,7 +294,8 @@ class HvAllReduceRunner:
             self._record_part(self.me, final, total_weight)
         except BaseException as e:
             failure = e if isinstance(e, RoundError) else RoundError(
-                FailureReason.TIMEOUT if isinstance(e, asyncio.TimeoutError) else FailureReason.PARTIAL, f"round {self.key}: reduction failed: {e!r}")
+                FailureReason.TIMEOUT if isinstance(e, asyncio.TimeoutError) else FailureReason.PARTIAL,
+                f"round {self.key}: reduction failed: {e!r}")
             for fut in (self.my_verdict, self.final, *self.result_chunks):
                 if not fut.done():
                     fut.set_exception(failure)
@@ -433,7 +435,8 @@ class HvAllReduceRunner:
         self.bytes_received += msg.ByteSize()
         self._bytes_with[q] += msg.ByteSize()
         if msg.code != averaging_pb2.AVERAGED_PART:
-            raise RoundError(FailureReason.PARTIAL, f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
+            raise RoundError(FailureReason.PARTIAL,
+                             f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
         frame = unpack_frame(msg.tensor_part.buffer)
         if frame.kind != kind or (kind == RESULT and frame.chunk != j) or len(frame.status) != len(self.peer_ids):
             raise ProtocolError(f"expected {'result chunk %d' % j if kind == RESULT else 'the end of results'}, "
@@ -460,12 +463,14 @@ class HvAllReduceRunner:
             raise
         except StopAsyncIteration:
             self._peer_unreachable(q, "ended its stream")
-            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: reducer {self._name(q)} ended its results early") from None
+            raise RoundError(FailureReason.PARTIAL,
+                             f"round {self.key}: reducer {self._name(q)} ended its results early") from None
         except asyncio.TimeoutError:
             raise RoundError(FailureReason.PARTIAL, f"round {self.key}: reducer {self._name(q)} stalled") from None
         except Exception as e:
             self._peer_unreachable(q, repr(e))
-            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
+            raise RoundError(FailureReason.PARTIAL,
+                             f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
         finally:
             if stream is not None:
                 await stream.aclose()
@@ -533,8 +538,8 @@ class HvAllReduceRunner:
             try:
                 outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())
             except asyncio.TimeoutError:
-                raise RoundError(FailureReason.TIMEOUT, f"round {self.key}: not finished within {self.t.allreduce:.1f}s "
-                                            f"({self.progress()})") from None
+                raise RoundError(FailureReason.TIMEOUT, f"round {self.key}: not finished within "
+                                                        f"{self.t.allreduce:.1f}s ({self.progress()})") from None
             self.marks["results"] = time.time()
             # others may still be reading our results: let them finish (bounded) before reporting
             pending = [e.wait() for e in self.serving.values()]
@@ -542,7 +547,8 @@ class HvAllReduceRunner:
                 await asyncio.wait([asyncio.ensure_future(p) for p in pending], timeout=self._remaining())
             errors = [o for o in outcomes if isinstance(o, BaseException)]
             if errors:
-                first = next((e for e in errors if isinstance(e, RoundError) and e.reason != FailureReason.PARTIAL), errors[0])
+                first = next((e for e in errors if isinstance(e, RoundError) and e.reason != FailureReason.PARTIAL),
+                             errors[0])
                 raise first if isinstance(first, RoundError) else RoundError(FailureReason.PARTIAL, repr(first))
             return self.summary()
         finally:
