@@ -41,6 +41,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from opendiloco_stream.compression.spec import CodecSpec
 from opendiloco_stream.compression.wire import CODEC_NAMES, SCALE_DTYPES, SPARSE_CODECS
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # train.device: the kinds the trainer runs on (cuda:N, mps:0 with an index), or 'auto'
@@ -69,6 +70,20 @@ def cli(*flags: str, metavar: Optional[str] = None, hidden: bool = False) -> dic
 
 class ConfigError(ValueError):
     """A user configuration mistake: printed as one line, exit code 2."""
+
+
+def check_data_parallel(mode: str, *, ranked: bool = False, sharded: bool = False) -> None:
+    """Mode 'data-parallel''s rule for a peer's processes, in one place: it averages the model's own
+    gradients inside the optimizer step, so it runs as one process per peer holding the whole
+    model. ``ranked``: the peer runs as several ranks (``nproc_per_node`` > 1, or started by
+    torchrun); ``sharded``: its model is split over them (``train.sharding`` 'fsdp'). ConfigError
+    saying what to change; checked by ``RunConfig`` and again where ranks or a sharded model are
+    set up (``commands/peer_ranks.py``, ``train/ranks.py``, ``algorithm.wrap``)."""
+    if mode != "data-parallel" or not (ranked or sharded):
+        return
+    what = "not with train.sharding 'fsdp'" if sharded else "not as several ranks (--nproc-per-node 1, no torchrun)"
+    raise ConfigError("mode 'data-parallel' averages the model's own gradients inside the optimizer step: it "
+                      f"runs as one process per peer, {what}")
 
 
 class _Strict(BaseModel):
@@ -164,6 +179,13 @@ class DiLoCoConfig(_Strict):
         if self.num_fragments != "auto":
             return self
         return self.model_copy(update={"num_fragments": self.fragments_for(blocks)})
+
+    def codec_spec(self) -> CodecSpec:
+        """The wire codec these fields name: ``sparse_chunk`` is a sparse codec's block, ``codec_block_size``
+        a dense one's (what every transport and the run's fingerprint take)."""
+        block = self.sparse_chunk if self.codec in SPARSE_CODECS else self.codec_block_size
+        return CodecSpec(self.codec, block_size=block, scale_dtype=self.codec_scale_dtype,
+                         stochastic=self.stochastic_rounding, density=self.density)
 
     @property
     def use_error_feedback(self) -> bool:
@@ -385,9 +407,8 @@ class RunConfig(_Strict):
             if self.train.nproc_per_node < 2:
                 raise ValueError("train.sharding 'fsdp' splits the model over a peer's ranks: it needs "
                                  "nproc_per_node >= 2")
-            if self.diloco.mode == "data-parallel":
-                raise ValueError("mode 'data-parallel' averages the model's own gradients over the network: it "
-                                 "runs with one rank per peer, not with train.sharding 'fsdp'")
+        check_data_parallel(self.diloco.mode, ranked=self.train.nproc_per_node > 1,
+                            sharded=self.train.sharding == "fsdp")
         return self
 
 

@@ -452,3 +452,22 @@ def test_shared_fp32_decode_views_a_writable_buffer_and_copies_otherwise():
     data[HEADER_SIZE:HEADER_SIZE + 4] = np.float32("nan").tobytes()
     with pytest.raises(NonFiniteError):
         codec.decode(data, numel=100, share=True)
+
+
+def test_a_codec_spec_builds_the_codec_the_config_names_and_says_whether_it_is_lossless():
+    from opendiloco_stream.compression import Codec
+    from opendiloco_stream.compression.sparse import k_for
+    from opendiloco_stream.compression.spec import CodecSpec
+    from opendiloco_stream.config import DiLoCoConfig
+
+    assert [n for n in CODEC_NAMES if CodecSpec(n).lossless] == ["fp32"]
+    assert [n for n in CODEC_NAMES if Codec.from_spec(CodecSpec(n)).lossless] == ["fp32"]
+    sparse = DiLoCoConfig(codec="topk-int2", sparse_chunk=256, density=0.05).codec_spec()
+    codec = Codec.from_spec(sparse)
+    assert (codec.name, codec.block_size, codec.k) == ("topk-int2", 256, k_for(0.05, 256))  # the chunk, not the block
+    dense = DiLoCoConfig(codec="int8", codec_block_size=32, codec_scale_dtype="fp32", stochastic_rounding=True)
+    assert dense.codec_spec() == CodecSpec("int8", block_size=32, scale_dtype="fp32", stochastic=True, density=0.02)
+    codec = Codec.from_spec(dense.codec_spec(), seed=3)
+    assert (codec.block_size, codec.scale_dtype, codec.stochastic, codec.seed) == (32, "fp32", True, 3)
+    with pytest.raises(ValueError, match="unknown codec 'fp5'"):
+        CodecSpec("fp5")

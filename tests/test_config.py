@@ -82,3 +82,23 @@ def test_shipped_peer_configs_are_valid():
     assert files, "peers/ ships example configs"
     for f in files:
         load_config(str(f))
+
+
+def test_data_parallel_runs_as_one_process_per_peer_checked_in_one_place():
+    """The rule lives in config.check_data_parallel; RunConfig, the rank launcher, the rank wrapper
+    and algorithm.wrap all call it, so the refusal reads the same wherever it is hit."""
+    from opendiloco_stream.config import check_data_parallel
+
+    dp = {"diloco": {"mode": "data-parallel"}}
+    with pytest.raises(ConfigError, match=r"one process per peer, not as several ranks \(--nproc-per-node 1"):
+        load_config(overrides={**dp, "train": {"nproc_per_node": 2}}, environ={})
+    with pytest.raises(ConfigError, match="one process per peer, not with train.sharding 'fsdp'"):
+        load_config(overrides={**dp, "train": {"nproc_per_node": 2, "sharding": "fsdp"}}, environ={})
+    assert load_config(overrides=dp, environ={}).train.nproc_per_node == 1
+    sharded = load_config(overrides={"train": {"nproc_per_node": 2, "sharding": "fsdp"}}, environ={})
+    assert sharded.train.sharding == "fsdp"  # the streaming modes may shard
+    check_data_parallel("data-parallel")  # one process, whole model: fine
+    for mode in ("blocking", "overlap", "eager"):
+        check_data_parallel(mode, ranked=True, sharded=True)  # the rule is data-parallel's only
+    with pytest.raises(ConfigError, match="not as several ranks"):
+        check_data_parallel("data-parallel", ranked=True)

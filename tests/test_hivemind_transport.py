@@ -737,19 +737,19 @@ def test_transport_settings_come_from_netconfig_not_repeated_defaults():
     import inspect
 
     from opendiloco_stream.config import load_config
-    from opendiloco_stream.transport.factory import default_hivemind_settings, hivemind_settings
+    from opendiloco_stream.transport.hivemind.settings import HivemindSettings
 
     assert list(inspect.signature(HivemindTransport.__init__).parameters) == ["self", "dht", "settings", "admission",
                                                                             "overrides"]
     cfg = load_config(overrides={"net": {"run_id": "r1", "matchmaking_time": 7.0, "data_port": 4000,
                                          "norm_bound": None}, "diloco": {"codec": "int8"}}, environ={})
-    s = hivemind_settings(cfg)
-    assert (s.run_id, s.matchmaking_time, s.direct_port, s.norm_bound, s.codec) == ("r1", 7.0, 4000, None, "int8")
-    defaults = default_hivemind_settings()
+    s = HivemindSettings.from_config(cfg)
+    assert (s.run_id, s.matchmaking_time, s.direct_port, s.norm_bound, s.codec.name) == ("r1", 7.0, 4000, None, "int8")
+    defaults = HivemindSettings.defaults()
     net = load_config(environ={}).net
     assert (defaults.matchmaking_time, defaults.request_timeout, defaults.link_mbit, defaults.norm_bound) == (
         net.matchmaking_time, net.request_timeout, net.link_mbit, net.norm_bound)
-    assert default_hivemind_settings(codec="topk-int2").block_size == load_config(environ={}).diloco.sparse_chunk
+    assert HivemindSettings.defaults(codec="topk-int2").codec.block_size == load_config(environ={}).diloco.sparse_chunk
 
 
 @pytest.mark.network

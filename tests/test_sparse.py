@@ -284,7 +284,7 @@ def test_cli_flags_for_sparse_codecs_and_error_feedback_default():
 
     codec = codec_from_config(cfg)
     assert (codec.name, codec.block_size, codec.k) == ("topk-int2", 512, round(0.05 * 512))
-    assert local_swarm(cfg, 2).codec_args["density"] == 0.05
+    assert local_swarm(cfg, 2).codec_spec.density == 0.05
 
 
 def test_error_feedback_decay_scales_the_residual():

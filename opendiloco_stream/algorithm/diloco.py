@@ -41,7 +41,7 @@ from opendiloco_stream.algorithm.staging import (
 from opendiloco_stream.algorithm.step_hook import StepHooked
 from opendiloco_stream.algorithm.sync_log import HasSyncLog, SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
-from opendiloco_stream.config import DiLoCoConfig
+from opendiloco_stream.config import DiLoCoConfig, check_data_parallel
 from opendiloco_stream.transport.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -335,9 +335,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transpor
          param_access: Optional[ParamAccess] = None):
     """The wrapper for ``config.mode``: DataParallel for 'data-parallel', else StreamingDiLoCo."""
     if config.mode == "data-parallel":
-        if param_access is not None:
-            raise ValueError("mode 'data-parallel' averages the model's own gradients: it cannot run on a "
-                             "sharded peer (train.sharding 'fsdp')")
+        check_data_parallel(config.mode, sharded=param_access is not None)
         from opendiloco_stream.algorithm.data_parallel import DataParallel
 
         return DataParallel(model, optimizer, transport, config, blocks=blocks, on_event=on_event)

@@ -168,7 +168,7 @@ class Staging:
         self.cuda = self.device.type == "cuda"
         self.codec = codec if (self.cuda if encode is None else encode) and device_encodes(codec) else None
         # fp32 on the wire: what this peer sent is its outer gradient itself, already on the device
-        self.lossless = codec is not None and codec.name == "fp32"
+        self.lossless = codec is not None and codec.lossless
         # the side stream (CUDA only). Typed Any: torch's stubs declare ``record_stream``'s argument a
         # ``torch._C.Stream``, which ``torch.cuda.Stream`` is not declared to be (torch 2.x)
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any, NoReturn, Optional, Union
 
+from opendiloco_stream.config import check_data_parallel
+
 GRACE_S = 15.0  # a failed rank's peers: how long the others get to leave before their trees are killed
 
 
@@ -40,9 +42,7 @@ def ranks_for(args: argparse.Namespace, cfg: Any) -> Union[None, int, Any]:
     env, k = rank_env(), cfg.train.nproc_per_node
     if env is None and k == 1:
         return None
-    if cfg.diloco.mode == "data-parallel":
-        raise UsageError("mode 'data-parallel' averages gradients inside the optimizer step: it runs with one "
-                         "rank per peer (--nproc-per-node 1)")
+    check_data_parallel(cfg.diloco.mode, ranked=True)
     if env is None:
         return launch(args, k)
     if k not in (1, env.world):

@@ -6,6 +6,7 @@
     sent = codec.decode(data)             # flat fp32, bit-identical on every receiver
 
 See ``codecs.py`` for choosing a codec, ``blockwise.py`` for the code tables and rounding rules,
+``spec.py`` for ``CodecSpec`` (a codec and its parameters, as the configuration names them),
 ``wire.py`` for the byte layout and the registry of codec names (``CODEC_NAMES``: the one list the
 config, the CLI choices and the wire ids derive from). Names from ``wire.py`` import without torch,
 so the configuration and the CLI's help stay light; the codecs themselves load on first use.
@@ -13,6 +14,7 @@ so the configuration and the CLI's help stay light; the codecs themselves load o
 
 from typing import Any
 
+from opendiloco_stream.compression.spec import CodecSpec
 from opendiloco_stream.compression.wire import (
     CODEC_NAMES,
     HEADER_SIZE,
@@ -28,6 +30,7 @@ __all__ = [
     "CODEC_NAMES",
     "HEADER_SIZE",
     "Codec",
+    "CodecSpec",
     "all_finite",
     "ErrorFeedback",
     "NonFiniteError",

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from opendiloco_stream.compression import blockwise, casts, sparse
+from opendiloco_stream.compression.spec import DEFAULT_DENSITY, CodecSpec, is_lossless
 from opendiloco_stream.compression.wire import (
     BLOCK_CODECS,
     CODEC_NAMES,
@@ -72,7 +73,7 @@ class Codec:
         scale_dtype: str = "fp16",
         stochastic: bool = False,
         seed: int | None = None,
-        density: float = sparse.DEFAULT_DENSITY,
+        density: float = DEFAULT_DENSITY,
         k: int | None = None,
     ) -> None:
         if name not in CODEC_NAMES:
@@ -104,9 +105,20 @@ class Codec:
         self.density = self.k / block_size if self.is_sparse else 1.0
         # Stochastic rounding is meaningless for the exact fp32 cast; top-k is biased anyway and
         # relies on error feedback, so sparse codecs always round to nearest.
-        self.stochastic = bool(stochastic) and name != "fp32" and not self.is_sparse
+        self.stochastic = bool(stochastic) and not is_lossless(name) and not self.is_sparse
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @classmethod
+    def from_spec(cls, spec: CodecSpec, seed: int | None = None) -> "Codec":
+        """The codec ``spec`` names (``seed``: stochastic rounding's, reproducible where given)."""
+        return cls(spec.name, block_size=spec.block_size, scale_dtype=spec.scale_dtype, stochastic=spec.stochastic,
+                   seed=seed, density=spec.density)
+
+    @property
+    def lossless(self) -> bool:
+        """What this codec sends decodes to its input exactly (fp32)."""
+        return is_lossless(self.name)
 
     def __repr__(self) -> str:
         parts = [repr(self.name)]
@@ -307,7 +319,7 @@ def get_codec(
     scale_dtype: str = "fp16",
     stochastic: bool = False,
     seed: int | None = None,
-    density: float = sparse.DEFAULT_DENSITY,
+    density: float = DEFAULT_DENSITY,
 ) -> Codec:
     """Build the codec ``name`` (one of ``CODEC_NAMES``); raises ``ValueError`` for bad parameters.
 

@@ -36,7 +36,6 @@ from opendiloco_stream.compression.wire import CODE_BITS, NonFiniteError, WireHe
 
 TOP = {"topk-int2": 1, "topk-int4": 7}
 DEFAULT_CHUNK = 1024
-DEFAULT_DENSITY = 0.02
 
 
 def k_for(density: float, block_size: int) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from opendiloco_stream.config import ConfigError
+from opendiloco_stream.config import ConfigError, check_data_parallel
 from opendiloco_stream.stats import SyncStats
 
 
@@ -221,8 +221,7 @@ class Replicated(LeaderMirror):
     def __init__(self, ranks: Ranks, params: list[torch.Tensor], inner: Any = None,
                  stop_source: Optional[Callable[[], bool]] = None):
         if inner is not None and inner.waits_in_optimizer_step:
-            raise ConfigError("mode 'data-parallel' averages gradients inside the optimizer step: "
-                              "it runs with one rank per peer (nproc_per_node = 1)")
+            check_data_parallel("data-parallel", ranked=True)
         self._ranks, self._params, self._inner = ranks, params, inner
         self._stop_source = stop_source or (lambda: False)
         self._mirror = {"step_count": 0, "in_flight": False}

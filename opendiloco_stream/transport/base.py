@@ -28,17 +28,17 @@ from typing import Any, Callable, Hashable, Optional, Protocol
 import torch
 
 from opendiloco_stream.compression.codecs import Codec
+from opendiloco_stream.transport.failure import FailureReason
 
 
 class SyncFailed(RuntimeError):
     """A round did not produce a complete, validated average (timeout, partial, lost peer...)."""
 
-    def __init__(self, message: str, *, key: Hashable = None, reason: str = "failed"):
+    def __init__(self, message: str, *, key: Hashable = None, reason: str = FailureReason.FAILED):
         super().__init__(message)
         self.key = key
-        #: short machine-readable cause: "timeout", "partial", "matchmaking", "clients" (only peers that
-        #: accept no connections reached the round), "rejected", "closed"
-        self.reason = reason
+        #: short machine-readable cause (``failure.FailureReason``; a plain string is read as its value)
+        self.reason = FailureReason(reason)
 
 
 @dataclass

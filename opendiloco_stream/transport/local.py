@@ -17,13 +17,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional, Union
 
 import torch
 
-from opendiloco_stream.compression import get_codec
-from opendiloco_stream.compression.sparse import DEFAULT_DENSITY
+from opendiloco_stream.compression import Codec
+from opendiloco_stream.compression.spec import DEFAULT_DENSITY, CodecSpec
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES
 from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
 
@@ -83,23 +84,26 @@ class LocalSwarm:
 
     Args:
         num_workers: M.
-        codec, block_size, scale_dtype, stochastic, seed, density: the wire codec (see compression;
-            ``block_size`` None: the codec's default, ``density``: sparse codecs only).
+        codec: the wire codec, a ``CodecSpec`` (``DiLoCoConfig.codec_spec()``), or its name with
+            ``block_size``, ``scale_dtype``, ``stochastic`` and ``density`` (see ``compression.spec``).
+        seed: stochastic rounding's (a round's codec is seeded from it and the round's key).
         timeout: bound on any wait for the other workers (seconds).
         chunk_bytes, norm_bound: as in ``HivemindTransport`` (chunks of a part; the norm check).
         link: when a round lands, in inner steps (:class:`LinkModel`; default: at once).
     """
 
-    def __init__(self, num_workers: int, codec: str = "fp32", block_size: Optional[int] = None, scale_dtype: str = "fp16",
-                 stochastic: bool = False, seed: int = 0, density: float = DEFAULT_DENSITY, timeout: float = 300.0,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, norm_bound: Optional[float] = DEFAULT_NORM_BOUND,
-                 link: LinkModel = INSTANT_LINK):
+    def __init__(self, num_workers: int, codec: Union[str, CodecSpec] = "fp32", block_size: Optional[int] = None,
+                 scale_dtype: str = "fp16", stochastic: bool = False, seed: int = 0, density: float = DEFAULT_DENSITY,
+                 timeout: float = 300.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 norm_bound: Optional[float] = DEFAULT_NORM_BOUND, link: LinkModel = INSTANT_LINK):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.num_workers = num_workers
-        self.codec_args = dict(name=codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic,
-                               density=density)
-        get_codec(**self.codec_args)  # bad codec parameters fail here, not in the first round
+        if isinstance(codec, str):
+            codec = CodecSpec(codec, block_size=block_size, scale_dtype=scale_dtype, stochastic=stochastic,
+                              density=density)
+        self.codec_spec = codec
+        Codec.from_spec(codec)  # bad codec parameters fail here, not in the first round
         self.seed = seed
         self.timeout = timeout
         self.chunk_bytes, self.norm_bound = int(chunk_bytes), norm_bound
@@ -162,13 +166,13 @@ class LocalSwarm:
     def _reduce(self, key: Hashable, rnd: _Round) -> dict[int, SyncResult]:
         ranks = sorted(rnd.contributions)
         seed = hash((self.seed, key)) & 0x7FFFFFFF  # stochastic rounding: reproducible per round
-        codec = get_codec(**self.codec_args, seed=seed)
+        codec = Codec.from_spec(self.codec_spec, seed=seed)
         try:
             outcomes = reduce_in_process(codec, [rnd.contributions[r][0] for r in ranks],
                                          [rnd.contributions[r][1] for r in ranks], key,
                                          chunk_bytes=self.chunk_bytes, norm_bound=self.norm_bound)
         except RoundRefused as e:
-            raise SyncFailed(str(e), key=key, reason="rejected") from None
+            raise SyncFailed(str(e), key=key, reason=FailureReason.REJECTED) from None
         return {r: SyncResult(
             average=o.average, group_size=o.summary.group_size, weight_share=o.summary.weight_share, sent=o.sent,
             bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
@@ -181,11 +185,12 @@ class LocalSwarm:
         with self._cond:
             while rnd.results is None and rnd.error is None:
                 if self._aborted:
-                    raise SyncFailed(f"round {key}: swarm aborted ({self._aborted})", key=key, reason="closed")
+                    raise SyncFailed(f"round {key}: swarm aborted ({self._aborted})", key=key,
+                                     reason=FailureReason.CLOSED)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SyncFailed(f"round {key}: not all {self.num_workers} workers arrived within {bound:.1f}s",
-                                     key=key, reason="timeout")
+                                     key=key, reason=FailureReason.TIMEOUT)
                 self._cond.wait(remaining)
             rnd.consumed.add(rank)
             if len(rnd.consumed) == self.num_workers:  # everyone has it: forget the round
@@ -223,7 +228,7 @@ class _LocalHandle(SyncHandle):
             try:
                 self._result = self.swarm._wait(self.rank, self.key, self._round, timeout)
             except SyncFailed as e:
-                if e.reason != "timeout" or timeout is None:  # a caller's shorter bound may be retried
+                if e.reason != FailureReason.TIMEOUT or timeout is None:  # a caller's shorter bound may be retried
                     self._error = e
                 raise
         return self._result
@@ -241,7 +246,7 @@ class LocalTransport(Transport):
         return _LocalHandle(self.swarm, self.rank, key, rnd)
 
     def wire_codec(self):
-        return get_codec(**self.swarm.codec_args)
+        return Codec.from_spec(self.swarm.codec_spec)  # its own: a codec's rounding generators are state
 
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
         self.swarm._state_providers[self.rank] = provider

@@ -184,7 +184,7 @@ class PartReducer:
                  norm_bound: Optional[float], decoded_limit: int = DECODED_LIMIT_BYTES):
         self.codec, self.chunks, self.norm_bound = codec, tuple(chunks), norm_bound
         decoded = 4 * sum(hi - lo for lo, hi in self.chunks) * len(status)
-        self.keep_bytes = codec.name != "fp32" and decoded > decoded_limit
+        self.keep_bytes = not codec.lossless and decoded > decoded_limit
         self.status = list(status)
         self.values: list[list[Optional[torch.Tensor]]] = [[None] * len(self.chunks) for _ in self.status]
         self.payloads: list[list[Optional[bytes]]] = [[None] * len(self.chunks) for _ in self.status]
@@ -243,7 +243,7 @@ class PartReducer:
         fmt = self.codec.result_codec(len(accepted))
         if fmt is None:
             payload, result = pack_bundle([self.payloads[s][j] for s in accepted]), mean
-        elif parts and fmt.name == "fp32":  # lossless: the mean is the result, its memory the bytes
+        elif parts and fmt.lossless:  # lossless: the mean is the result, its memory the bytes
             payload, result = fmt.encode_parts(mean), mean
         else:
             payload = fmt.encode(mean)

@@ -4,8 +4,9 @@ It forms the fragment's groups (``matchmaking.Matchmaker``, handler ``{prefix}::
 each round's all-reduce (``runner.HvAllReduceRunner``) straight on the trainer's tensor, and serves
 groupmates' streams: over its direct TCP listener (``direct.py``, sealed by ``seal.py``) or, as the
 fallback, through the p2p daemon (handler ``{prefix}::aggregate``). Everything runs on the
-service's event loop; the lane (``lane.py``) calls :meth:`run_round` and :meth:`form_group`
-through ``AveragingService.submit``.
+service's event loop. It is the lane's (``lane.py``) one collaborator: the lane hands it the
+coroutines of :meth:`form_group` / :meth:`group_for` and :meth:`run_round` (:meth:`submit`), gets
+back a ``round_report.RoundSummary`` and asks it what a failure means (:meth:`failure`).
 
 A round writes nothing the trainer holds: the average is decoded into a fresh tensor (returned
 as ``SyncResult.average``) and, under a lossy codec, what this peer sent into another
@@ -15,8 +16,9 @@ as ``SyncResult.average``) and, under a lossy codec, what this peer sent into an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Coroutine, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -24,14 +26,16 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from opendiloco_stream.compression import Codec
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectListener, FailedAddresses, RunningGroups, serve_accepted, serve_connections,
 )
 from opendiloco_stream.transport.hivemind.punch import Puncher
 from opendiloco_stream.transport.hivemind.link import LinkBook
-from opendiloco_stream.transport.hivemind.matchmaking import Group, Matchmaker
-from opendiloco_stream.transport.hivemind.protocol import as_protobufs
-from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner, RoundError
+from opendiloco_stream.transport.hivemind.matchmaking import Group, Matchmaker, MatchmakingFailed
+from opendiloco_stream.transport.hivemind.protocol import RoundError, as_protobufs
+from opendiloco_stream.transport.hivemind.round_report import RoundSummary
+from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
 from opendiloco_stream.transport.hivemind.seal import DirectSecurity
 from opendiloco_stream.transport.hivemind.service import AveragingService
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, link_timeouts
@@ -120,6 +124,37 @@ class FragmentEndpoint:
                 except Exception as e:  # the daemon is gone already
                     logger.debug("%s: removing handler %s: %r", self.prefix, name, e)
 
+    # ------------------------------------------------------------------ for the lane (its thread)
+    @property
+    def closed(self) -> bool:
+        """Whether the service is closed: no round runs any more."""
+        return self.service.closed
+
+    def submit(self, coroutine: Coroutine) -> concurrent.futures.Future:
+        """Run ``coroutine`` (one of this endpoint's) on the service's loop."""
+        return self.service.submit(coroutine)
+
+    def set_target(self, round_index: int, target: int) -> None:
+        """Hand a round already matching its group the size to wait for (``Matchmaker.set_target``,
+        on the loop); nothing once the loop is closed (the round then fails as closed)."""
+        try:
+            self.service.loop.call_soon_threadsafe(self.matchmaker.set_target, round_index, target)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    @staticmethod
+    def failure(error: BaseException, formed: bool) -> tuple[FailureReason, str]:
+        """A round's exception as ``SyncFailed``'s (reason, message); ``formed``: whether its group formed."""
+        if isinstance(error, RoundError):
+            return error.reason, error.message
+        if isinstance(error, MatchmakingFailed):  # its reason: MATCHMAKING, CLIENTS, ...
+            return error.reason, f"no group formed: {error}"
+        if not formed:
+            return FailureReason.MATCHMAKING, f"no group formed: {error}"
+        if isinstance(error, TimeoutError):
+            return FailureReason.TIMEOUT, f"all-reduce did not finish in time: {error!r}"
+        return FailureReason.FAILED, repr(error)
+
     # ------------------------------------------------------------------ rounds (on the loop)
     def metadata(self, key: tuple, weight: float) -> dict:
         """What this peer tells its group about round ``key`` (sealed for the run key's checks)."""
@@ -136,6 +171,17 @@ class FragmentEndpoint:
     async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float) -> Group:
         """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed."""
         return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target)
+
+    async def group_for(self, key: tuple, weight: float, target: Optional[int], window_s: float,
+                        early: Optional[concurrent.futures.Future] = None) -> Group:
+        """Round ``key``'s group: the one ``early`` formed ahead (a :meth:`form_group` submitted
+        before the round) if it did, else one formed now (:meth:`form_group`)."""
+        if early is not None:
+            try:
+                return await asyncio.wrap_future(early)
+            except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
+                logger.info("%s: no group formed ahead for round %s: matching now", self.prefix, key)
+        return await self.form_group(key, weight, target, window_s)
 
     def refresh_timeouts(self) -> RoundTimeouts:
         """The next rounds' bounds from the worst link measured to the groupmates (``link_timeouts``);
@@ -160,25 +206,22 @@ class FragmentEndpoint:
         """(average, sent): tensors of the service's pool (``buffers.py``) for a round of ``numel``
         elements to decode into (``sent`` None under fp32, where what was sent is the input itself)."""
         pool = self.service.buffers
-        return pool.take(numel), (None if self.codec.name == "fp32" else pool.take(numel))
+        return pool.take(numel), (None if self.codec.lossless else pool.take(numel))
 
     async def run_round(self, group: Group, tensor: torch.Tensor, formed: Optional[Any] = None,
-                        result: Optional[torch.Tensor] = None, sent: Optional[torch.Tensor] = None) -> tuple:
+                        result: Optional[torch.Tensor] = None, sent: Optional[torch.Tensor] = None) -> RoundSummary:
         """The all-reduce of ``tensor`` (flat fp32, on the CPU) with ``group``.
 
-        Returns ``(summary, average, sent)``: the round's metadata (``round_report.round_summary``),
-        the average (a fresh tensor: ``result`` if given) and what this peer sent (``tensor`` itself
-        under fp32; else ``sent`` if given). ``formed``: a ``threading.Event`` set once the group
-        exists (the lane's abandon reads it)."""
+        Returns the round's ``RoundSummary``, with the average (a fresh tensor: ``result`` if given)
+        and what this peer sent (``tensor`` itself under a lossless codec; else ``sent`` if given).
+        ``formed``: a ``threading.Event`` set once the group exists (the lane's abandon reads it)."""
         running = asyncio.get_event_loop().create_future()
         self.running[group.group_id] = running
         self.groups.notify()
         try:
             if formed is not None:
                 formed.set()
-            runner = self._runner(group, tensor, running, result, sent)
-            summary = await runner.run()
-            return summary, runner.result, (tensor if summary.get("sent_is_input") else runner.sent)
+            return await self._runner(group, tensor, running, result, sent).run()
         finally:
             self.running.pop(group.group_id, None)
 
@@ -187,7 +230,7 @@ class FragmentEndpoint:
         try:
             why = None if self.admission is None else self.admission.check_group(group.peer_ids, group.gathered)
             if why is not None:  # a leader that admitted an outsider: reduce nothing with it
-                raise RoundError("rejected", f"group refused: {why}")
+                raise RoundError(FailureReason.REJECTED, f"group refused: {why}")
             runner = self.runner_cls(
                 p2p=self.service.p2p, handler=self.aggregate_name, prefix=self.prefix, group=group, tensor=tensor,
                 codec=self.codec, timeouts=self.timeouts, norm_bound=self.norm_bound,

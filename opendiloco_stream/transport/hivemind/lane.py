@@ -4,8 +4,9 @@ owns one lane per fragment).
 
 A round on the lane: wait until the fragment's previous round is over, check the outer gradient
 (finite; a CPU fp32 view of it, copied only if it lives elsewhere), plan the group size
-(``presence.py``), then hand the service the round's coroutine (``FragmentEndpoint.form_group``
-then ``run_round``) and wait for it, never past the handle's deadline.
+(``presence.py``), then hand the fragment's endpoint (``endpoint.py``, the lane's one collaborator
+for a round) the round's coroutine (``FragmentEndpoint.group_for`` then ``run_round``) and wait
+for it, never past the handle's deadline.
 
 A round may have its group formed ahead (``prematch``, a few inner steps before its sync): the
 lane starts forming it as soon as the fragment's previous round is over, and the round itself then
@@ -28,11 +29,9 @@ import torch
 
 from opendiloco_stream.compression import all_finite
 from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
-from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
-from opendiloco_stream.transport.hivemind.matchmaking import MatchmakingFailed
+from opendiloco_stream.transport.failure import FailureReason
+from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint, RoundSummary
 from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
-from opendiloco_stream.transport.hivemind.round_report import round_phases
-from opendiloco_stream.transport.hivemind.runner import RoundError
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 
 logger = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ class HivemindSyncHandle(SyncHandle):
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._result: Optional[SyncResult] = None
-        self._failure: Optional[tuple[str, str]] = None
+        self._failure: Optional[tuple[FailureReason, str]] = None
         self.lane: Optional["_Lane"] = None  # set when submitted
 
     def done(self) -> bool:
@@ -67,13 +66,14 @@ class HivemindSyncHandle(SyncHandle):
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         bound = self.remaining() if timeout is None else min(max(0.0, timeout), self.remaining())
         if not self._event.wait(bound):
-            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key, reason="timeout")
+            raise SyncFailed(f"round {self.key}: no result within {bound:.1f}s", key=self.key,
+                             reason=FailureReason.TIMEOUT)
         if self._failure is not None:
             reason, message = self._failure
             raise SyncFailed(message, key=self.key, reason=reason)
         return self._result
 
-    def _settle(self, result: Optional[SyncResult], failure: Optional[tuple[str, str]]) -> bool:
+    def _settle(self, result: Optional[SyncResult], failure: Optional[tuple[FailureReason, str]]) -> bool:
         with self._lock:  # the first outcome wins (close() may race the worker)
             if self._event.is_set():
                 return False
@@ -84,21 +84,9 @@ class HivemindSyncHandle(SyncHandle):
     def succeed(self, result: SyncResult) -> None:
         self._settle(result, None)
 
-    def fail(self, reason: str, message: str) -> None:
+    def fail(self, reason: FailureReason, message: str) -> None:
         if self._settle(None, (reason, message)):
             logger.info("round %s failed (%s): %s", self.key, reason, message)
-
-
-def _classify(error: BaseException, formed: bool) -> tuple[str, str]:
-    if isinstance(error, RoundError):
-        return error.reason, error.message
-    if isinstance(error, MatchmakingFailed):  # its reason: "matchmaking", "clients", ...
-        return error.reason, f"no group formed: {error}"
-    if not formed:
-        return "matchmaking", f"no group formed: {error}"
-    if isinstance(error, TimeoutError):
-        return "timeout", f"all-reduce did not finish in time: {error!r}"
-    return "failed", repr(error)
 
 
 # A peer that joins with the initial-model marker (peers started together) needs a few seconds to
@@ -144,7 +132,6 @@ class _Lane:
     def __init__(self, fragment: int, endpoint: FragmentEndpoint, timeouts: RoundTimeouts,
                  presence: Optional[Presence] = None, target: Optional[int] = None):
         self.fragment, self.endpoint, self.timeouts = fragment, endpoint, timeouts
-        self.service = endpoint.service
         # a fixed target_group_size wins over the live count of presence.py
         self.presence, self.target, self.live_target = presence, target, presence is not None and target is None
         self.numel = endpoint.numel
@@ -185,8 +172,8 @@ class _Lane:
             current = self._current if self._current is not None and self._current.handle is handle else None
             if current is not None and current.formed.is_set():
                 return handle.done()
-            handle.fail("matchmaking", f"round {handle.key} abandoned before its group formed: this peer caught "
-                                       f"up with the swarm, which moved past it")
+            handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} abandoned before its group formed: this "
+                                                   f"peer caught up with the swarm, which moved past it")
             if current is not None and current.future is not None:
                 current.future.cancel()
             return True
@@ -222,7 +209,7 @@ class _Lane:
                 self._run(*item)
             except BaseException as e:  # a bug must fail the round, not kill the lane
                 logger.exception("round %s crashed", handle.key)
-                handle.fail("failed", repr(e))
+                handle.fail(FailureReason.FAILED, repr(e))
             finally:
                 self._current = None
                 self.timeouts = self.endpoint.refresh_timeouts()  # the next rounds' bounds, from this round's links
@@ -255,13 +242,13 @@ class _Lane:
 
     def _prematch(self, key: tuple, weight: float, lead_s: float) -> None:
         self._drop_early()
-        if not self._previous_over(0.0) or self.service.closed:
+        if not self._previous_over(0.0) or self.endpoint.closed:
             return  # the round matches when it is submitted
         plan = self.presence.plan_round(self.fragment, int(key[1])) if self.live_target else None
         if plan is not None and plan.skip:
             return  # the round is skipped (``_run`` says why)
         target = self.target if plan is None else plan.target
-        future = self.service.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking))
+        future = self.endpoint.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking))
         self._early = _Early(key, future, weight)
 
     def _take_early(self, key: tuple) -> Optional[_Early]:
@@ -281,7 +268,7 @@ class _Lane:
     def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
         fragment, round_index = handle.key
         if not self._previous_over(handle.remaining()):
-            handle.fail("timeout", f"the previous round of fragment {fragment} is still running")
+            handle.fail(FailureReason.TIMEOUT, f"the previous round of fragment {fragment} is still running")
             return
         t_start = time.time()
         flat = self._stage(handle, tensor)
@@ -297,8 +284,9 @@ class _Lane:
         if not later:
             plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
             if plan is not None and plan.skip:
-                handle.fail("joining", f"first round of fragment {fragment} in a running swarm: this peer takes "
-                                       f"part from round {round_index + 1} on (the others did not count it)")
+                handle.fail(FailureReason.JOINING, f"first round of fragment {fragment} in a running swarm: this peer "
+                                                   f"takes part from round {round_index + 1} on (the others did not "
+                                                   f"count it)")
                 return
             expected = self.target if plan is None else plan.target
         current = _Current(handle, expected, self.timeouts.matchmaking)
@@ -309,7 +297,7 @@ class _Lane:
                 return
             self._current = current
             t_step = time.time()
-            current.future = self._previous = self.service.submit(
+            current.future = self._previous = self.endpoint.submit(
                 self._round(handle.key, flat, weight, expected, early, current))
         if later:
             self._plan_later(int(round_index), current)
@@ -317,30 +305,21 @@ class _Lane:
 
     def _plan_later(self, round_index: int, current: _Current) -> None:
         """Announce and plan a round already forming its group; hand the plan's target to its
-        matchmaking (``Matchmaker.set_target``, on the service's loop)."""
+        matchmaking (``FragmentEndpoint.set_target``)."""
         plan = self._announce(round_index, plan=True)
         if plan is None or plan.skip:  # (a later round is never skipped)
             return
         current.expected = plan.target
-        try:
-            self.service.loop.call_soon_threadsafe(self.endpoint.matchmaker.set_target, round_index, plan.target)
-        except RuntimeError:  # the loop is closed: the round fails as closed
-            pass
+        self.endpoint.set_target(round_index, plan.target)
 
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
-                     early: Optional[_Early], current: _Current) -> tuple:
+                     early: Optional[_Early], current: _Current) -> RoundSummary:
         """(On the service's loop.) The group, formed ahead or now, then the exchange."""
         # the buffers the round decodes into, faulted in on an executor thread while the group forms
         buffers = asyncio.get_event_loop().run_in_executor(None, self.endpoint.round_buffers, flat.numel())
-        group = None
-        if early is not None:
-            try:
-                group = await asyncio.wrap_future(early.future)
-            except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
-                logger.info("fragment %d: no group formed ahead for round %s: matching now", self.fragment, key)
         try:
-            if group is None:
-                group = await self.endpoint.form_group(key, weight, target, self.timeouts.matchmaking)
+            group = await self.endpoint.group_for(key, weight, target, self.timeouts.matchmaking,
+                                                  None if early is None else early.future)
         finally:
             result, sent = await buffers  # (also on failure: the executor thread is not left behind)
         return await self.endpoint.run_round(group, flat, formed=current.formed, result=result, sent=sent)
@@ -350,33 +329,27 @@ class _Lane:
         finite or the service is closed."""
         flat = cpu_fp32(tensor)
         if not all_finite(flat):
-            handle.fail("rejected", "the outer gradient holds NaN or Inf: not sent")
+            handle.fail(FailureReason.REJECTED, "the outer gradient holds NaN or Inf: not sent")
             return None
-        if self.service.closed:
-            handle.fail("closed", "transport closed")
+        if self.endpoint.closed:
+            handle.fail(FailureReason.CLOSED, "transport closed")
             return None
         return flat
 
     def _finish(self, handle: HivemindSyncHandle, current: _Current, t_start: float, t_step: float) -> None:
         try:
-            summary, average, sent = current.future.result(timeout=handle.remaining())
+            summary = current.future.result(timeout=handle.remaining())
         except concurrent.futures.TimeoutError:
             current.future.cancel()
-            handle.fail("timeout", f"round not finished within {self.timeouts.round_bound:.1f}s")
+            handle.fail(FailureReason.TIMEOUT, f"round not finished within {self.timeouts.round_bound:.1f}s")
             return
         except concurrent.futures.CancelledError:
-            handle.fail("matchmaking", f"round {handle.key} was cancelled before its group formed")
+            handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} was cancelled before its group formed")
             return
         except BaseException as e:
-            reason, message = _classify(e, current.formed.is_set())
-            handle.fail(reason, message)
+            handle.fail(*self.endpoint.failure(e, current.formed.is_set()))
             return
-        handle.succeed(SyncResult(
-            average=average, sent=sent, phases=round_phases(t_start, t_step, summary.get("marks", {}), time.time()),
-            group_size=summary["group_size"], weight_share=summary["weight_share"],
-            bytes_sent=summary["bytes_sent"], bytes_received=summary["bytes_received"], peers=summary["peers"],
-            included_self=summary["included_self"], rejected=summary["rejected"], expected_size=current.expected,
-            links=summary.get("links", {})))
+        handle.succeed(summary.sync_result(t_start, t_step, time.time(), current.expected))
 
     def close(self) -> None:
         """Fail what is queued and the running round ("closed"), stop the worker."""
@@ -386,10 +359,10 @@ class _Lane:
             except queue.Empty:
                 break
             if item is not None and not isinstance(item, _Prematch):
-                item[0].fail("closed", "transport closed")
+                item[0].fail(FailureReason.CLOSED, "transport closed")
         current = self._current
         if current is not None:
-            current.handle.fail("closed", "transport closed")
+            current.handle.fail(FailureReason.CLOSED, "transport closed")
             if current.future is not None:
                 current.future.cancel()
         self._queue.put(None)

@@ -36,6 +36,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
+from opendiloco_stream.transport.failure import FailureReason
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often a matching peer re-reads the round's announcements
@@ -45,14 +47,14 @@ EXCLUDE_S = 1.0  # how long a peer that refused us (full, not leading) is passed
 class MatchmakingFailed(Exception):
     """No group formed for the round within its window."""
 
-    reason = "matchmaking"  # the round's failure reason (``SyncResult.reason``)
+    reason = FailureReason.MATCHMAKING  # the round's failure reason (``SyncResult.reason``)
 
 
 class NoPeerAcceptsConnections(MatchmakingFailed):
     """Other peers reached the round, but none of them (nor this one) accepts connections: every one
     of them is a client, so nobody could lead the group or reduce a part."""
 
-    reason = "clients"
+    reason = FailureReason.CLIENTS
 
 
 @dataclass(frozen=True)

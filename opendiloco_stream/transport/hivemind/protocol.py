@@ -24,6 +24,7 @@ from typing import AsyncIterator, Union
 
 from hivemind.proto import averaging_pb2, runtime_pb2
 
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.reduce import PROTOCOL_VERSION
 
 # Frame kinds.
@@ -203,7 +204,7 @@ def _tensor_buffer(data: memoryview) -> memoryview:
 class RoundError(Exception):
     """A round without a complete, consistent average; ``reason`` as in ``SyncFailed``."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: FailureReason, message: str):
         super().__init__(reason, message)
         self.reason, self.message = reason, message
 

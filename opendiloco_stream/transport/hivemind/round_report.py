@@ -1,4 +1,4 @@
-"""What a round reports: its summary, its phases, and where it stood when it timed out.
+"""What a round reports: its summary (:class:`RoundSummary`, built by the runner) and its phases.
 
 The runner stamps wall-clock marks (``time.time()``, comparable with the host's on one machine) as
 its phases end: ``group`` (the round started), ``contributions`` (every contribution to our part
@@ -9,56 +9,49 @@ turns them into ``SyncResult.phases`` (:func:`round_phases`).
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Optional
 
-from opendiloco_stream.compression import all_finite
-from opendiloco_stream.transport.hivemind.protocol import RoundError
-from opendiloco_stream.transport.reduce import summarize_verdict
+import torch
 
-if TYPE_CHECKING:
-    from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
+from opendiloco_stream.transport.base import SyncResult
 
 
-def round_summary(runner: "HvAllReduceRunner") -> dict:
-    """A finished round's metadata for the host; ``RoundError`` if its parts do not agree or the
-    average is not finite."""
-    verdicts = set(runner.part_status.values())
-    if len(verdicts) != 1:
-        raise RoundError("partial", f"round {runner.key}: parts were averaged over different groups")
-    final, total_weight = verdicts.pop()
-    outcome = summarize_verdict(final, runner.weights, runner.me)
-    if not all_finite(runner.result):
-        raise RoundError("partial", f"round {runner.key}: the average holds non-finite values")
-    return dict(
-        group_size=outcome.group_size,
-        weight_share=runner.weights[runner.me] / total_weight if outcome.included_self else 0.0,
-        included_self=outcome.included_self, peers=[str(runner.peer_ids[s]) for s in outcome.accepted],
-        rejected=outcome.rejected, missing=outcome.missing,
-        bytes_sent=runner.bytes_sent, bytes_received=runner.bytes_received,
-        marks=dict(runner.marks, end=time.time()), sent_is_input=runner.sent_is_input,
-        links={str(runner.peer_ids[q]): seen for q, seen in runner.links_seen.items()},
-    )
+@dataclass(frozen=True)
+class RoundSummary:
+    """A finished round as the runner saw it (``HvAllReduceRunner.run``, returned by
+    ``FragmentEndpoint.run_round``); the lane adds its own marks with :meth:`sync_result`."""
 
+    #: the average (a fresh tensor) and what this peer sent (its input itself where ``sent_is_input``)
+    average: torch.Tensor
+    sent: torch.Tensor
+    #: peers whose contribution entered the average (this peer included if it did)
+    group_size: int
+    #: this peer's share of the accepted weight (0 where its own contribution was not accepted)
+    weight_share: float
+    included_self: bool
+    #: peer ids of the accepted contributions, in group order
+    peers: list[str]
+    #: contributions dropped by validation / never complete
+    rejected: int
+    missing: int
+    bytes_sent: int
+    bytes_received: int
+    #: the runner's wall-clock marks (module docstring), ``end`` included
+    marks: dict[str, float] = field(default_factory=dict)
+    #: what this peer sent is its input tensor itself (lossless codec, no copy)
+    sent_is_input: bool = False
+    #: per groupmate (peer id), what this round measured of the link to it (``link.py``)
+    links: dict[str, dict] = field(default_factory=dict)
 
-def describe_progress(runner: "HvAllReduceRunner") -> str:
-    """Where a round stands, for a timeout's message: what we got from whom, and the phases done."""
-    start = runner.marks["group"]
-    marks = ", ".join(f"{k} at +{v - start:.2f}s" for k, v in runner.marks.items() if k != "group")
-    items = []
-    for i in range(len(runner.peer_ids)):
-        if i == runner.me:
-            continue
-        got = []
-        if i in runner.sender_done:
-            got.append("contribution " + ("in" if runner.sender_done[i].is_set() else
-                                          "streaming" if i in runner.connected else "not connected"))
-        if i in runner.verdicts:
-            got.append("verdict " + ("in" if runner.verdicts[i].done() else "awaited"))
-        if runner.is_reducer[i]:
-            got.append("results " + ("begun" if i in runner.part_status else "awaited"))
-        items.append(f"peer {i}: {', '.join(got) or 'nothing expected'}")
-    return f"I am {runner.me}; {'; '.join(items)}; {marks or 'no phase done'}"
+    def sync_result(self, start: float, step: float, end: float, expected_size: Optional[int]) -> SyncResult:
+        """The host's ``SyncResult``: ``start``, ``step`` and ``end`` are the host's marks
+        (:func:`round_phases`), ``expected_size`` the group size the round waited for."""
+        return SyncResult(
+            average=self.average, sent=self.sent, phases=round_phases(start, step, self.marks, end),
+            group_size=self.group_size, weight_share=self.weight_share, bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received, peers=self.peers, included_self=self.included_self,
+            rejected=self.rejected, expected_size=expected_size, links=self.links)
 
 
 # runner mark -> the phase it ends

@@ -8,7 +8,7 @@ peers in ``protocol.py``'s frames: each sender opens one stream per remote reduc
 if it reduces a part itself, its verdict on it, then reads the averaged chunks back on that stream.
 Every wait is bounded: ``next_chunk`` between two messages of a stream (and for a sender to show
 up), the round deadline (``allreduce``) for the verdicts and the first result. Any part that does
-not arrive complete and consistent fails the whole round with ``RoundError(reason="partial")``.
+not arrive complete and consistent fails the whole round with ``RoundError(reason=FailureReason.PARTIAL)``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
-from opendiloco_stream.compression import Codec, native
+from opendiloco_stream.compression import Codec, all_finite, native
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectStream, FailedAddresses, make_hello, parse_address,
 )
@@ -31,11 +32,11 @@ from opendiloco_stream.transport.hivemind.seal import DirectSecurity, new_salt
 from opendiloco_stream.transport.hivemind.jobs import RoundClosed, RoundJobs
 from opendiloco_stream.transport.hivemind.matchmaking import Group, unpack_meta
 from opendiloco_stream.transport.hivemind.punch import Puncher, direct_reducers, punch_info, reaches
-from opendiloco_stream.transport.hivemind.protocol import (  # noqa: F401 (RoundError: imported from here)
+from opendiloco_stream.transport.hivemind.protocol import (
     CONTRIB, DONE, RESULT, VERDICT, ProtocolError, RoundError, as_protobufs, frame_parts, pack_frame, unpack_frame,
 )
 from opendiloco_stream.transport.hivemind.protocol import error_message as _error, message as _message
-from opendiloco_stream.transport.hivemind.round_report import describe_progress, round_summary
+from opendiloco_stream.transport.hivemind.round_report import RoundSummary
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts
 from opendiloco_stream.transport.layout import GroupLayout, group_chunk_bytes
 from opendiloco_stream.transport.reduce import (
@@ -51,9 +52,9 @@ RATE_MIN_BYTES = 1 << 20  # an exchange that moved less says little about the li
 class HvAllReduceRunner:
     """Reduce-scatter, verdict exchange and all-gather of one group (see ``transport/reduce.py``).
 
-    ``run()`` returns the round's metadata (group size, weight share, bytes...) and leaves the
-    average in ``self.result`` and what this peer sent, ``deQ(Q(tensor))``, in ``self.sent``, which
-    may be ``tensor`` itself: each chunk is encoded once, then overwritten with what it decodes to.
+    ``run()`` returns the round's :class:`RoundSummary`: group size, weight share, bytes..., the
+    average (``self.result``) and what this peer sent, ``deQ(Q(tensor))``: ``self.sent``, where each
+    chunk's decoded bytes are written once it is encoded, or ``tensor`` itself under a lossless codec.
     Subclasses may override ``encode_contribution`` (tests use it to fake bad senders).
     """
 
@@ -78,7 +79,7 @@ class HvAllReduceRunner:
         try:
             self.weights, status = judge_members(users, self.me, [False] * n)
         except GroupMismatch as e:
-            raise RoundError("rejected", f"round {self.key}: {e}") from None
+            raise RoundError(FailureReason.REJECTED, f"round {self.key}: {e}") from None
         # client-mode peers accept no connections: they send and receive, but reduce no part; and
         # where some members reach every other one directly (listening, or by a punch), only those
         # reduce (punch.py): the parts' bytes then avoid the relay
@@ -106,7 +107,7 @@ class HvAllReduceRunner:
         self.my_chunks = self.layout.chunks[self.me]
         # fp32 is lossless: what we send is the tensor itself, sent without a copy, and ``sent`` is
         # not written (the trainer uses its own tensor). Not for test doubles that fake what they send.
-        self.sent_is_input = (codec.name == "fp32"
+        self.sent_is_input = (codec.lossless
                               and type(self).encode_contribution is HvAllReduceRunner.encode_contribution)
         # the average is decoded straight into the tensor the trainer receives; what we sent, into
         # its own (none under fp32): a round holds no copy of the outer gradient
@@ -172,7 +173,7 @@ class HvAllReduceRunner:
     def _record_part(self, q: int, status: bytes, total_weight: float) -> None:
         seen = self.part_status.setdefault(q, (status, total_weight))
         if seen != (status, total_weight):
-            raise RoundError("partial", f"reducer {self._name(q)} changed its verdict between chunks")
+            raise RoundError(FailureReason.PARTIAL, f"reducer {self._name(q)} changed its verdict between chunks")
 
     # ------------------------------------------------------------------ reducer: incoming streams
     async def serve(self, stream: AsyncIterator[averaging_pb2.AveragingData], remote: PeerID
@@ -254,7 +255,8 @@ class HvAllReduceRunner:
             self.sender_done[s].set()
         verdict = self.verdicts.get(s)
         if verdict is not None and not verdict.done():
-            verdict.set_exception(RoundError("partial", f"reducer {self._name(s)} {why} before sending its verdict"))
+            verdict.set_exception(RoundError(FailureReason.PARTIAL,
+                                             f"reducer {self._name(s)} {why} before sending its verdict"))
             verdict.exception()  # retrieved: our reduction may have stopped waiting already
 
     async def _watch_for_absent_senders(self) -> None:
@@ -282,7 +284,7 @@ class HvAllReduceRunner:
             final = combine_verdicts([verdict, *others])
             outcome = summarize_verdict(final, self.weights, self.me)
             if not outcome.accepted or (total_weight := outcome.total_weight) <= 0:
-                raise RoundError("rejected", f"round {self.key}: no valid contribution left")
+                raise RoundError(FailureReason.REJECTED, f"round {self.key}: no valid contribution left")
             self.marks["verdicts"] = time.time()
             self.final.set_result((final, total_weight))
             for j in range(len(self.my_chunks)):
@@ -292,7 +294,8 @@ class HvAllReduceRunner:
             self._record_part(self.me, final, total_weight)
         except BaseException as e:
             failure = e if isinstance(e, RoundError) else RoundError(
-                "timeout" if isinstance(e, asyncio.TimeoutError) else "partial", f"round {self.key}: reduction failed: {e!r}")
+                FailureReason.TIMEOUT if isinstance(e, asyncio.TimeoutError) else FailureReason.PARTIAL,
+                f"round {self.key}: reduction failed: {e!r}")
             for fut in (self.my_verdict, self.final, *self.result_chunks):
                 if not fut.done():
                     fut.set_exception(failure)
@@ -432,7 +435,8 @@ class HvAllReduceRunner:
         self.bytes_received += msg.ByteSize()
         self._bytes_with[q] += msg.ByteSize()
         if msg.code != averaging_pb2.AVERAGED_PART:
-            raise RoundError("partial", f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
+            raise RoundError(FailureReason.PARTIAL,
+                             f"reducer {self._name(q)} answered {averaging_pb2.MessageCode.Name(msg.code)}")
         frame = unpack_frame(msg.tensor_part.buffer)
         if frame.kind != kind or (kind == RESULT and frame.chunk != j) or len(frame.status) != len(self.peer_ids):
             raise ProtocolError(f"expected {'result chunk %d' % j if kind == RESULT else 'the end of results'}, "
@@ -459,12 +463,14 @@ class HvAllReduceRunner:
             raise
         except StopAsyncIteration:
             self._peer_unreachable(q, "ended its stream")
-            raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} ended its results early") from None
+            raise RoundError(FailureReason.PARTIAL,
+                             f"round {self.key}: reducer {self._name(q)} ended its results early") from None
         except asyncio.TimeoutError:
-            raise RoundError("partial", f"round {self.key}: reducer {self._name(q)} stalled") from None
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: reducer {self._name(q)} stalled") from None
         except Exception as e:
             self._peer_unreachable(q, repr(e))
-            raise RoundError("partial", f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
+            raise RoundError(FailureReason.PARTIAL,
+                             f"round {self.key}: exchange with {self._name(q)} failed: {e!r}") from None
         finally:
             if stream is not None:
                 await stream.aclose()
@@ -480,7 +486,46 @@ class HvAllReduceRunner:
         decode_result(self.codec, payload, final, self.weights, hi - lo, out=self.result[lo:hi])  # ValueError -> partial
 
     # ------------------------------------------------------------------ the round
-    async def run(self) -> dict:
+    def summary(self) -> RoundSummary:
+        """The finished round for the host; ``RoundError`` if its parts do not agree or the
+        average is not finite."""
+        verdicts = set(self.part_status.values())
+        if len(verdicts) != 1:
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: parts were averaged over different groups")
+        final, total_weight = verdicts.pop()
+        outcome = summarize_verdict(final, self.weights, self.me)
+        if not all_finite(self.result):
+            raise RoundError(FailureReason.PARTIAL, f"round {self.key}: the average holds non-finite values")
+        return RoundSummary(
+            average=self.result, sent=self.tensor if self.sent_is_input else self.sent,
+            group_size=outcome.group_size,
+            weight_share=self.weights[self.me] / total_weight if outcome.included_self else 0.0,
+            included_self=outcome.included_self, peers=[str(self.peer_ids[s]) for s in outcome.accepted],
+            rejected=outcome.rejected, missing=outcome.missing,
+            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+            marks=dict(self.marks, end=time.time()), sent_is_input=self.sent_is_input,
+            links={str(self.peer_ids[q]): seen for q, seen in self.links_seen.items()})
+
+    def progress(self) -> str:
+        """Where the round stands, for a timeout's message: what we got from whom, and the phases done."""
+        start = self.marks["group"]
+        marks = ", ".join(f"{k} at +{v - start:.2f}s" for k, v in self.marks.items() if k != "group")
+        items = []
+        for i in range(len(self.peer_ids)):
+            if i == self.me:
+                continue
+            got = []
+            if i in self.sender_done:
+                got.append("contribution " + ("in" if self.sender_done[i].is_set() else
+                                              "streaming" if i in self.connected else "not connected"))
+            if i in self.verdicts:
+                got.append("verdict " + ("in" if self.verdicts[i].done() else "awaited"))
+            if self.is_reducer[i]:
+                got.append("results " + ("begun" if i in self.part_status else "awaited"))
+            items.append(f"peer {i}: {', '.join(got) or 'nothing expected'}")
+        return f"I am {self.me}; {'; '.join(items)}; {marks or 'no phase done'}"
+
+    async def run(self) -> RoundSummary:
         tasks = [asyncio.ensure_future(self._exchange_with(q)) for q in range(len(self.peer_ids))
                  if self.is_reducer[q] and q != self.me]
         helpers = []
@@ -493,8 +538,8 @@ class HvAllReduceRunner:
             try:
                 outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), self._remaining())
             except asyncio.TimeoutError:
-                raise RoundError("timeout", f"round {self.key}: not finished within {self.t.allreduce:.1f}s "
-                                            f"({describe_progress(self)})") from None
+                raise RoundError(FailureReason.TIMEOUT, f"round {self.key}: not finished within "
+                                                        f"{self.t.allreduce:.1f}s ({self.progress()})") from None
             self.marks["results"] = time.time()
             # others may still be reading our results: let them finish (bounded) before reporting
             pending = [e.wait() for e in self.serving.values()]
@@ -502,9 +547,10 @@ class HvAllReduceRunner:
                 await asyncio.wait([asyncio.ensure_future(p) for p in pending], timeout=self._remaining())
             errors = [o for o in outcomes if isinstance(o, BaseException)]
             if errors:
-                first = next((e for e in errors if isinstance(e, RoundError) and e.reason != "partial"), errors[0])
-                raise first if isinstance(first, RoundError) else RoundError("partial", repr(first))
-            return round_summary(self)
+                first = next((e for e in errors if isinstance(e, RoundError) and e.reason != FailureReason.PARTIAL),
+                             errors[0])
+                raise first if isinstance(first, RoundError) else RoundError(FailureReason.PARTIAL, repr(first))
+            return self.summary()
         finally:
             self.finished = True
             for task in tasks + helpers:

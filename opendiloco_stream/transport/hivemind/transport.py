@@ -1,7 +1,7 @@
 """The networked Transport: hivemind's DHT and p2p, and our averaging service.
 
     dht = hivemind.DHT(initial_peers=[...], start=True)
-    transport = HivemindTransport(dht, hivemind_settings(cfg))  # transport/factory.py, from NetConfig
+    transport = HivemindTransport(dht, HivemindSettings.from_config(cfg))  # settings.py, from the config
     transport.prepare({0: numel_0, 1: numel_1})       # one endpoint per fragment on the service
     handle = transport.all_reduce((fragment, round), outer_gradient, weight=tokens)  # returns in ~ms
     result = handle.wait()                             # bounded: never past the round's bound
@@ -23,7 +23,7 @@ Design (docs/architecture.md, "hivemind transport"):
 - Our all-reduce (``runner.py``, over the shared core ``transport/reduce.py``) replaces hivemind's: quantized contributions, fp32 reduction,
   validation of every contribution, one quantization of each part's average sent as the same bytes
   to everyone (bit-identical results), verdicts exchanged so all parts average the same
-  contributions, and any missing or inconsistent part fails the round (``reason="partial"``).
+  contributions, and any missing or inconsistent part fails the round (``reason=FailureReason.PARTIAL``).
 - One worker thread per fragment (``lane.py``) runs the rounds of that fragment in order, so ``all_reduce``
   never blocks.
 - Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given, then from
@@ -38,21 +38,23 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
 from hivemind.dht import DHT
 
-from opendiloco_stream.compression import get_codec
+from opendiloco_stream.compression import Codec
 from opendiloco_stream.net.routes import keep_routes
 from opendiloco_stream.transport.base import Transport
+from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
 from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane  # noqa: F401 (re-exported)
-from opendiloco_stream.transport.hivemind.presence import DEFAULT_TTL_S, Presence
+from opendiloco_stream.transport.hivemind.presence import Presence
 from opendiloco_stream.transport.hivemind.punch import find_echoes
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
 from opendiloco_stream.transport.hivemind.service import AveragingService
+from opendiloco_stream.transport.hivemind.settings import HivemindSettings
 from opendiloco_stream.transport.hivemind.state import StateSharing
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
@@ -67,80 +69,13 @@ def _check_weight(weight: float) -> None:
         raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
 
 
-@dataclass(frozen=True)
-class HivemindSettings:
-    """What one peer's transport is set to; built from ``NetConfig`` (and the codec fields of
-    ``DiLoCoConfig``) by ``transport.factory.hivemind_settings``, which is where the defaults come from.
-
-    Fields:
-        run_id: the run's name ([A-Za-z0-9_-]); peers group only within a run.
-        codec, block_size, scale_dtype, stochastic, density: the wire codec (``compression.get_codec``;
-            ``block_size`` None: the codec's default, ``density``: sparse codecs only).
-        target_group_size: start every round as soon as this many peers are there (an override);
-            ``None``: as soon as the run's live peers are there (``presence.py``).
-        matchmaking_time, request_timeout, allreduce_timeout, next_chunk_timeout, window_s,
-            link_mbit: the timeout hierarchy, see ``timeouts.py``.
-        client_mode: for peers that cannot accept connections: they send and receive but reduce
-            no part and serve no state.
-        chunk_bytes: encoded bytes per streamed chunk; ``None``: what the link carries in 40 ms,
-            1-8 MiB (``layout.chunk_bytes_for_link``); a group cuts the smallest its members announce.
-        norm_bound: reject contributions whose norm exceeds this multiple of the group median
-            (with 3+ contributions); ``None`` disables the check.
-        direct: stream a round's bytes over direct TCP connections between groupmates (each
-            reducing peer listens on one port per fragment, next to the DHT's address; every message
-            sealed with AES-256-GCM, ``seal.py``), with the p2p daemon as fallback; ``False``: p2p
-            daemon only (encrypted, slower). See ``direct.py``.
-        direct_plaintext: do not seal the direct path's messages (only to measure what sealing
-            costs; every peer of the run must set it the same).
-        direct_port: fragment ``p``'s data port is ``direct_port + p`` (ports to open in a firewall);
-            ``None``: random free ports.
-        relayed: reached through a circuit relay (``--relay``): no data port; groupmates punch a
-            direct connection where the run has echo servers (``punch.py``), else use the relay.
-        punch: open direct connections to groupmates without an address of their own by hole
-            punching where the run has echo servers (``punch.py``); off: through the relay.
-        presence_ttl: how long a peer's presence outlives its last refresh (a dead peer stays
-            counted, and costs a round ``matchmaking_time``, for at most this long).
-        state_timeout: the longest silence tolerated inside a state download.
-        startup_timeout: bound on connecting the averaging service to the p2p daemon.
-
-    The last four are no config fields: their defaults live here (``pin_buffers``: set for a peer
-    that trains on CUDA, ``transport/factory.py``).
-    """
-
-    run_id: str
-    codec: str
-    block_size: Optional[int]
-    scale_dtype: str
-    stochastic: bool
-    density: float
-    target_group_size: Optional[int]
-    matchmaking_time: float
-    request_timeout: float
-    allreduce_timeout: Optional[float]
-    next_chunk_timeout: Optional[float]
-    link_mbit: float
-    client_mode: bool
-    window_s: Optional[float]
-    chunk_bytes: Optional[int]
-    norm_bound: Optional[float]
-    direct: bool
-    direct_port: Optional[int]
-    direct_plaintext: bool
-    relayed: bool = False
-    punch: bool = True
-    presence_ttl: float = DEFAULT_TTL_S
-    state_timeout: float = 30.0
-    startup_timeout: float = 60.0
-    pin_buffers: bool = False  # a GPU peer: rounds decode into pinned host memory (buffers.py)
-
-
 class HivemindTransport(Transport):
     """One peer of a run over hivemind (see the module docstring for the design).
 
     Args:
         dht: a running ``hivemind.DHT`` (the caller owns it; ``close`` leaves it running).
-        settings: :class:`HivemindSettings` (``transport.factory.hivemind_settings(cfg)``); ``None``:
-            the configuration's defaults.
+        settings: :class:`HivemindSettings` (``HivemindSettings.from_config(cfg)``); ``None``:
+            the configuration's defaults (``HivemindSettings.defaults()``).
         admission: what groupmates, state donors and joiners must prove (``net/auth.py``: the run
             key, the run fingerprint); ``None`` admits every peer of the run.
         **overrides: fields of :class:`HivemindSettings` to change (tests and benchmarks:
@@ -151,9 +86,7 @@ class HivemindTransport(Transport):
 
     def __init__(self, dht: DHT, settings: Optional[HivemindSettings] = None, *, admission: Any = None,
                  **overrides: Any):
-        from opendiloco_stream.transport.factory import default_hivemind_settings
-
-        s = default_hivemind_settings(**overrides) if settings is None else replace(settings, **overrides)
+        s = HivemindSettings.defaults(**overrides) if settings is None else replace(settings, **overrides)
         if not isinstance(s.run_id, str) or not _RUN_ID.fullmatch(s.run_id):
             raise ValueError(f"run_id {s.run_id!r}: use letters, digits, '_' and '-' only")
         if s.target_group_size is not None and s.target_group_size < 2:
@@ -161,8 +94,7 @@ class HivemindTransport(Transport):
         if s.norm_bound is not None and not s.norm_bound > 1:
             raise ValueError(f"norm_bound must be > 1 (or None), got {s.norm_bound}")
         self.settings = s
-        self.codec = get_codec(s.codec, block_size=s.block_size, scale_dtype=s.scale_dtype, stochastic=s.stochastic,
-                               density=s.density)
+        self.codec = Codec.from_spec(s.codec)
         self.dht, self.run_id, self.client_mode = dht, s.run_id, s.client_mode
         self.chunk_bytes = resolve_chunk_bytes(s.chunk_bytes, s.link_mbit)
         self.target_group_size, self.norm_bound = s.target_group_size, s.norm_bound
@@ -272,7 +204,7 @@ class HivemindTransport(Transport):
         _check_weight(weight)
         if self._closed:
             handle = HivemindSyncHandle(key, time.monotonic())
-            handle.fail("closed", "transport closed")
+            handle.fail(FailureReason.CLOSED, "transport closed")
             return handle
         if tensor.numel() != lane.numel:
             raise ValueError(f"fragment {fragment} has {lane.numel} elements, got a tensor of {tensor.numel()}")
