@@ -204,7 +204,7 @@ LAYERS = [
     {"transport"},
     {"algorithm"},
     {"train"},
-    {"commands", "simulate", "monitor_page"},  # simulate, monitor_page: only commands/ use them
+    {"commands"},
     {"cli", "__main__", ""},
 ]
 _LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
 from opendiloco_stream.config import BLOCKS_PER_FRAGMENT
 from opendiloco_stream.config_cli import (  # noqa: F401 (re-exported for the commands)
-    TRAINING_SECTIONS, add_config_flags, config_from_args, overrides_from_args,
+    TRAINING_SECTIONS, UsageError, add_config_flags, config_from_args, overrides_from_args,
 )
 
 
@@ -60,7 +60,7 @@ SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
 
 def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
     """``data.shard`` ("R/W" or "auto") -> (rank, world); a bad value is a UsageError."""
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
 
     if value == "auto":
         h = int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
@@ -103,7 +103,7 @@ def require_device(cfg):
     CPU; ``train/devices.py``). Fails with one line, before anything starts, when the device is not
     on this machine (:func:`device_problem`). ``--dry-run`` only warns for an absent device (its
     file may be meant for another machine); a run cannot go on."""
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.train.devices import resolve_device
 
     device = resolve_device(cfg.train.device, cfg.train.nproc_per_node)
@@ -135,18 +135,12 @@ def print_device(setting: str, cfg) -> None:
 
 def prepare_data(cfg):
     """(train source, validation tensor, vocab size) for a config; DataError -> UsageError."""
-    from opendiloco_stream.cli import UsageError
     from opendiloco_stream.train import data as data_mod
 
     try:
-        tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
-        train_source, val = data_mod.build_datasets(
-            cfg.data.dataset, tokenizer=tokenizer, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction,
-            dataset_config=cfg.data.dataset_config, text_field=cfg.data.text_field, seed=cfg.train.seed,
-            streaming=cfg.data.streaming)
+        return data_mod.load_run_data(cfg)
     except data_mod.DataError as e:
         raise UsageError(str(e)) from None
-    return train_source, val, tokenizer.vocab_size
 
 
 def _fmt_bytes(n: float) -> str:

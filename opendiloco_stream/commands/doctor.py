@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.net.doctor import check_config, run_checks
     from opendiloco_stream.net.lifecycle import daemons, kill_stray_daemons
 

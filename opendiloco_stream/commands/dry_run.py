@@ -52,7 +52,7 @@ class Checks:
         self.out, self.failure = out if out is not None else sys.stdout, None
 
     def run(self, name: str, fn: Callable[[], "str | tuple[str, str]"]) -> Any:
-        from opendiloco_stream.cli import UsageError
+        from opendiloco_stream.config_cli import UsageError
         from opendiloco_stream.config import ConfigError
 
         t0 = time.perf_counter()
@@ -98,10 +98,10 @@ def check_model(cfg: RunConfig, vocab_size: int) -> str:
 def measure_step_s(cfg: RunConfig, vocab_size: int) -> tuple[float, str]:
     """Seconds of one inner step of this model: timed (the second of two steps at the configured
     batch on the configured device) for a model of at most ``TIMED_STEP_MAX_PARAMS``, else estimated
-    from its FLOPs (60% of an H100's bf16 peak, ``simulate.step_time_from_flops``)."""
+    from its FLOPs (60% of an H100's bf16 peak, ``simulator.step_time_from_flops``)."""
     import torch
 
-    from opendiloco_stream import simulate
+    from opendiloco_stream.commands import simulator
     from opendiloco_stream.train.models import build_model
 
     with torch.device("meta"):
@@ -110,7 +110,7 @@ def measure_step_s(cfg: RunConfig, vocab_size: int) -> tuple[float, str]:
     device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if params > TIMED_STEP_MAX_PARAMS:
         tokens = cfg.train.batch_size * cfg.model.seq_len
-        return simulate.step_time_from_flops(params, tokens), "estimated from FLOPs"
+        return simulator.step_time_from_flops(params, tokens), "estimated from FLOPs"
     model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1), device=device)
@@ -132,10 +132,11 @@ TIMED_STEP_MAX_PARAMS = 50_000_000
 
 def check_link(cfg: RunConfig, vocab_size: int) -> "str | tuple[str, str]":
     """RTT to each initial peer (TCP handshakes) and whether a round of this H, P and codec lands
-    within its window at that RTT and ``net.link_mbit`` (``net/distance.py``)."""
+    within its window at that RTT and ``net.link_mbit`` (``net/distance.py``, ``commands/link_fit.py``)."""
     import torch
 
-    from opendiloco_stream.net.distance import probe_peers, round_fit
+    from opendiloco_stream.commands.link_fit import round_fit
+    from opendiloco_stream.net.distance import probe_peers
     from opendiloco_stream.net.tcp import slow_start_after_idle
     from opendiloco_stream.train.models import build_model, transformer_blocks
     from opendiloco_stream.transport.factory import codec_from_config
@@ -198,7 +199,7 @@ def check_device(device: str, ranks: int = 1) -> "str | tuple[str, str]":
 
 
 def check_addresses(cfg: RunConfig) -> str:
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.net.dht import check_run_id, listen_maddrs
 
     if not cfg.net.initial_peers:
@@ -234,7 +235,7 @@ def check_run_key(cfg: RunConfig) -> str:
 
 
 def check_ports(cfg: RunConfig) -> str:
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
 
     done = []
     if cfg.net.port and not cfg.net.client_mode:
@@ -274,7 +275,7 @@ def check_ports(cfg: RunConfig) -> str:
 def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path: Optional[str],
             workers: Optional[int] = None) -> int:
     """Print and check ``cfg`` for ``command`` (``peer`` or ``local``); raise UsageError on a failure."""
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.commands._common import parse_shard
     from opendiloco_stream.train.data import load_tokenizer
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from opendiloco_stream.cli import deprecated_alias
+from opendiloco_stream.config_cli import deprecated_alias
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
     add_training_flags, config_from_args, prepare_data, print_device, print_summary, require_device,
     resolve_for_dry_run, resolve_fragments,
@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
 
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 def link_model(args: argparse.Namespace):
     """The simulated link of ``--link-*``, or None (an instant link)."""
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.transport.local import LinkModel
 
     if args.link_delay_steps is None and args.link_mbps is None and args.link_step_s is None:

@@ -70,11 +70,11 @@ def format_table(records: list[dict[str, Any]], now: float, run_id: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from hivemind.utils import get_dht_time
 
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.net.dht import start_dht, stop_dht
     from opendiloco_stream.net.lifecycle import GracefulShutdown
     from opendiloco_stream.net.metrics import install_validators, read_swarm_metrics
-    from opendiloco_stream.monitor_page import load_history, write_page
+    from opendiloco_stream.commands.monitor_page import load_history, write_page
 
     if args.interval <= 0 or args.timeout <= 0:
         raise UsageError("--interval and --timeout must be > 0 seconds")
@@ -121,8 +121,8 @@ def _page_from_metrics(args: argparse.Namespace) -> int:
     """``monitor --html F --from-metrics a.jsonl b.jsonl``: the page of finished (or running) peers."""
     from pathlib import Path
 
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.monitor_page import History, write_page
+    from opendiloco_stream.config_cli import UsageError
+    from opendiloco_stream.commands.monitor_page import History, write_page
 
     if not args.html:
         raise UsageError("--from-metrics draws a page: add --html F")

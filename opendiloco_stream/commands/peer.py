@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.net.auth import RunAuth
     from opendiloco_stream.net.flags import quiet_hivemind, verbose
     from opendiloco_stream.net.lifecycle import die_with_parent
@@ -161,7 +161,7 @@ class LiveMetrics:
 
 def _exporter(cfg) -> Any:
     """The Prometheus endpoint, if ``net.metrics_port`` asks for one (a taken port: a one-line error)."""
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.net.prometheus import PrometheusExporter
 
     if cfg.net.metrics_port is None:
@@ -181,7 +181,7 @@ def _lead(args: argparse.Namespace, cfg, auth, ranks, setting: str = "auto") -> 
     from opendiloco_stream.commands._common import prepare_data
     from opendiloco_stream.net.auth import Admission
     from opendiloco_stream.net.dht import start_dht, stop_dht
-    from opendiloco_stream.net.join import RunGate
+    from opendiloco_stream.train.join import RunGate
     from opendiloco_stream.net.lifecycle import GracefulShutdown
     from opendiloco_stream.train.loggers import build_loggers
     from opendiloco_stream.transport.factory import hivemind_transport
@@ -268,7 +268,7 @@ def _train(args: argparse.Namespace, cfg, ranks, dht, gate, admission, transport
     from tqdm import tqdm
 
     from opendiloco_stream.commands._common import print_summary
-    from opendiloco_stream.net.join import fingerprint_digest, fingerprint_fields
+    from opendiloco_stream.train.join import fingerprint_digest, fingerprint_fields
     from opendiloco_stream.net.metrics import MetricsPublisher
     from opendiloco_stream.train.loggers import Fanout
     from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker

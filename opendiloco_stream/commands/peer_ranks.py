@@ -34,7 +34,7 @@ GRACE_S = 15.0  # a failed rank's peers: how long the others get to leave before
 def ranks_for(args: argparse.Namespace, cfg: Any) -> Union[None, int, Any]:
     """This process's ``Ranks`` (a rank of a multi-rank peer), None (a one-process peer), or the
     exit code of :func:`launch` (``nproc_per_node`` > 1 and not started as a rank: it was the launcher)."""
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.train.ranks import Ranks, collective_timeout, rank_env
 
     env, k = rank_env(), cfg.train.nproc_per_node

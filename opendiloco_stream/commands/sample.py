@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def load_for_sampling(directory: str, rank=None):
     """(model, tokenizer) from an exported model directory or a run's checkpoint directory."""
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
     from opendiloco_stream.train.export import checkpoint_model, find_checkpoint
 
     path = Path(directory)
@@ -64,7 +64,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, temperature: fl
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
+    from opendiloco_stream.config_cli import UsageError
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 1:
         raise UsageError("--max-new-tokens and --top-k must be >= 1, --temperature >= 0")

@@ -8,7 +8,7 @@ a peer's port can connect to it. So the key works one level up (threat model: do
   both when asked to store them and in answers to its lookups. Only key holders write the run's
   keys: metrics, state donors, fingerprints, the rounds' matchmaking announcements (whose keys
   cannot be listed in advance, hence every record). One key is exempt: the run's public key-id
-  header (``net/join.py``), so that a peer with a wrong key or none learns why it is refused.
+  header (``train/join.py``), so that a peer with a wrong key or none learns why it is refused.
 * **Groups** (:class:`Admission`): each member's gathered metadata carries a proof bound to its
   peer id (which libp2p authenticates) and to the round; a leader refuses a follower without a
   valid one, and every member checks the whole group before reducing anything.
@@ -94,7 +94,7 @@ def open_keys(run_id: str) -> set[bytes]:
     """The DHT key ids a :class:`RunKeyValidator` leaves unsigned: the run's public key-id header."""
     from hivemind.dht.routing import DHTID
 
-    from opendiloco_stream.net.dht import run_key
+    from opendiloco_stream.net.keys import run_key
 
     return {DHTID.generate(source=run_key(run_id, "keyid")).to_bytes()}
 
@@ -155,7 +155,7 @@ def _canonical(meta: dict) -> bytes:
 
 class Admission:
     """What this peer requires of its groupmates, state donors and joiners: a proof of the run key
-    (when it has one) and, once known, the same run fingerprint (``net/join.py``).
+    (when it has one) and, once known, the same run fingerprint (``train/join.py``).
 
     The averaging service reads it at every round, so a ``fingerprint`` set late applies from
     the next round on. Every ``check_*`` returns None when all is well, else why not.

@@ -14,7 +14,7 @@ Where a node listens and what it announces (the knobs that matter on a wide-area
   node needs one, or the address others were given changes at every restart.
 
 ``opendiloco-stream doctor`` checks all of this from the outside (see docs/networking.md).
-Every DHT key of a run goes through :func:`run_key`, so runs sharing a DHT never see each other.
+Every DHT key of a run goes through ``net.keys.run_key``, so runs sharing a DHT never see each other.
 """
 
 from __future__ import annotations
@@ -22,51 +22,18 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import re
 import tempfile
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from opendiloco_stream.config import ConfigError, NetConfig
+from opendiloco_stream.config import NetConfig
+from opendiloco_stream.net.keys import NetError, check_run_id
 
 logger = logging.getLogger(__name__)
 
 EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv9iBR5Yqgh"
 EXAMPLE_LISTEN = "/ip4/0.0.0.0/tcp/31337"
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-
-
-class NetError(ConfigError):
-    """A networking problem the user can fix (bad address, unreachable peer, port in use): one line, exit 2."""
-
-
-# ---------------------------------------------------------------------------------------------- keys
-
-
-def check_run_id(run_id: str) -> str:
-    """Return ``run_id`` if usable in DHT keys and fragment prefixes, else raise NetError."""
-    if not _RUN_ID_RE.fullmatch(run_id or ""):
-        # matchmaking keys are "<prefix>_r<round>.match": a '.' in the prefix would blur them
-        raise NetError(f"run id {run_id!r} is not usable: use 1-64 letters, digits, '-' or '_' (e.g. 'llama-150m_v2')")
-    return run_id
-
-
-def run_prefix(run_id: str) -> str:
-    """The namespace of one run on a shared DHT: ``ods[<run_id>]``."""
-    return f"ods[{check_run_id(run_id)}]"
-
-
-def run_key(run_id: str, *parts: str) -> str:
-    """The DHT key (or fragment prefix) of ``parts`` within a run, e.g. ``run_key("r1", "metrics")``.
-
-    The brackets end the run id unambiguously, so run "a" never reads run "a_b"'s keys. No '.' is
-    produced: matchmaking uses the prefix in keys of the form ``<prefix>_r<round>.match``.
-    """
-    for part in parts:
-        if not part or "." in part:
-            raise ValueError(f"DHT key part {part!r} must be non-empty and contain no '.'")
-    return "_".join((run_prefix(run_id), *parts))
 
 
 # ---------------------------------------------------------------------------------------- addresses

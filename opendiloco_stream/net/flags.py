@@ -43,7 +43,7 @@ def add_log_level(p: argparse.ArgumentParser, help: str = "logging level of this
                   "DEBUG shows hivemind's logs (default WARNING)", *, old_verbose: bool = True) -> None:
     """``--log-level`` (one spelling on every command); ``old_verbose``: the commands that had
     ``-v`` / ``--verbose`` keep them one release as deprecated spellings of ``--log-level DEBUG``."""
-    from opendiloco_stream.cli import deprecated_alias
+    from opendiloco_stream.config_cli import deprecated_alias
 
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", metavar="LEVEL",
                    help=help.replace("%", "%%") + f" ({', '.join(LOG_LEVELS)})")
@@ -69,7 +69,7 @@ def net_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def read_peers_file(path: str) -> list[str]:
     """Non-empty, non-comment lines of ``path``; a leading ``--initial-peers`` is tolerated."""
-    from opendiloco_stream.net.dht import NetError
+    from opendiloco_stream.net.keys import NetError
 
     try:
         text = Path(path).read_text()

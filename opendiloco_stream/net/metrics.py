@@ -24,7 +24,7 @@ import pydantic.v1 as pydantic  # hivemind's SchemaValidator is written against 
 from hivemind.dht.schema import BytesWithPublicKey
 from pydantic.v1 import StrictFloat, confloat, conint, constr
 
-from opendiloco_stream.net.dht import run_key, run_prefix
+from opendiloco_stream.net.keys import run_key, run_prefix
 from opendiloco_stream.stats import SyncStats
 
 logger = logging.getLogger(__name__)

@@ -93,7 +93,7 @@ class EchoServer:
 
 
 def echo_key(run_id: str) -> str:
-    from opendiloco_stream.net.dht import run_key
+    from opendiloco_stream.net.keys import run_key
     return run_key(run_id, "echo")
 
 
