@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -212,7 +213,27 @@ _LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
 # Offenders in other engineers' areas (algorithm/, transport/) at the time of writing, while their
 # branches for the same issue are unmerged: shrink this after merging them, until it is empty.
 # Only algorithm/ and transport/ may appear here (test_pending_names_only_other_areas).
-PENDING: set[str] = set()
+PENDING: set[str] = {
+    "opendiloco_stream.algorithm.diloco <-> opendiloco_stream.algorithm.rules",
+    "opendiloco_stream.transport.factory <-> opendiloco_stream.transport.hivemind <-> "
+    "opendiloco_stream.transport.hivemind.transport",
+    "opendiloco_stream.transport.hivemind.round_report <-> opendiloco_stream.transport.hivemind.runner",
+    "opendiloco_stream.algorithm.diloco::wrap: from opendiloco_stream.algorithm.data_parallel import DataParallel",
+    "opendiloco_stream.transport.factory::chunk_bytes: from opendiloco_stream.transport.layout import resolve_chunk_bytes",
+    "opendiloco_stream.transport.factory::codec_args: from opendiloco_stream.compression.wire import SPARSE_CODECS",
+    "opendiloco_stream.transport.factory::codec_from_config: from opendiloco_stream.compression import get_codec",
+    "opendiloco_stream.transport.factory::hivemind_settings: "
+    "from opendiloco_stream.transport.hivemind.transport import HivemindSettings",
+    "opendiloco_stream.transport.factory::hivemind_transport: "
+    "from opendiloco_stream.transport.hivemind import HivemindTransport",
+    "opendiloco_stream.transport.factory::local_swarm: "
+    "from opendiloco_stream.transport.local import INSTANT_LINK, LocalSwarm",
+    "opendiloco_stream.transport.hivemind.punch::publish_echo: from hivemind.utils import get_dht_time",
+    "opendiloco_stream.transport.hivemind.service::AveragingService._connect: from hivemind.p2p import P2P",
+    "opendiloco_stream.transport.hivemind.service::new_loop: import uvloop",
+    "opendiloco_stream.transport.hivemind.transport::HivemindTransport.__init__: "
+    "from opendiloco_stream.transport.factory import default_hivemind_settings",
+}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -358,6 +379,15 @@ def test_pending_names_only_other_areas_and_only_what_is_still_there():
     current = {o for found in _offenders().values() for o in found}
     stale = sorted(PENDING - current)
     assert not stale, f"these no longer offend: delete them from PENDING in tests/test_layout.py: {stale}"
+
+
+def test_every_commands_help_loads_neither_torch_nor_hivemind():
+    """What makes the commands' ``# lazy:`` imports worth their comment: the parser of every command
+    (what ``--help`` and a one-line usage error need) is built without torch or hivemind."""
+    code = ("import sys; from opendiloco_stream.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'hivemind', 'transformers', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_the_import_graph_sees_upward_arrows_circles_and_unexplained_lazy_imports():

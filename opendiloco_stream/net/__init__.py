@@ -1,7 +1,7 @@
 """Networking around hivemind: DHT start and errors, metrics on the DHT, reachability, lifecycle.
 
 * :mod:`.keys`         ``run_key`` (a run's DHT keys) and ``NetError``
-* :mod:`.dht`          ``start_dht`` / ``stop_dht``, listen/announce shortcuts, identity
+* :mod:`.dht`          ``start_dht`` / ``stop_dht``, listen/announce shortcuts, identity, ``quiet_hivemind``
 * :mod:`.auth`         the run key: signed DHT records and who may join a group
 * :mod:`.routes`       the route keeper: a healed partition does not leave the run split
 * :mod:`.metrics`      signed per-peer metrics records (``MetricsPublisher``, ``read_swarm_metrics``)

@@ -27,9 +27,12 @@ import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import msgpack
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
 from opendiloco_stream.config import ConfigError, NetConfig
+from opendiloco_stream.net.keys import run_key
 
 MIN_KEY_BYTES = 16
 KEYGEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))' > run.key"
@@ -92,10 +95,6 @@ class RunAuth:
 # ---------------------------------------------------------------------------------------- DHT records
 def open_keys(run_id: str) -> set[bytes]:
     """The DHT key ids a :class:`RunKeyValidator` leaves unsigned: the run's public key-id header."""
-    from hivemind.dht.routing import DHTID
-
-    from opendiloco_stream.net.keys import run_key
-
     return {DHTID.generate(source=run_key(run_id, "keyid")).to_bytes()}
 
 
@@ -190,8 +189,6 @@ class Admission:
 
     def check_gathered(self, blob: bytes, peer_id: bytes) -> Optional[str]:
         """Check one member's gathered bytes (msgpack of its sealed metadata, ``matchmaking.pack_meta``)."""
-        import msgpack
-
         try:
             user = msgpack.unpackb(blob, raw=False, strict_map_key=False)
         except Exception:

@@ -27,8 +27,18 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.logging import get_logger
+from hivemind.utils.multiaddr import Multiaddr
+
 from opendiloco_stream.config import NetConfig
+from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.keys import NetError, check_run_id
+from opendiloco_stream.net.lifecycle import descendants, is_running, kill_process_tree, process_name, terminate_pids
+from opendiloco_stream.net.routes import keep_routes
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +51,6 @@ EXAMPLE_LISTEN = "/ip4/0.0.0.0/tcp/31337"
 
 def parse_maddr(value: str, *, what: str = "multiaddr", example: str = EXAMPLE_LISTEN, need_peer_id: bool = False):
     """Parse one multiaddr; a bad one raises NetError naming it and showing a good one."""
-    from hivemind.utils.multiaddr import Multiaddr
-
     try:
         maddr = Multiaddr(value.strip())
     except Exception as e:  # the multiaddr package raises several unrelated types
@@ -130,8 +138,6 @@ def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
 def rank_maddrs(maddrs: Iterable[Any]) -> list[str]:
     """``maddrs`` best first for others to dial: public, then private, then loopback; TCP before
     QUIC; wildcard addresses (0.0.0.0, ::) dropped."""
-    from hivemind.utils.multiaddr import Multiaddr
-
     def rank(m: Any) -> tuple[int, int]:
         scope = 1  # dns names and anything without an IP: as good as a private address
         for proto in ("ip4", "ip6"):
@@ -155,10 +161,6 @@ def visible_maddrs(dht: Any, latest: bool = True) -> list[str]:
 
 def ensure_identity(path: str) -> str:
     """Return the peer id stored in the key file ``path``, creating the file (and its folder) if missing."""
-    from hivemind.p2p import PeerID
-    from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
-
     p = Path(path).expanduser()
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -221,13 +223,6 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
     ``net.daemon_startup_timeout`` plus 10 s. ``dht_kwargs`` go to ``hivemind.DHT`` unchanged.
     On failure nothing is left running: the DHT process and its p2pd are killed.
     """
-    import hivemind
-
-    from opendiloco_stream.net.lifecycle import descendants, kill_process_tree, process_name
-
-    from opendiloco_stream.net.auth import run_validators
-    from opendiloco_stream.net.routes import keep_routes
-
     check_run_id(net.run_id)
     record_validators = [*record_validators, *run_validators(net)]  # a run key signs and checks every record
     host, announce = listen_maddrs(net)
@@ -273,8 +268,6 @@ def stop_dht(dht: Any, timeout: float = 5.0) -> None:
     terminated directly. Either way nothing of the node is left running, including a p2pd whose
     DHT process died earlier (start_dht remembered it).
     """
-    from opendiloco_stream.net.lifecycle import descendants, is_running, process_name, terminate_pids
-
     pid = dht.pid
     known = dict(_CHILDREN.get(dht, {}))
     if pid is not None and is_running(pid):
@@ -292,3 +285,23 @@ def stop_dht(dht: Any, timeout: float = 5.0) -> None:
         if pid in killed:  # hivemind's futures are guarded by cross-process locks it may have held
             logger.warning("the DHT process %s had to be killed; if a later DHT start in this process hangs, "
                            "restart the process", pid)
+
+
+# -------------------------------------------------------------------------------------------- logs
+
+
+class _ShutdownNoise(logging.Filter):
+    """Drops p2pd's complaint about its control socket closing, logged on every Ctrl+C."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "use of closed network connection" not in record.getMessage()
+
+
+def quiet_hivemind(verbose: bool = False, level: Optional[int] = None) -> None:
+    """hivemind logs INFO to stderr by default; commands show warnings only unless --verbose."""
+    hivemind_logger = get_logger("hivemind")  # also installs hivemind's handler, which we filter
+    hivemind_logger.setLevel(level if level is not None else logging.DEBUG if verbose else logging.WARNING)
+    if not verbose:
+        for handler in hivemind_logger.handlers:
+            if not any(isinstance(f, _ShutdownNoise) for f in handler.filters):
+                handler.addFilter(_ShutdownNoise())

@@ -31,6 +31,8 @@ from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from opendiloco_stream.config import RunConfig
 from opendiloco_stream.train.streaming_data import build_streaming
@@ -93,7 +95,6 @@ def load_tokenizer(path: Optional[str]) -> Tokenizer:
     """``None`` -> :class:`ByteTokenizer`; else a HF tokenizer from a local directory (or hub name)."""
     if path is None or path in ("", "byte"):
         return ByteTokenizer()
-    from transformers import AutoTokenizer
 
     local = Path(path).expanduser().is_dir()
     try:
@@ -303,8 +304,6 @@ def _dataset_docs(
     val_fraction: float,
     max_tokens: Optional[int],
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    from tqdm.auto import tqdm
-
     if max_tokens is None and not Path(dataset).expanduser().exists():
         max_tokens = HUB_MAX_TOKENS
     stream = open_dataset(dataset, dataset_config)

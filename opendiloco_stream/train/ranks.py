@@ -31,6 +31,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from opendiloco_stream.config import ConfigError
 from opendiloco_stream.stats import SyncStats
@@ -143,8 +144,6 @@ class Ranks:
                 dist.broadcast(t.detach(), src=0)
 
     def ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def share_start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int,

@@ -48,8 +48,8 @@ END, READ, WRITE = 0, 1, 2
 
 def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device, world: int) -> None:
     """FSDP2 in place: every block, then the root (embeddings, final norm, head), over all ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
+    from torch.distributed.fsdp import fully_shard  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
 
     mesh = init_device_mesh(device.type, (world,))
     for block in blocks:
@@ -79,7 +79,7 @@ def scatter_full(params: list[torch.Tensor], values: Optional[list[torch.Tensor]
         for p, full in zip(params, torch.split(flat, sizes)):
             full = full.view(p.shape)
             if is_dtensor(p):
-                from torch.distributed.tensor import distribute_tensor
+                from torch.distributed.tensor import distribute_tensor  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
 
                 mine = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
                 p.to_local().copy_(mine)
@@ -243,7 +243,7 @@ def save_shard(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
 def _into(current: Any, saved: Any) -> Any:
     """``saved`` (plain shards) shaped like ``current`` (DTensors where it has them)."""
     if isinstance(current, torch.Tensor) and is_dtensor(current):
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
 
         local = saved.to(current.to_local().device, current.dtype)
         return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
