@@ -138,6 +138,7 @@ def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
 def rank_maddrs(maddrs: Iterable[Any]) -> list[str]:
     """``maddrs`` best first for others to dial: public, then private, then loopback; TCP before
     QUIC; wildcard addresses (0.0.0.0, ::) dropped."""
+
     def rank(m: Any) -> tuple[int, int]:
         scope = 1  # dns names and anything without an IP: as good as a private address
         for proto in ("ip4", "ip6"):
