@@ -166,7 +166,8 @@ def run_preset(name: str, args: argparse.Namespace, device: str = "cuda:0", wrap
     """One preset's row. ``device``: ``--device cpu`` runs the same loop on the CPU (no memory figure
     there). ``wrapper=False``: the plain loop, the same inner steps with no ``StreamingDiLoCo`` (the
     reference). The inner step is the trainer's own (``train.loop.inner_step``)."""
-    from opendiloco_stream.train.loop import inner_step, use_bf16_autocast
+    from opendiloco_stream.train.loop import inner_step
+    from opendiloco_stream.train.loss import use_bf16_autocast
 
     device = torch.device(device)
     cuda = device.type == "cuda"

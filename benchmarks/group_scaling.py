@@ -30,7 +30,7 @@ round's time runs from that moment to the last peer's result. Per size the row r
 
 All M peers share this machine's cores: at M above the core count a peer's phases include waiting
 for a core (``machine_busy``: the peers' CPU over the cores' time while a round ran). The
-extrapolation (``opendiloco_stream.simulate.fit_group_costs``) fits per-peer costs (a fixed
+extrapolation (``opendiloco_stream.commands.simulator.fit_group_costs``) fits per-peer costs (a fixed
 matchmaking cost and its growth per peer, a cost per byte sent, a cost per element of local work:
 reduce + host; each peer's CPU per element and per groupmate) with each phase scaled by ``cores / M`` where M > cores, and predicts rounds of
 ``--extrapolate`` peers (default 64, 256), with the simulator's link figures for them
@@ -50,7 +50,7 @@ from typing import Optional
 from benchmarks.harness.loopback import GROUP_NAMES, START_AHEAD_S, LoopbackSwarm, PeerError, group_phases
 from benchmarks.harness.procfs import tree_cpu_seconds
 from benchmarks.harness.results import IMG_DIR, RESULTS_DIR, markdown_table, relative, write_result
-from opendiloco_stream import simulate as sim
+from opendiloco_stream.commands import simulator as sim
 from opendiloco_stream.compression import get_codec
 
 IDLE_S = 2.0  # how long the background CPU of idle peers is sampled

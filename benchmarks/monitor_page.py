@@ -27,7 +27,7 @@ from pathlib import Path
 from benchmarks.harness.peers import TINY, PeerProcesses
 from benchmarks.harness.results import REPO_ROOT as ROOT, RESULTS_DIR, write_result
 from opendiloco_stream.commands.local_hivemind import stop_processes
-from opendiloco_stream.monitor_page import COLORS
+from opendiloco_stream.commands.monitor_page import COLORS
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]

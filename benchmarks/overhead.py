@@ -95,7 +95,8 @@ def loop_steps(cfg: RunConfig, data, wrapped: bool) -> Iterator[dict[str, float]
     so a change to how the trainer builds its parts shows here.
     """
     from opendiloco_stream.algorithm.diloco import wrap
-    from opendiloco_stream.train.loop import evaluate, inner_step, lr_factor, use_bf16_autocast
+    from opendiloco_stream.train.loop import inner_step, lr_factor
+    from opendiloco_stream.train.loss import evaluate, use_bf16_autocast
     from opendiloco_stream.train.models import build_model, transformer_blocks
     from opendiloco_stream.transport.factory import local_swarm
 

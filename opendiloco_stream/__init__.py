@@ -20,15 +20,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def __getattr__(name: str) -> Any:
     if name in ("StreamingDiLoCo", "wrap"):
-        from opendiloco_stream.algorithm import diloco
+        from opendiloco_stream.algorithm import diloco  # lazy: PEP 562 re-export, torch on first use
 
         return getattr(diloco, name)
     if name == "DataParallel":
-        from opendiloco_stream.algorithm.data_parallel import DataParallel
+        from opendiloco_stream.algorithm.data_parallel import DataParallel  # lazy: PEP 562 re-export, torch on first use
 
         return DataParallel
     if name in ("DiLoCoConfig", "RunConfig", "load_config"):
-        from opendiloco_stream import config
+        from opendiloco_stream import config  # lazy: PEP 562 re-export (see the docstring)
 
         return getattr(config, name)
     raise AttributeError(f"module 'opendiloco_stream' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
 from opendiloco_stream.config import ConfigError, NetConfig, RunConfig, load_config
 from opendiloco_stream.net.auth import Admission, RunAuth, RunKeyValidator, load_run_key, open_keys
-from opendiloco_stream.net.join import JoinRefused, RunGate, first_difference, fingerprint_fields
+from opendiloco_stream.train.join import JoinRefused, RunGate, first_difference, fingerprint_fields
 from opendiloco_stream.net.metrics import MetricsPublisher, install_validators, read_swarm_metrics
 
 KEY = "correct horse battery staple 42"

@@ -16,7 +16,7 @@ import torch
 from opendiloco_stream import DiLoCoConfig, wrap
 from opendiloco_stream.cli import main as cli_main
 from opendiloco_stream.config import ConfigError, load_config
-from opendiloco_stream.train.loop import use_bf16_autocast
+from opendiloco_stream.train.loss import use_bf16_autocast
 from opendiloco_stream.train.ranks import data_shard, rank_device, rank_env
 from opendiloco_stream.transport.local import LocalSwarm
 from tests.support.two_workers import mlp, train_two_workers

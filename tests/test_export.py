@@ -101,7 +101,7 @@ def test_save_model_at_the_end_holds_the_runs_final_theta_bar(eager_run):
     """--save-model writes theta_bar after the last rounds landed: its loss on the run's validation
     data is the run's 'global' eval (the loop evaluates theta_bar the same way)."""
     from opendiloco_stream.commands._common import prepare_data
-    from opendiloco_stream.train.loop import evaluate
+    from opendiloco_stream.train.loss import evaluate
 
     model = AutoModelForCausalLM.from_pretrained(eager_run / "end")
     AutoTokenizer.from_pretrained(eager_run / "end")

@@ -1,5 +1,6 @@
 """The package's shape: short, shallow functions (not a cap on modules: a module is split where
-the design says) in the package and the benchmarks, no import cycles between commands, test support
+the design says) in the package and the benchmarks, imports that point down the layers with no
+circles and a reason on every function-level import, test support
 outside the installed package, tests that import support and never each other or a benchmark,
 docstrings and docs/architecture.md's "where to change what" table that point at files that exist,
 a Python floor that matches."""
@@ -8,9 +9,12 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "opendiloco_stream"
@@ -61,23 +65,6 @@ def test_the_measures_see_what_they_measure():
     assert _nesting(node) == 6 and node.end_lineno - node.lineno + 1 == 8
     chain = ast.parse("def g():\n    if a:\n        pass\n    elif b:\n        pass\n    elif c:\n        pass\n").body[0]
     assert _nesting(chain) == 1
-
-
-def test_no_import_cycles_between_command_modules():
-    modules = {p.stem: p for p in (PACKAGE / "commands").glob("*.py")}
-    graph = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
-            if isinstance(node, ast.ImportFrom) and node.module:
-                parts = node.module.split(".")
-                if parts[:2] == ["opendiloco_stream", "commands"] and len(parts) > 2 and parts[2] in modules:
-                    graph[name].add(parts[2])
-
-    def reaches(start: str, target: str, seen: set) -> bool:
-        return any(n == target or (n not in seen and reaches(n, target, seen | {n})) for n in graph[start])
-
-    cycles = [name for name in graph if reaches(name, name, {name})]
-    assert not cycles, f"import cycle through {cycles}: {graph}"
 
 
 def test_loopback_harness_is_test_support_not_part_of_the_package():
@@ -204,3 +191,220 @@ def test_the_private_use_check_sees_a_subclass_and_a_private_read():
                      "x = MPFuture._update_lock\ny = self.dht._node\nz = self._lock\n")
     assert _private_uses(tree, _hivemind_names(tree)) == [
         "class A(DecentralizedAverager)", "MPFuture._update_lock (line 5)", "dht._node (line 6)"]
+
+
+# ---- the import graph: arrows point down the layers, no circles, lazy imports say why ----------------
+
+# Lowest first; a module may import its own layer and the layers below. The package root (``""``) is the
+# public facade (``from opendiloco_stream import wrap``), so it sits on top with the command line.
+# ``testing`` holds fault hooks that transport code calls, so it is a leaf at the bottom.
+LAYERS = [
+    {"compression", "stats", "testing"},
+    {"config", "config_cli"},
+    {"net"},
+    {"transport"},
+    {"algorithm"},
+    {"train"},
+    {"commands"},
+    {"cli", "__main__", ""},
+]
+_LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
+
+# Offenders in other engineers' areas (algorithm/, transport/) at the time of writing, while their
+# branches for the same issue are unmerged: shrink this after merging them, until it is empty.
+# Only algorithm/ and transport/ may appear here (test_pending_names_only_other_areas).
+PENDING: set[str] = {
+    "opendiloco_stream.algorithm.diloco <-> opendiloco_stream.algorithm.rules",
+    "opendiloco_stream.transport.factory <-> opendiloco_stream.transport.hivemind <-> "
+    "opendiloco_stream.transport.hivemind.transport",
+    "opendiloco_stream.transport.hivemind.round_report <-> opendiloco_stream.transport.hivemind.runner",
+    "opendiloco_stream.algorithm.diloco::wrap: from opendiloco_stream.algorithm.data_parallel import DataParallel",
+    "opendiloco_stream.transport.factory::chunk_bytes: from opendiloco_stream.transport.layout import resolve_chunk_bytes",
+    "opendiloco_stream.transport.factory::codec_args: from opendiloco_stream.compression.wire import SPARSE_CODECS",
+    "opendiloco_stream.transport.factory::codec_from_config: from opendiloco_stream.compression import get_codec",
+    "opendiloco_stream.transport.factory::hivemind_settings: "
+    "from opendiloco_stream.transport.hivemind.transport import HivemindSettings",
+    "opendiloco_stream.transport.factory::hivemind_transport: "
+    "from opendiloco_stream.transport.hivemind import HivemindTransport",
+    "opendiloco_stream.transport.factory::local_swarm: "
+    "from opendiloco_stream.transport.local import INSTANT_LINK, LocalSwarm",
+    "opendiloco_stream.transport.hivemind.punch::publish_echo: from hivemind.utils import get_dht_time",
+    "opendiloco_stream.transport.hivemind.service::AveragingService._connect: from hivemind.p2p import P2P",
+    "opendiloco_stream.transport.hivemind.service::new_loop: import uvloop",
+    "opendiloco_stream.transport.hivemind.transport::HivemindTransport.__init__: "
+    "from opendiloco_stream.transport.factory import default_hivemind_settings",
+}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _layer(module: str) -> int:
+    inside = module.split(".", 1)[1] if "." in module else ""
+    top = inside.split(".", 1)[0]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS in tests/test_layout.py")
+
+
+def _lazy_comment_lines(source: str) -> set[int]:
+    return {i for i, line in enumerate(source.splitlines(), 1) if _LAZY_COMMENT.search(line)}
+
+
+def _edges(name: str, source: str, is_package: bool, known: set[str]):
+    """Every import of a package module in ``source``: (importer, target, lines, function or None,
+    statement). ``lines`` is the statement's (first, last) line; ``function`` is the enclosing function's qualified name for a function-level import;
+    imports under ``if TYPE_CHECKING:`` count as arrows too (a type is a dependency)."""
+    package = name.split(".") if is_package else name.split(".")[:-1]
+
+    def resolve(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in known:
+            parts.pop()
+        return ".".join(parts) or None
+
+    def targets(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [t for a in node.names if (t := resolve(a.name))]
+        base = package[: len(package) - node.level + 1] if node.level else []
+        module = ".".join(base + ([node.module] if node.module else []))
+        return [t for a in node.names if (t := resolve(f"{module}.{a.name}"))]
+
+    def visit(node: ast.AST, function: str | None, scope: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target in dict.fromkeys(targets(child)):
+                    if target != name:
+                        yield name, target, (child.lineno, child.end_lineno), function, ast.unparse(child)
+                if function is not None:
+                    yield name, None, (child.lineno, child.end_lineno), function, ast.unparse(child)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qualified = f"{scope}.{child.name}" if scope else child.name
+                inner = qualified if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+                yield from visit(child, inner, qualified)
+            else:
+                yield from visit(child, function, scope)
+
+    yield from visit(ast.parse(source), None, "")
+
+
+def _graph(sources: dict[str, tuple[str, bool]]):
+    """``sources``: module name -> (source, is package). Returns the arrows (importer -> target, first
+    line) and the function-level imports without a ``# lazy:`` reason."""
+    known = set(sources)
+    arrows: dict[tuple[str, str], int] = {}
+    unannotated = []
+    for name, (source, is_package) in sources.items():
+        lazy_lines = _lazy_comment_lines(source)
+        for importer, target, (first, last), function, statement in _edges(name, source, is_package, known):
+            if target is not None:
+                arrows.setdefault((importer, target), first)
+            elif not lazy_lines.intersection(range(first, last + 1)):
+                unannotated.append(f"{importer}::{function}: {statement}")
+    return arrows, sorted(set(unannotated))
+
+
+def _upward(arrows: dict[tuple[str, str], int]) -> list[str]:
+    return sorted(f"{a} -> {b}" for (a, b) in arrows if _layer(b) > _layer(a))
+
+
+def _cycles(arrows: dict[tuple[str, str], int]) -> list[str]:
+    """The strongly connected components of more than one module, each as its sorted members."""
+    graph: dict[str, set[str]] = {}
+    for a, b in arrows:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def connect(v: str):  # Tarjan; the graph is a few hundred modules, recursion is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(" <-> ".join(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+def _package_sources() -> dict[str, tuple[str, bool]]:
+    return {_module_name(p, ROOT): (p.read_text(), p.name == "__init__.py") for p in MODULES}
+
+
+def _offenders() -> dict[str, list[str]]:
+    arrows, unannotated = _graph(_package_sources())
+    return {"upward arrows": _upward(arrows), "circles": _cycles(arrows),
+            "function-level imports without '# lazy: <reason>'": unannotated}
+
+
+def test_imports_point_down_the_layers_without_circles_and_lazy_imports_say_why():
+    """Layers (lowest first): compression, stats < config, config_cli < net < transport < algorithm <
+    train < commands < cli. A function-level import needs ``# lazy: <reason>`` on its line: an
+    optional dependency, or in cli/commands keeping ``--help`` fast."""
+    offenders = {kind: [o for o in found if o not in PENDING] for kind, found in _offenders().items()}
+    message = "\n".join(f"{kind} ({len(found)}):\n  " + "\n  ".join(found) for kind, found in offenders.items() if found)
+    if any(offenders.values()):
+        pytest.fail("\n" + message, pytrace=False)
+
+
+def test_pending_names_only_other_areas_and_only_what_is_still_there():
+    """The allowance for unmerged work shrinks: an entry that no longer offends is to be deleted."""
+    outside = [p for p in PENDING if not re.match(r"(opendiloco_stream\.(algorithm|transport)\b)", p)]
+    assert not outside, f"PENDING may name only algorithm/ and transport/: {outside}"
+    current = {o for found in _offenders().values() for o in found}
+    stale = sorted(PENDING - current)
+    assert not stale, f"these no longer offend: delete them from PENDING in tests/test_layout.py: {stale}"
+
+
+def test_every_commands_help_loads_neither_torch_nor_hivemind():
+    """What makes the commands' ``# lazy:`` imports worth their comment: the parser of every command
+    (what ``--help`` and a one-line usage error need) is built without torch or hivemind."""
+    code = ("import sys; from opendiloco_stream.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'hivemind', 'transformers', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_import_graph_sees_upward_arrows_circles_and_unexplained_lazy_imports():
+    sources = {
+        "opendiloco_stream": ("", True),
+        "opendiloco_stream.net": ("", True),
+        "opendiloco_stream.net.a": ("from opendiloco_stream.transport import b\n", False),
+        "opendiloco_stream.transport": ("", True),
+        "opendiloco_stream.transport.b": (
+            "from . import c\n"
+            "def f():\n    from opendiloco_stream.net import a\n    import torch  # lazy: optional\n"
+            "    import json\n", False),
+        "opendiloco_stream.transport.c": ("from .b import f\n", False),
+    }
+    arrows, unannotated = _graph(sources)
+    assert _upward(arrows) == ["opendiloco_stream.net.a -> opendiloco_stream.transport.b"]
+    assert _cycles(arrows) == [
+        "opendiloco_stream.net.a <-> opendiloco_stream.transport.b <-> opendiloco_stream.transport.c"]
+    assert unannotated == ["opendiloco_stream.transport.b::f: from opendiloco_stream.net import a",
+                           "opendiloco_stream.transport.b::f: import json"]

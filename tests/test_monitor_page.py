@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from opendiloco_stream.cli import main
-from opendiloco_stream.monitor_page import History, load_history, render_page, svg_chart, write_page
+from opendiloco_stream.commands.monitor_page import History, load_history, render_page, svg_chart, write_page
 
 
 def _record(name, t, step, loss, util, tps=1000.0):

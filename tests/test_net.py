@@ -23,7 +23,8 @@ import pytest
 
 from opendiloco_stream.config import NetConfig
 from opendiloco_stream.net.dht import (RELAY_CANDIDATES, NetError, ensure_identity, listen_maddrs,
-                                       relay_wait_warning, run_key, start_dht, stop_dht, visible_maddrs)
+                                       relay_wait_warning, start_dht, stop_dht, visible_maddrs)
+from opendiloco_stream.net.keys import run_key
 from opendiloco_stream.net.lifecycle import descendants, is_running, kill_process_tree, process_name
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The compute-utilization simulator (``opendiloco_stream.simulate``) and ``simulate`` command."""
+"""The compute-utilization simulator (``opendiloco_stream.commands.simulator``) and ``simulate`` command."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from opendiloco_stream import cli
-from opendiloco_stream import simulate as sim
+from opendiloco_stream.commands import simulator as sim
 
 TEN_B = sim.PAPER_MODELS[1]
 TINY = sim.Model(4.2e6, 4, 0.05, "tiny")

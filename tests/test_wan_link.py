@@ -167,7 +167,7 @@ def test_the_rtt_a_round_measured_reaches_the_sync_record_the_summary_and_promet
 
 
 def test_a_round_that_outlasts_its_window_at_distance_says_what_to_change():
-    from opendiloco_stream.net.distance import EXCHANGE_RTTS, MATCH_RTTS, SLOW_START_RTTS, round_fit
+    from opendiloco_stream.commands.link_fit import EXCHANGE_RTTS, MATCH_RTTS, SLOW_START_RTTS, round_fit
 
     args = dict(inner_steps=10, fragments=2, overlap_steps=1, params=3e6, layers=4, codec_bits=4.5, step_time_s=0.2,
                 link_mbit=100)

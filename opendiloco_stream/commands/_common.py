@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 from typing import Any, Iterable
 
-from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
 from opendiloco_stream.config import BLOCKS_PER_FRAGMENT
 from opendiloco_stream.config_cli import (  # noqa: F401 (re-exported for the commands)
-    TRAINING_SECTIONS, add_config_flags, config_from_args, overrides_from_args,
+    TRAINING_SECTIONS, UsageError, add_config_flags, config_from_args, overrides_from_args,
 )
 
 
@@ -28,9 +28,9 @@ def add_training_flags(p: argparse.ArgumentParser, sections: Iterable[str] = TRA
 
 def model_blocks(cfg) -> int:
     """How many transformer blocks ``cfg.model`` has (built on the meta device: shapes only, no memory)."""
-    import torch
+    import torch  # lazy: loads torch; --help stays light
 
-    from opendiloco_stream.train.models import build_model, transformer_blocks
+    from opendiloco_stream.train.models import build_model, transformer_blocks  # lazy: loads torch; --help stays light
 
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     with torch.device("meta"):
@@ -60,8 +60,6 @@ SHARDS_AUTO = 64  # --shard auto: one of 64 shards picked from the peer id
 
 def parse_shard(value: str, peer_id: str) -> tuple[int, int]:
     """``data.shard`` ("R/W" or "auto") -> (rank, world); a bad value is a UsageError."""
-    from opendiloco_stream.cli import UsageError
-
     if value == "auto":
         h = int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
         return h % SHARDS_AUTO, SHARDS_AUTO
@@ -78,7 +76,7 @@ def device_problem(device: str, ranks: int = 1) -> "tuple[bool, str] | None":
     """What keeps ``train.device`` from running on this machine, or None: ``(absent, message)``, where
     ``absent`` means the machine has no such device at all (no CUDA or MPS that torch can use),
     else too few GPUs (a ``cuda:N`` beyond them, or more ranks than GPUs: rank r trains on ``cuda:r``)."""
-    import torch
+    import torch  # lazy: loads torch; --help stays light
 
     kind, _, index = device.partition(":")
     if kind == "mps" and not torch.backends.mps.is_available():
@@ -103,8 +101,7 @@ def require_device(cfg):
     CPU; ``train/devices.py``). Fails with one line, before anything starts, when the device is not
     on this machine (:func:`device_problem`). ``--dry-run`` only warns for an absent device (its
     file may be meant for another machine); a run cannot go on."""
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.train.devices import resolve_device
+    from opendiloco_stream.train.devices import resolve_device  # lazy: loads torch; --help stays light
 
     device = resolve_device(cfg.train.device, cfg.train.nproc_per_node)
     problem = device_problem(device, cfg.train.nproc_per_node)
@@ -123,9 +120,8 @@ def print_device(setting: str, cfg) -> None:
     """The start-up line ``device: ...`` on stderr (``setting``: ``train.device`` as given, before
     :func:`require_device` resolved it), and a one-line notice for an explicit ``cpu`` on a machine
     whose GPU torch sees."""
-    import sys
-
-    from opendiloco_stream.train.devices import describe_device, idle_gpu_notice
+    from opendiloco_stream.train.devices import (  # lazy: loads torch; --help stays light
+        describe_device, idle_gpu_notice)
 
     print(f"device: {describe_device(setting, cfg.train.device)}", file=sys.stderr, flush=True)
     notice = idle_gpu_notice(setting)
@@ -135,18 +131,12 @@ def print_device(setting: str, cfg) -> None:
 
 def prepare_data(cfg):
     """(train source, validation tensor, vocab size) for a config; DataError -> UsageError."""
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.train import data as data_mod
+    from opendiloco_stream.train import data as data_mod  # lazy: loads torch; --help stays light
 
     try:
-        tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
-        train_source, val = data_mod.build_datasets(
-            cfg.data.dataset, tokenizer=tokenizer, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction,
-            dataset_config=cfg.data.dataset_config, text_field=cfg.data.text_field, seed=cfg.train.seed,
-            streaming=cfg.data.streaming)
+        return data_mod.load_run_data(cfg)
     except data_mod.DataError as e:
         raise UsageError(str(e)) from None
-    return train_source, val, tokenizer.vocab_size
 
 
 def _fmt_bytes(n: float) -> str:
@@ -167,6 +157,9 @@ def _land(s: dict[str, Any]) -> str:
 
 def print_summary(s: dict[str, Any]) -> None:
     """A short human table of the summary record."""
+    from opendiloco_stream.algorithm.sync_log import (  # lazy: algorithm/ loads torch; --help stays light
+        ALONE_WARN_AFTER)
+
     before = s.get("eval_loss_before_finish", float("nan"))
     rows = [
         ("mode", f"{s['mode']} (P={s['fragments']}, H={s['inner_steps']}, tau={s['overlap_steps']}, codec {s['codec']})"),

@@ -20,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind, verbose
+from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, verbose
+from opendiloco_stream.net.lifecycle import GracefulShutdown, daemons, kill_stray_daemons
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_PERIOD = 30.0
@@ -68,13 +69,13 @@ class _Echo:
     """A relay's echo server for hole punching (``transport/hivemind/punch.py``), announced on the DHT."""
 
     def __init__(self, dht, run_id: str, ips: list[str], port: int = 0):
-        from opendiloco_stream.transport.hivemind.punch import EchoServer
+        from opendiloco_stream.transport.hivemind.punch import EchoServer  # lazy: loads torch; --help stays light
         self.dht, self.run_id, self.ips = dht, run_id, ips
         self.server = EchoServer("0.0.0.0", port)
         self.publish()
 
     def publish(self) -> None:
-        from opendiloco_stream.transport.hivemind.punch import publish_echo
+        from opendiloco_stream.transport.hivemind.punch import publish_echo  # lazy: loads torch; --help stays light
         publish_echo(self.dht, self.run_id, self.ips, self.server.port, ttl_s=4 * HEARTBEAT_PERIOD)
 
     def close(self) -> None:
@@ -83,7 +84,7 @@ class _Echo:
 
 def _start_echo(dht, run_id: str, maddrs: list[str], port: int = 0) -> "_Echo | None":
     """Peers behind NAT learn their public address and port from this node (hole punching)."""
-    from opendiloco_stream.net.dht import ip4_of
+    from opendiloco_stream.net.dht import ip4_of  # lazy: loads hivemind; --help stays light
     ips = [ip for ip in dict.fromkeys(ip4_of(m) for m in maddrs) if ip and ip != "0.0.0.0"]
     try:
         return _Echo(dht, run_id, ips, port) if ips else None
@@ -97,10 +98,10 @@ def _is_local_only(maddrs: list[str]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.net.dht import start_dht, stop_dht, visible_maddrs
-    from opendiloco_stream.net.lifecycle import GracefulShutdown, daemons, kill_stray_daemons
-    from opendiloco_stream.net.metrics import install_validators
-    from opendiloco_stream.net.reachability import DialbackService
+    from opendiloco_stream.net.dht import (  # lazy: loads hivemind; --help stays light
+        quiet_hivemind, start_dht, stop_dht, visible_maddrs)
+    from opendiloco_stream.net.metrics import install_validators  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.net.reachability import DialbackService  # lazy: loads hivemind; --help stays light
 
     net = net_config_from_args(args)
     existing = daemons()

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind, verbose
+from opendiloco_stream.config_cli import UsageError
+from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, verbose
+from opendiloco_stream.net.lifecycle import daemons, kill_stray_daemons
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,9 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.net.doctor import check_config, run_checks
-    from opendiloco_stream.net.lifecycle import daemons, kill_stray_daemons
+    from opendiloco_stream.net.dht import quiet_hivemind  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.net.doctor import check_config, run_checks  # lazy: loads torch; --help stays light
 
     if args.timeout <= 0:
         raise UsageError("--timeout must be > 0 seconds")

@@ -26,7 +26,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from opendiloco_stream.config import ConfigSources, RunConfig
+from opendiloco_stream.commands import simulator
+from opendiloco_stream.commands._common import device_problem, parse_shard, prepare_data
+from opendiloco_stream.commands.link_fit import round_fit
+from opendiloco_stream.config import ConfigError, ConfigSources, RunConfig
+from opendiloco_stream.config_cli import UsageError
+from opendiloco_stream.net.tcp import slow_start_after_idle
 
 
 def format_config(cfg: RunConfig, sources: ConfigSources) -> list[str]:
@@ -52,9 +57,6 @@ class Checks:
         self.out, self.failure = out if out is not None else sys.stdout, None
 
     def run(self, name: str, fn: Callable[[], "str | tuple[str, str]"]) -> Any:
-        from opendiloco_stream.cli import UsageError
-        from opendiloco_stream.config import ConfigError
-
         t0 = time.perf_counter()
         try:
             result = fn()
@@ -80,9 +82,9 @@ def _port_free(port: int, kind: int) -> Optional[str]:
 
 
 def check_model(cfg: RunConfig, vocab_size: int) -> str:
-    import torch
+    import torch  # lazy: loads torch; --help stays light
 
-    from opendiloco_stream.train.models import build_model, transformer_blocks
+    from opendiloco_stream.train.models import build_model, transformer_blocks  # lazy: loads torch; --help stays light
 
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     with torch.device("meta"):  # shapes only: a 4B model checks in seconds on a laptop
@@ -98,11 +100,10 @@ def check_model(cfg: RunConfig, vocab_size: int) -> str:
 def measure_step_s(cfg: RunConfig, vocab_size: int) -> tuple[float, str]:
     """Seconds of one inner step of this model: timed (the second of two steps at the configured
     batch on the configured device) for a model of at most ``TIMED_STEP_MAX_PARAMS``, else estimated
-    from its FLOPs (60% of an H100's bf16 peak, ``simulate.step_time_from_flops``)."""
-    import torch
+    from its FLOPs (60% of an H100's bf16 peak, ``simulator.step_time_from_flops``)."""
+    import torch  # lazy: loads torch; --help stays light
 
-    from opendiloco_stream import simulate
-    from opendiloco_stream.train.models import build_model
+    from opendiloco_stream.train.models import build_model  # lazy: loads torch; --help stays light
 
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(cfg.model.name, vocab_size=vocab_size,
@@ -110,7 +111,7 @@ def measure_step_s(cfg: RunConfig, vocab_size: int) -> tuple[float, str]:
     device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if params > TIMED_STEP_MAX_PARAMS:
         tokens = cfg.train.batch_size * cfg.model.seq_len
-        return simulate.step_time_from_flops(params, tokens), "estimated from FLOPs"
+        return simulator.step_time_from_flops(params, tokens), "estimated from FLOPs"
     model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1), device=device)
@@ -132,13 +133,13 @@ TIMED_STEP_MAX_PARAMS = 50_000_000
 
 def check_link(cfg: RunConfig, vocab_size: int) -> "str | tuple[str, str]":
     """RTT to each initial peer (TCP handshakes) and whether a round of this H, P and codec lands
-    within its window at that RTT and ``net.link_mbit`` (``net/distance.py``)."""
-    import torch
+    within its window at that RTT and ``net.link_mbit`` (``net/distance.py``, ``commands/link_fit.py``)."""
+    import torch  # lazy: loads torch; --help stays light
 
-    from opendiloco_stream.net.distance import probe_peers, round_fit
-    from opendiloco_stream.net.tcp import slow_start_after_idle
-    from opendiloco_stream.train.models import build_model, transformer_blocks
-    from opendiloco_stream.transport.factory import codec_from_config
+    from opendiloco_stream.net.distance import probe_peers  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.train.models import build_model, transformer_blocks  # lazy: loads torch; --help stays light
+    from opendiloco_stream.transport.factory import (  # lazy: transport/ loads torch; --help stays light
+        codec_from_config)
 
     rtts = probe_peers(cfg.net.initial_peers, samples=3, timeout=3.0)
     known = [r for r in rtts.values() if r is not None]
@@ -165,8 +166,6 @@ def check_link(cfg: RunConfig, vocab_size: int) -> "str | tuple[str, str]":
 
 
 def check_data(cfg: RunConfig, shard: tuple[int, int]) -> str:
-    from opendiloco_stream.commands._common import prepare_data
-
     train_source, val, vocab = prepare_data(cfg)
     rank, world = shard
     batch = next(train_source.batches(rank, world, cfg.train.batch_size))
@@ -181,8 +180,8 @@ def check_data(cfg: RunConfig, shard: tuple[int, int]) -> str:
 def check_device(device: str, ranks: int = 1) -> "str | tuple[str, str]":
     """``train.device`` as a run here would resolve it (``auto``: the first CUDA device torch sees,
     else the CPU), with a ``[warn]`` for an explicit ``cpu`` while torch sees a GPU."""
-    from opendiloco_stream.commands._common import device_problem
-    from opendiloco_stream.train.devices import describe_device, idle_gpu_notice, resolve_device
+    from opendiloco_stream.train.devices import (  # lazy: loads torch; --help stays light
+        describe_device, idle_gpu_notice, resolve_device)
 
     resolved = resolve_device(device, ranks)
     problem = device_problem(resolved, ranks)
@@ -198,8 +197,7 @@ def check_device(device: str, ranks: int = 1) -> "str | tuple[str, str]":
 
 
 def check_addresses(cfg: RunConfig) -> str:
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.net.dht import check_run_id, listen_maddrs
+    from opendiloco_stream.net.dht import check_run_id, listen_maddrs  # lazy: loads hivemind; --help stays light
 
     if not cfg.net.initial_peers:
         raise UsageError("no initial peers: set net.initial_peers (or --initial-peers) to the line the bootstrap printed")
@@ -212,7 +210,7 @@ def check_addresses(cfg: RunConfig) -> str:
 
 
 def check_identity(path: Optional[str]) -> str:
-    from opendiloco_stream.net.dht import NetError, ensure_identity
+    from opendiloco_stream.net.dht import NetError, ensure_identity  # lazy: loads hivemind; --help stays light
 
     if not path:
         return "warn", "no identity_path: the peer id changes at every start (set net.identity_path)"
@@ -226,7 +224,7 @@ def check_identity(path: Optional[str]) -> str:
 
 
 def check_run_key(cfg: RunConfig) -> str:
-    from opendiloco_stream.net.auth import RunAuth
+    from opendiloco_stream.net.auth import RunAuth  # lazy: loads hivemind; --help stays light
 
     auth = RunAuth.from_config(cfg.net)  # raises ConfigError: missing, unreadable, too short
     where = cfg.net.run_key_file or "net.run_key (ODS_NET__RUN_KEY)"
@@ -234,8 +232,6 @@ def check_run_key(cfg: RunConfig) -> str:
 
 
 def check_ports(cfg: RunConfig) -> str:
-    from opendiloco_stream.cli import UsageError
-
     done = []
     if cfg.net.port and not cfg.net.client_mode:
         for kind, label in ((socket.SOCK_STREAM, "tcp"), (socket.SOCK_DGRAM, "udp")):
@@ -274,9 +270,7 @@ def check_ports(cfg: RunConfig) -> str:
 def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path: Optional[str],
             workers: Optional[int] = None) -> int:
     """Print and check ``cfg`` for ``command`` (``peer`` or ``local``); raise UsageError on a failure."""
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.commands._common import parse_shard
-    from opendiloco_stream.train.data import load_tokenizer
+    from opendiloco_stream.train.data import load_tokenizer  # lazy: loads torch; --help stays light
 
     origins = "default < file < env (ODS_SECTION__FIELD) < flag"
     print(f"{command} configuration ({config_path or 'no --config file'}; origin: {origins}):")
@@ -288,7 +282,7 @@ def dry_run(cfg: RunConfig, sources: ConfigSources, *, command: str, config_path
         checks.run("addresses", lambda: check_addresses(cfg))
         ident = checks.run("identity", lambda: check_identity(cfg.net.identity_path))
         if ident and cfg.net.identity_path and Path(cfg.net.identity_path).expanduser().is_file():
-            from opendiloco_stream.net.dht import ensure_identity
+            from opendiloco_stream.net.dht import ensure_identity  # lazy: loads hivemind; --help stays light
 
             peer_id = ensure_identity(cfg.net.identity_path)  # exists: only read
         checks.run("ports", lambda: check_ports(cfg))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from opendiloco_stream.config import load_config
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a run's model (theta_bar) as a transformers model directory",
@@ -35,8 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.config import load_config
-    from opendiloco_stream.train.export import DEFAULT_MAX_SHARD_SIZE, export_checkpoint
+    from opendiloco_stream.train.export import (  # lazy: loads torch; --help stays light
+        DEFAULT_MAX_SHARD_SIZE, export_checkpoint)
 
     config = load_config(args.config) if args.config else None
     out = export_checkpoint(args.checkpoint_dir, args.out, rank=args.rank, config=config,

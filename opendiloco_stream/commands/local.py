@@ -14,15 +14,18 @@ import threading
 import time
 from typing import Optional
 
-import torch
+from tqdm import tqdm
 
-from opendiloco_stream.cli import deprecated_alias
 from opendiloco_stream.commands._common import (  # noqa: F401 (prepare_data, print_summary: re-exported)
     add_training_flags, config_from_args, prepare_data, print_device, print_summary, require_device,
     resolve_for_dry_run, resolve_fragments,
     worker_config,
 )
+from opendiloco_stream.commands.dry_run import dry_run
+from opendiloco_stream.commands.local_hivemind import run_hivemind
+from opendiloco_stream.config_cli import UsageError, deprecated_alias
 from opendiloco_stream.net.flags import add_log_level
+from opendiloco_stream.train.loggers import Fanout, build_loggers
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,14 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
-
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
     link = link_model(args)
     if args.dry_run:
-        from opendiloco_stream.commands.dry_run import dry_run
-
         cfg, sources = config_from_args(args, return_sources=True)
         return dry_run(*resolve_for_dry_run(cfg, sources), command="local", config_path=args.config, workers=args.workers)
     cfg = resolve_fragments(config_from_args(args))
@@ -68,8 +67,6 @@ def run(args: argparse.Namespace) -> int:
                          "threads of one process (each hivemind peer starts its own ranks)")
     setting, cfg = cfg.train.device, require_device(cfg)  # 'auto' -> the first CUDA device, else the CPU
     if args.transport == "hivemind":
-        from opendiloco_stream.commands.local_hivemind import run_hivemind
-
         if link is not None:
             raise UsageError("--link-delay-steps / --link-mbit simulate a link for --transport local; over "
                              "hivemind the link is real (shape it with tc, benchmarks/wan.py)")
@@ -80,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 def link_model(args: argparse.Namespace):
     """The simulated link of ``--link-*``, or None (an instant link)."""
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.transport.local import LinkModel
+    from opendiloco_stream.transport.local import LinkModel  # lazy: loads torch; --help stays light
 
     if args.link_delay_steps is None and args.link_mbps is None and args.link_step_s is None:
         return None
@@ -92,11 +88,12 @@ def link_model(args: argparse.Namespace):
 
 
 def run_threads(args: argparse.Namespace, cfg, link=None, setting: Optional[str] = None) -> int:
-    from tqdm import tqdm
+    import torch  # lazy: loads torch; --help stays light
 
-    from opendiloco_stream.train.loggers import Fanout, build_loggers
-    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
-    from opendiloco_stream.transport.factory import codec_from_config, local_swarm
+    from opendiloco_stream.train.loop import (  # lazy: loads torch; --help stays light
+        MetricsWriter, summarize, train_worker)
+    from opendiloco_stream.transport.factory import (  # lazy: transport/ loads torch; --help stays light
+        codec_from_config, local_swarm)
 
     M = args.workers
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // M))

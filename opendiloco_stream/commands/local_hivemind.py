@@ -20,8 +20,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from tqdm import tqdm
+
+from opendiloco_stream.commands._common import print_summary, worker_config
 from opendiloco_stream.config import RunConfig
+from opendiloco_stream.net.lifecycle import GracefulShutdown, kill_process_tree
 from opendiloco_stream.stats import SyncStats
+from opendiloco_stream.train.metrics_file import MetricsTail
 
 GRACE_S = 30.0
 
@@ -65,8 +70,6 @@ def start_bootstrap(workdir: Path, run_id: str, timeout: float = 60.0) -> tuple[
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = GRACE_S) -> None:
     """SIGTERM every live process, wait up to ``grace``, then kill their whole trees."""
-    from opendiloco_stream.net.lifecycle import kill_process_tree
-
     for p in procs:
         if p.poll() is None:
             try:
@@ -110,12 +113,6 @@ def combine(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 
 
 def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from tqdm import tqdm
-
-    from opendiloco_stream.commands._common import print_summary, worker_config
-    from opendiloco_stream.net.lifecycle import GracefulShutdown
-    from opendiloco_stream.train.metrics_file import MetricsTail
-
     M = args.workers
     run_id = cfg.net.run_id if cfg.net.run_id != "opendiloco" else f"local-{os.getpid()}"
     workdir = Path(tempfile.mkdtemp(prefix="ods-local-"))

@@ -15,10 +15,13 @@ import argparse
 import concurrent.futures
 import json
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
-from opendiloco_stream.algorithm.sync_log import ALONE_WARN_AFTER
-from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, quiet_hivemind, verbose
+from opendiloco_stream.commands.monitor_page import History, load_history, write_page
+from opendiloco_stream.config_cli import UsageError
+from opendiloco_stream.net.flags import add_network_flags, net_config_from_args, verbose
+from opendiloco_stream.net.lifecycle import GracefulShutdown
 
 COLUMNS = ("peer", "step", "loss", "tokens/s", "MB sent", "util", "rounds", "landed after", "last seen (s)")
 
@@ -44,6 +47,9 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 def format_table(records: list[dict[str, Any]], now: float, run_id: str) -> str:
     """A plain-text table of ``records`` (as returned by ``read_swarm_metrics``)."""
+    from opendiloco_stream.algorithm.sync_log import (  # lazy: algorithm/ loads torch; --help stays light
+        ALONE_WARN_AFTER)
+
     if not records:
         return f"run '{run_id}': no peer has published metrics (yet)"
     rows = [COLUMNS]
@@ -68,13 +74,12 @@ def format_table(records: list[dict[str, Any]], now: float, run_id: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hivemind.utils import get_dht_time
+    from hivemind.utils import get_dht_time  # lazy: loads hivemind; --help stays light
 
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.net.dht import start_dht, stop_dht
-    from opendiloco_stream.net.lifecycle import GracefulShutdown
-    from opendiloco_stream.net.metrics import install_validators, read_swarm_metrics
-    from opendiloco_stream.monitor_page import load_history, write_page
+    from opendiloco_stream.net.dht import (  # lazy: loads hivemind; --help stays light
+        quiet_hivemind, start_dht, stop_dht)
+    from opendiloco_stream.net.metrics import (  # lazy: loads hivemind; --help stays light
+        install_validators, read_swarm_metrics)
 
     if args.interval <= 0 or args.timeout <= 0:
         raise UsageError("--interval and --timeout must be > 0 seconds")
@@ -119,11 +124,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _page_from_metrics(args: argparse.Namespace) -> int:
     """``monitor --html F --from-metrics a.jsonl b.jsonl``: the page of finished (or running) peers."""
-    from pathlib import Path
-
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.monitor_page import History, write_page
-
     if not args.html:
         raise UsageError("--from-metrics draws a page: add --html F")
     history = History(net_config_from_args(args).run_id)

@@ -25,15 +25,25 @@ import ipaddress
 import logging
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+from tqdm import tqdm
 
+from opendiloco_stream.commands import peer_ranks
 from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-exported)
-    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, print_device, require_device,
-    resolve_for_dry_run, resolve_fragments,
+    SHARDS_AUTO, add_training_flags, config_from_args, parse_shard, prepare_data, print_device, print_summary,
+    require_device, resolve_for_dry_run, resolve_fragments,
 )
-from opendiloco_stream.net.flags import add_network_flags, net_overrides
+from opendiloco_stream.commands.dry_run import dry_run
+from opendiloco_stream.config_cli import UsageError
+from opendiloco_stream.net.flags import add_network_flags, net_overrides, verbose
+from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
+from opendiloco_stream.net.prometheus import PrometheusExporter
+from opendiloco_stream.stats import SyncStats
+from opendiloco_stream.train.loggers import Fanout, build_loggers
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -52,24 +62,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.net.auth import RunAuth
-    from opendiloco_stream.net.flags import quiet_hivemind, verbose
-    from opendiloco_stream.net.lifecycle import die_with_parent
+    import torch  # lazy: loads torch; --help stays light
+
+    from opendiloco_stream.net.auth import RunAuth  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.net.dht import quiet_hivemind  # lazy: loads hivemind; --help stays light
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_hivemind(verbose(args))
     die_with_parent()  # a SIGKILLed peer must not orphan its DHT / averager processes and p2pd
     if args.dry_run:
-        from opendiloco_stream.commands.dry_run import dry_run
-
         cfg, sources = config_from_args(args, updates=net_overrides(args), return_sources=True)
         return dry_run(*resolve_for_dry_run(cfg, sources), command="peer", config_path=args.config, workers=None)
     cfg = resolve_fragments(config_from_args(args, updates=net_overrides(args)))
     if not cfg.net.initial_peers:
         raise UsageError("no --initial-peers: start `opendiloco-stream bootstrap` and pass the line it prints")
-    from opendiloco_stream.net.dht import EXAMPLE_PEER, parse_maddr
+    from opendiloco_stream.net.dht import EXAMPLE_PEER, parse_maddr  # lazy: loads hivemind; --help stays light
 
     for maddr in cfg.net.initial_peers:  # a malformed address fails here, before the start-up lines
         parse_maddr(maddr, what="initial peer", example=EXAMPLE_PEER, need_peer_id=True)
@@ -77,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
     setting, cfg = cfg.train.device, require_device(cfg)  # 'auto' -> the first CUDA device, else the CPU
     if args.threads:
         torch.set_num_threads(args.threads)
-    from opendiloco_stream.commands import peer_ranks
 
     ranks = peer_ranks.ranks_for(args, cfg)  # None: one process; K > 1 and no rank yet: launched them
     if isinstance(ranks, int):
@@ -107,8 +114,6 @@ class LiveMetrics:
 
     def __init__(self, mode: str, publisher: Any, fanout: Callable[[dict], None], bar: Any, *,
                  quiet: bool, publish_every_s: float = 2.0):
-        from opendiloco_stream.stats import SyncStats
-
         self.mode, self.publisher, self.fanout, self.bar = mode, publisher, fanout, bar
         self.quiet, self.publish_every_s = quiet, publish_every_s
         self.step, self.loss, self.tokens, self.compute_s = 0, float("nan"), 0, 0.0
@@ -116,7 +121,7 @@ class LiveMetrics:
         self.t0, self.last_pub = time.perf_counter(), 0.0
 
     def snapshot(self) -> dict[str, Any]:
-        from opendiloco_stream.net.metrics import live_values
+        from opendiloco_stream.net.metrics import live_values  # lazy: loads hivemind; --help stays light
 
         elapsed = max(1e-9, time.perf_counter() - self.t0)
         return live_values(self.stats, step=self.step, loss=self.loss, tokens_per_s=self.tokens / elapsed,
@@ -161,9 +166,6 @@ class LiveMetrics:
 
 def _exporter(cfg) -> Any:
     """The Prometheus endpoint, if ``net.metrics_port`` asks for one (a taken port: a one-line error)."""
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.net.prometheus import PrometheusExporter
-
     if cfg.net.metrics_port is None:
         return None
     try:
@@ -178,13 +180,11 @@ def _exporter(cfg) -> Any:
 
 def _lead(args: argparse.Namespace, cfg, auth, ranks, setting: str = "auto") -> int:
     """The peer itself (rank 0 of a multi-rank peer): DHT, transport, metrics, training."""
-    from opendiloco_stream.commands._common import prepare_data
-    from opendiloco_stream.net.auth import Admission
-    from opendiloco_stream.net.dht import start_dht, stop_dht
-    from opendiloco_stream.net.join import RunGate
-    from opendiloco_stream.net.lifecycle import GracefulShutdown
-    from opendiloco_stream.train.loggers import build_loggers
-    from opendiloco_stream.transport.factory import hivemind_transport
+    from opendiloco_stream.net.auth import Admission  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.net.dht import start_dht, stop_dht  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.train.join import RunGate  # lazy: loads torch; --help stays light
+    from opendiloco_stream.transport.factory import (  # lazy: transport/ loads torch; --help stays light
+        hivemind_transport)
 
     train_source, val, vocab_size = prepare_data(cfg)
     loggers = build_loggers(cfg)  # a logger that is not installed fails here, before the DHT starts
@@ -222,8 +222,8 @@ def _client_if_unreachable(cfg, dht) -> tuple[Any, Any]:
     """A peer nobody can dial (behind NAT, a firewall) would stall every group that gave it a part
     to reduce: when the bootstrap cannot dial it back, it restarts its DHT node as a client and
     trains as one (it sends and receives; the peers that accept connections reduce its parts)."""
-    from opendiloco_stream.net.dht import ip4_of, start_dht, stop_dht
-    from opendiloco_stream.net.reachability import reachable
+    from opendiloco_stream.net.dht import ip4_of, start_dht, stop_dht  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.net.reachability import reachable  # lazy: loads hivemind; --help stays light
 
     net = cfg.net
     remote = [m for m in net.initial_peers if not (ip4_of(m) and ipaddress.ip_address(ip4_of(m)).is_loopback)]
@@ -244,8 +244,8 @@ def _client_if_unreachable(cfg, dht) -> tuple[Any, Any]:
 
 def _announce(cfg, dht, ranks, exporter) -> tuple[tuple[int, int], tuple[int, int]]:
     """Say who the peer is and where it listens; its data shard and the part of it this rank reads."""
-    from opendiloco_stream.net.dht import visible_maddrs
-    from opendiloco_stream.train.ranks import data_shard
+    from opendiloco_stream.net.dht import visible_maddrs  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.train.ranks import data_shard  # lazy: loads torch; --help stays light
 
     peer_id = str(dht.peer_id)
     rank, world = parse_shard(cfg.data.shard, peer_id)
@@ -265,14 +265,13 @@ def _announce(cfg, dht, ranks, exporter) -> tuple[tuple[int, int], tuple[int, in
 def _train(args: argparse.Namespace, cfg, ranks, dht, gate, admission, transport, sinks: list, stop,
            shards: tuple, data: tuple) -> None:
     """Train the peer with its live metrics, then write and print its summary."""
-    from tqdm import tqdm
-
-    from opendiloco_stream.commands._common import print_summary
-    from opendiloco_stream.net.join import fingerprint_digest, fingerprint_fields
-    from opendiloco_stream.net.metrics import MetricsPublisher
-    from opendiloco_stream.train.loggers import Fanout
-    from opendiloco_stream.train.loop import MetricsWriter, summarize, train_worker
-    from opendiloco_stream.transport.factory import codec_from_config
+    from opendiloco_stream.net.metrics import MetricsPublisher  # lazy: loads hivemind; --help stays light
+    from opendiloco_stream.train.join import (  # lazy: loads torch; --help stays light
+        fingerprint_digest, fingerprint_fields)
+    from opendiloco_stream.train.loop import (  # lazy: loads torch; --help stays light
+        MetricsWriter, summarize, train_worker)
+    from opendiloco_stream.transport.factory import (  # lazy: transport/ loads torch; --help stays light
+        codec_from_config)
 
     train_source, val, vocab_size = data
     (rank, world), (data_rank, data_world) = shards

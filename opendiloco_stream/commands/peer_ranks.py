@@ -20,6 +20,9 @@ what ranks > 0 run.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import faulthandler
+import logging
 import os
 import signal
 import socket
@@ -28,7 +31,11 @@ import sys
 import time
 from typing import Any, NoReturn, Optional, Union
 
+from opendiloco_stream.commands._common import prepare_data
+from opendiloco_stream.commands.local_hivemind import stop_processes
 from opendiloco_stream.config import check_data_parallel
+from opendiloco_stream.config_cli import UsageError
+from opendiloco_stream.net.lifecycle import GracefulShutdown
 
 GRACE_S = 15.0  # a failed rank's peers: how long the others get to leave before their trees are killed
 
@@ -36,8 +43,8 @@ GRACE_S = 15.0  # a failed rank's peers: how long the others get to leave before
 def ranks_for(args: argparse.Namespace, cfg: Any) -> Union[None, int, Any]:
     """This process's ``Ranks`` (a rank of a multi-rank peer), None (a one-process peer), or the
     exit code of :func:`launch` (``nproc_per_node`` > 1 and not started as a rank: it was the launcher)."""
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.train.ranks import Ranks, collective_timeout, rank_env
+    from opendiloco_stream.train.ranks import (  # lazy: loads torch; --help stays light
+        Ranks, collective_timeout, rank_env)
 
     env, k = rank_env(), cfg.train.nproc_per_node
     if env is None and k == 1:
@@ -48,7 +55,6 @@ def ranks_for(args: argparse.Namespace, cfg: Any) -> Union[None, int, Any]:
     if k not in (1, env.world):
         raise UsageError(f"--nproc-per-node {k}, but this process is rank {env.rank} of WORLD_SIZE={env.world} "
                          "(started by torchrun?): give one or the other")
-    import faulthandler
 
     # a rank killed by a fatal signal (a C++ abort in a collective, a segfault) prints every
     # thread's Python stack to the peer's stderr before it dies: the launcher's "rank N ended with
@@ -65,8 +71,6 @@ def free_port() -> int:
 
 def _die_with_launcher(launcher: int):
     """A ``preexec_fn``: the child gets SIGTERM when the launcher dies (even by SIGKILL)."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
 
     def set_pdeathsig() -> None:
@@ -87,9 +91,6 @@ def _describe(code: int) -> str:
 
 def launch(args: argparse.Namespace, k: int) -> int:
     """Run ``peer`` on K ranks (this very command line once per rank); the peer's exit code."""
-    from opendiloco_stream.commands.local_hivemind import stop_processes
-    from opendiloco_stream.net.lifecycle import GracefulShutdown
-
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(k),
            "LOCAL_WORLD_SIZE": str(k)}
     cmd = [sys.executable, "-m", "opendiloco_stream", *args.argv]
@@ -130,8 +131,6 @@ def end_rank(code: int) -> NoReturn:
     ``destroy_process_group``; freed during finalization, its worker threads can abort the process
     (CI saw a rank end with SIGABRT after its run had finished). Everything the rank wrote is
     flushed first; the DHT, averagers and files were closed by the rank itself."""
-    import logging
-
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -143,7 +142,7 @@ def end_rank(code: int) -> NoReturn:
 
 def lost_rank(e: BaseException) -> bool:
     """Whether ``e`` is a collective failing because another rank of the peer is gone."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: loads torch; --help stays light
 
     text = str(e)
     return isinstance(e, dist.DistError) or "Connection closed by peer" in text or "Connection reset by peer" in text
@@ -156,9 +155,8 @@ def first_line(e: BaseException) -> str:
 
 def follow(cfg: Any, ranks: Any) -> int:
     """A rank > 0: rank 0's data shard, then the inner loop with DDP (no transport, no metrics)."""
-    from opendiloco_stream.commands._common import prepare_data
-    from opendiloco_stream.train.loop import train_worker
-    from opendiloco_stream.train.ranks import data_shard
+    from opendiloco_stream.train.loop import train_worker  # lazy: loads torch; --help stays light
+    from opendiloco_stream.train.ranks import data_shard  # lazy: loads torch; --help stays light
 
     try:
         train_source, val, vocab_size = prepare_data(cfg)

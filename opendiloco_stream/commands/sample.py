@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from opendiloco_stream.config_cli import UsageError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sample", help="generate text from an exported model or a checkpoint directory",
@@ -28,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def load_for_sampling(directory: str, rank=None):
     """(model, tokenizer) from an exported model directory or a run's checkpoint directory."""
-    from opendiloco_stream.cli import UsageError
-    from opendiloco_stream.train.export import checkpoint_model, find_checkpoint
+    from opendiloco_stream.train.export import (  # lazy: loads torch; --help stays light
+        checkpoint_model, find_checkpoint)
 
     path = Path(directory)
     if path.is_dir() and any(path.glob("worker-*.pt")):
@@ -38,7 +40,7 @@ def load_for_sampling(directory: str, rank=None):
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {directory}: neither a model directory (config.json) nor a checkpoint "
                          "directory (worker-<rank>.pt): give the --out of export or a run's --checkpoint-dir")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: loads transformers; --help stays light
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
@@ -51,7 +53,7 @@ def load_for_sampling(directory: str, rank=None):
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
              seed: int) -> str:
     """The prompt's continuation (without the prompt)."""
-    import torch
+    import torch  # lazy: loads torch; --help stays light
 
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     torch.manual_seed(seed)
@@ -64,11 +66,9 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, temperature: fl
 
 
 def run(args: argparse.Namespace) -> int:
-    from opendiloco_stream.cli import UsageError
-
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 1:
         raise UsageError("--max-new-tokens and --top-k must be >= 1, --temperature >= 0")
-    import transformers
+    import transformers  # lazy: loads transformers; --help stays light
 
     transformers.logging.set_verbosity_error()  # its load progress and length notices are not the output
     transformers.utils.logging.disable_progress_bar()

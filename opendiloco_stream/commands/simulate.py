@@ -1,6 +1,6 @@
 """``opendiloco-stream simulate``: bandwidth each sync method needs for a compute utilization.
 
-The model is ``opendiloco_stream.simulate`` (assumptions in docs/simulator.md). Two uses:
+The model is ``opendiloco_stream.commands.simulator`` (assumptions in docs/simulator.md). Two uses:
 
 * Without ``--at-mbit``: for each model (the paper's 1B / 10B / 100B, or ``--params``), method and
   target utilization, the smallest link bandwidth (Gbit/s) that reaches the target.
@@ -18,8 +18,8 @@ import math
 from dataclasses import replace
 from typing import Optional
 
-from opendiloco_stream import simulate as sim
-from opendiloco_stream.cli import UsageError, deprecated_alias
+from opendiloco_stream.commands import simulator as sim
+from opendiloco_stream.config_cli import UsageError, deprecated_alias
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 

@@ -12,6 +12,7 @@ config, the CLI choices and the wire ids derive from). Names from ``wire.py`` im
 so the configuration and the CLI's help stay light; the codecs themselves load on first use.
 """
 
+import importlib
 from typing import Any
 
 from opendiloco_stream.compression.spec import CodecSpec
@@ -43,7 +44,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f"opendiloco_stream.compression.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'opendiloco_stream.compression' has no attribute {name!r}")

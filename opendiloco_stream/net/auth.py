@@ -8,7 +8,7 @@ a peer's port can connect to it. So the key works one level up (threat model: do
   both when asked to store them and in answers to its lookups. Only key holders write the run's
   keys: metrics, state donors, fingerprints, the rounds' matchmaking announcements (whose keys
   cannot be listed in advance, hence every record). One key is exempt: the run's public key-id
-  header (``net/join.py``), so that a peer with a wrong key or none learns why it is refused.
+  header (``train/join.py``), so that a peer with a wrong key or none learns why it is refused.
 * **Groups** (:class:`Admission`): each member's gathered metadata carries a proof bound to its
   peer id (which libp2p authenticates) and to the round; a leader refuses a follower without a
   valid one, and every member checks the whole group before reducing anything.
@@ -27,9 +27,12 @@ import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import msgpack
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
 from opendiloco_stream.config import ConfigError, NetConfig
+from opendiloco_stream.net.keys import run_key
 
 MIN_KEY_BYTES = 16
 KEYGEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))' > run.key"
@@ -92,10 +95,6 @@ class RunAuth:
 # ---------------------------------------------------------------------------------------- DHT records
 def open_keys(run_id: str) -> set[bytes]:
     """The DHT key ids a :class:`RunKeyValidator` leaves unsigned: the run's public key-id header."""
-    from hivemind.dht.routing import DHTID
-
-    from opendiloco_stream.net.dht import run_key
-
     return {DHTID.generate(source=run_key(run_id, "keyid")).to_bytes()}
 
 
@@ -155,7 +154,7 @@ def _canonical(meta: dict) -> bytes:
 
 class Admission:
     """What this peer requires of its groupmates, state donors and joiners: a proof of the run key
-    (when it has one) and, once known, the same run fingerprint (``net/join.py``).
+    (when it has one) and, once known, the same run fingerprint (``train/join.py``).
 
     The averaging service reads it at every round, so a ``fingerprint`` set late applies from
     the next round on. Every ``check_*`` returns None when all is well, else why not.
@@ -190,8 +189,6 @@ class Admission:
 
     def check_gathered(self, blob: bytes, peer_id: bytes) -> Optional[str]:
         """Check one member's gathered bytes (msgpack of its sealed metadata, ``matchmaking.pack_meta``)."""
-        import msgpack
-
         try:
             user = msgpack.unpackb(blob, raw=False, strict_map_key=False)
         except Exception:

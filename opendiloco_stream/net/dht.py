@@ -14,7 +14,7 @@ Where a node listens and what it announces (the knobs that matter on a wide-area
   node needs one, or the address others were given changes at every restart.
 
 ``opendiloco-stream doctor`` checks all of this from the outside (see docs/networking.md).
-Every DHT key of a run goes through :func:`run_key`, so runs sharing a DHT never see each other.
+Every DHT key of a run goes through ``net.keys.run_key``, so runs sharing a DHT never see each other.
 """
 
 from __future__ import annotations
@@ -22,51 +22,28 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import re
 import tempfile
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from opendiloco_stream.config import ConfigError, NetConfig
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.logging import get_logger
+from hivemind.utils.multiaddr import Multiaddr
+
+from opendiloco_stream.config import NetConfig
+from opendiloco_stream.net.auth import run_validators
+from opendiloco_stream.net.keys import NetError, check_run_id
+from opendiloco_stream.net.lifecycle import descendants, is_running, kill_process_tree, process_name, terminate_pids
+from opendiloco_stream.net.routes import keep_routes
 
 logger = logging.getLogger(__name__)
 
 EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv9iBR5Yqgh"
 EXAMPLE_LISTEN = "/ip4/0.0.0.0/tcp/31337"
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-
-
-class NetError(ConfigError):
-    """A networking problem the user can fix (bad address, unreachable peer, port in use): one line, exit 2."""
-
-
-# ---------------------------------------------------------------------------------------------- keys
-
-
-def check_run_id(run_id: str) -> str:
-    """Return ``run_id`` if usable in DHT keys and fragment prefixes, else raise NetError."""
-    if not _RUN_ID_RE.fullmatch(run_id or ""):
-        # matchmaking keys are "<prefix>_r<round>.match": a '.' in the prefix would blur them
-        raise NetError(f"run id {run_id!r} is not usable: use 1-64 letters, digits, '-' or '_' (e.g. 'llama-150m_v2')")
-    return run_id
-
-
-def run_prefix(run_id: str) -> str:
-    """The namespace of one run on a shared DHT: ``ods[<run_id>]``."""
-    return f"ods[{check_run_id(run_id)}]"
-
-
-def run_key(run_id: str, *parts: str) -> str:
-    """The DHT key (or fragment prefix) of ``parts`` within a run, e.g. ``run_key("r1", "metrics")``.
-
-    The brackets end the run id unambiguously, so run "a" never reads run "a_b"'s keys. No '.' is
-    produced: matchmaking uses the prefix in keys of the form ``<prefix>_r<round>.match``.
-    """
-    for part in parts:
-        if not part or "." in part:
-            raise ValueError(f"DHT key part {part!r} must be non-empty and contain no '.'")
-    return "_".join((run_prefix(run_id), *parts))
 
 
 # ---------------------------------------------------------------------------------------- addresses
@@ -74,8 +51,6 @@ def run_key(run_id: str, *parts: str) -> str:
 
 def parse_maddr(value: str, *, what: str = "multiaddr", example: str = EXAMPLE_LISTEN, need_peer_id: bool = False):
     """Parse one multiaddr; a bad one raises NetError naming it and showing a good one."""
-    from hivemind.utils.multiaddr import Multiaddr
-
     try:
         maddr = Multiaddr(value.strip())
     except Exception as e:  # the multiaddr package raises several unrelated types
@@ -163,7 +138,6 @@ def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
 def rank_maddrs(maddrs: Iterable[Any]) -> list[str]:
     """``maddrs`` best first for others to dial: public, then private, then loopback; TCP before
     QUIC; wildcard addresses (0.0.0.0, ::) dropped."""
-    from hivemind.utils.multiaddr import Multiaddr
 
     def rank(m: Any) -> tuple[int, int]:
         scope = 1  # dns names and anything without an IP: as good as a private address
@@ -188,10 +162,6 @@ def visible_maddrs(dht: Any, latest: bool = True) -> list[str]:
 
 def ensure_identity(path: str) -> str:
     """Return the peer id stored in the key file ``path``, creating the file (and its folder) if missing."""
-    from hivemind.p2p import PeerID
-    from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
-
     p = Path(path).expanduser()
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -254,13 +224,6 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
     ``net.daemon_startup_timeout`` plus 10 s. ``dht_kwargs`` go to ``hivemind.DHT`` unchanged.
     On failure nothing is left running: the DHT process and its p2pd are killed.
     """
-    import hivemind
-
-    from opendiloco_stream.net.lifecycle import descendants, kill_process_tree, process_name
-
-    from opendiloco_stream.net.auth import run_validators
-    from opendiloco_stream.net.routes import keep_routes
-
     check_run_id(net.run_id)
     record_validators = [*record_validators, *run_validators(net)]  # a run key signs and checks every record
     host, announce = listen_maddrs(net)
@@ -306,8 +269,6 @@ def stop_dht(dht: Any, timeout: float = 5.0) -> None:
     terminated directly. Either way nothing of the node is left running, including a p2pd whose
     DHT process died earlier (start_dht remembered it).
     """
-    from opendiloco_stream.net.lifecycle import descendants, is_running, process_name, terminate_pids
-
     pid = dht.pid
     known = dict(_CHILDREN.get(dht, {}))
     if pid is not None and is_running(pid):
@@ -325,3 +286,23 @@ def stop_dht(dht: Any, timeout: float = 5.0) -> None:
         if pid in killed:  # hivemind's futures are guarded by cross-process locks it may have held
             logger.warning("the DHT process %s had to be killed; if a later DHT start in this process hangs, "
                            "restart the process", pid)
+
+
+# -------------------------------------------------------------------------------------------- logs
+
+
+class _ShutdownNoise(logging.Filter):
+    """Drops p2pd's complaint about its control socket closing, logged on every Ctrl+C."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "use of closed network connection" not in record.getMessage()
+
+
+def quiet_hivemind(verbose: bool = False, level: Optional[int] = None) -> None:
+    """hivemind logs INFO to stderr by default; commands show warnings only unless --verbose."""
+    hivemind_logger = get_logger("hivemind")  # also installs hivemind's handler, which we filter
+    hivemind_logger.setLevel(level if level is not None else logging.DEBUG if verbose else logging.WARNING)
+    if not verbose:
+        for handler in hivemind_logger.handlers:
+            if not any(isinstance(f, _ShutdownNoise) for f in handler.filters):
+                handler.addFilter(_ShutdownNoise())

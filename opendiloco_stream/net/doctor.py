@@ -45,13 +45,22 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from opendiloco_stream.compression import native
 from opendiloco_stream.config import NetConfig
-from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, ip4_of, listen_maddrs,
-                                       rank_maddrs, relay_wait_warning, run_key)
 from opendiloco_stream.net.auth import run_validators
+from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, ip4_of, listen_maddrs,
+                                       rank_maddrs, relay_wait_warning)
+from opendiloco_stream.net.distance import probe_peers
+from opendiloco_stream.net.keys import run_key
 from opendiloco_stream.net.metrics import metrics_validators
 from opendiloco_stream.net.reachability import (probe_dial, probe_tcp, request_dialback, request_observed,
                                                  request_tcp_dialback, short_error)
+from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, slow_start_after_idle
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +85,6 @@ def _host_port(maddr: str) -> tuple[str, str]:
 
 
 def _ip_is(maddr: Any, attribute: str) -> bool:
-    from hivemind.utils.multiaddr import Multiaddr
-
     maddr = Multiaddr(str(maddr))
     for proto in ("ip4", "ip6"):
         if proto in maddr:
@@ -135,8 +142,6 @@ class _Doctor:
         self.reached: list[str] = []
 
     async def p2pd(self) -> Check:
-        from hivemind.p2p import P2P
-
         binary = importlib.resources.files("hivemind.hivemind_cli") / "p2pd"
         reinstall = "reinstall hivemind: pip install --force-reinstall --no-deps hivemind==1.1.12"
         if not os.access(str(binary), os.X_OK):
@@ -151,8 +156,6 @@ class _Doctor:
         return Check("p2pd", "ok", f"{binary} starts ({(time.monotonic() - t0) * 1e3:.0f} ms)")
 
     async def listen(self) -> Check:
-        from hivemind.p2p import P2P
-
         identity = self.net.identity_path
         if identity:
             ensure_identity(identity)  # the same key the node will use: the shared address stays valid
@@ -166,11 +169,6 @@ class _Doctor:
         return Check("listen", "ok", f"listening on {' '.join(self.host)}; announcing {' '.join(self.ours_maddrs)}")
 
     async def bootstrap(self) -> Check:
-        from hivemind.dht.node import DHTNode
-        from hivemind.dht.validation import CompositeValidator
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
         peers = self.net.initial_peers
         if not peers:
             return Check("bootstrap", "skip", "no --initial-peers given")
@@ -332,9 +330,6 @@ class _Doctor:
                      f"open the next ports too, one per fragment")
 
     async def link(self) -> Check:
-        from opendiloco_stream.net.distance import probe_peers
-        from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, slow_start_after_idle
-
         peers = self.net.initial_peers
         if not peers:
             return Check("link", "skip", "no --initial-peers given")
@@ -375,7 +370,6 @@ class _Doctor:
 
     @staticmethod
     def kernels() -> Check:
-        from opendiloco_stream.compression import native
         if native.available():
             return Check("kernels", "ok", f"native codec kernels loaded (built in {native.cache_dir()})")
         return Check("kernels", "warn", f"codecs run in torch, slower on the CPU: {native.why_not()}",

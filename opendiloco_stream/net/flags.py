@@ -8,12 +8,12 @@ Every flag defaults to None, so a flag overrides the TOML file (``--config``) an
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from opendiloco_stream.config import NetConfig
-from opendiloco_stream.config_cli import add_config_flags, config_from_args, overrides_from_args
+from opendiloco_stream.config_cli import add_config_flags, config_from_args, deprecated_alias, overrides_from_args
+from opendiloco_stream.net.keys import NetError
 
 BASIC = ("initial_peers", "run_id", "run_key_file")
 LISTEN = ("port", "public_ip", "host_maddrs", "announce_maddrs")
@@ -43,8 +43,6 @@ def add_log_level(p: argparse.ArgumentParser, help: str = "logging level of this
                   "DEBUG shows hivemind's logs (default WARNING)", *, old_verbose: bool = True) -> None:
     """``--log-level`` (one spelling on every command); ``old_verbose``: the commands that had
     ``-v`` / ``--verbose`` keep them one release as deprecated spellings of ``--log-level DEBUG``."""
-    from opendiloco_stream.cli import deprecated_alias
-
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", metavar="LEVEL",
                    help=help.replace("%", "%%") + f" ({', '.join(LOG_LEVELS)})")
     if old_verbose:
@@ -69,8 +67,6 @@ def net_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def read_peers_file(path: str) -> list[str]:
     """Non-empty, non-comment lines of ``path``; a leading ``--initial-peers`` is tolerated."""
-    from opendiloco_stream.net.dht import NetError
-
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -89,22 +85,3 @@ def net_config_from_args(args: argparse.Namespace, **updates: Any) -> NetConfig:
     """``RunConfig.net`` from --config < environment < flags, then ``updates`` (e.g. client_mode=True)."""
     net = config_from_args(args, updates=net_overrides(args)).net
     return net.model_copy(update=updates) if updates else net
-
-
-class _ShutdownNoise(logging.Filter):
-    """Drops p2pd's complaint about its control socket closing, logged on every Ctrl+C."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "use of closed network connection" not in record.getMessage()
-
-
-def quiet_hivemind(verbose: bool = False, level: Optional[int] = None) -> None:
-    """hivemind logs INFO to stderr by default; commands show warnings only unless --verbose."""
-    from hivemind.utils.logging import get_logger
-
-    hivemind_logger = get_logger("hivemind")  # also installs hivemind's handler, which we filter
-    hivemind_logger.setLevel(level if level is not None else logging.DEBUG if verbose else logging.WARNING)
-    if not verbose:
-        for handler in hivemind_logger.handlers:
-            if not any(isinstance(f, _ShutdownNoise) for f in handler.filters):
-                handler.addFilter(_ShutdownNoise())

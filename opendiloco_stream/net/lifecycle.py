@@ -16,6 +16,7 @@ take them down:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -318,8 +319,6 @@ def _after_fork_in_child() -> None:
     if not _forking_from_main_thread:
         return
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

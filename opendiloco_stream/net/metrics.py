@@ -13,7 +13,6 @@ record before that, so a live peer never disappears from ``monitor`` while a dea
 
 from __future__ import annotations
 
-
 import logging
 import math
 import threading
@@ -21,10 +20,13 @@ import weakref
 from typing import Any, Dict, Optional
 
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator is written against pydantic v1
-from hivemind.dht.schema import BytesWithPublicKey
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import StrictFloat, confloat, conint, constr
 
-from opendiloco_stream.net.dht import run_key, run_prefix
+from opendiloco_stream.net.keys import run_key, run_prefix
 from opendiloco_stream.stats import SyncStats
 
 logger = logging.getLogger(__name__)
@@ -75,9 +77,6 @@ _SIGNING_KEYS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary
 
 def metrics_validators(run_id: str, private_key: Any = None) -> list:
     """The record validators of a run's metrics (schema + signature), for a DHT or a DHTNode."""
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.dht.schema import SchemaValidator
-
     return [SchemaValidator(MetricsSchema, prefix=run_prefix(run_id)), RSASignatureValidator(private_key)]
 
 
@@ -89,8 +88,6 @@ def install_validators(dht: Any, run_id: str, private_key: Any = None) -> bytes:
     ignores later ones), so ``private_key`` only counts on the first call for a DHT; it defaults to
     hivemind's process-wide key. Tests running several nodes in one process pass distinct keys.
     """
-    from hivemind.utils.crypto import RSAPrivateKey
-
     key = _SIGNING_KEYS.get(dht)
     if key is None:
         key = private_key if private_key is not None else RSAPrivateKey.process_wide()
@@ -208,8 +205,6 @@ class MetricsPublisher:
         self.close()
 
     def _loop(self) -> None:
-        from hivemind.utils import get_dht_time
-
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending is not None or self._stopped, self.expiration / 3)
@@ -243,8 +238,6 @@ def read_swarm_metrics(dht: Any, run_id: str, timeout: float = 10.0) -> list[dic
     Each dict holds the :class:`PeerMetrics` fields plus ``expiration`` (DHT time). The caller's
     DHT must have the run's validators (:func:`install_validators`).
     """
-    from hivemind.utils import get_dht_time
-
     found = dht.get(run_key(run_id, "metrics"), latest=True, return_future=True).result(timeout=timeout)
     if found is None or not isinstance(found.value, dict):
         return []

@@ -26,13 +26,19 @@ all of one peer id, and at most two dials in flight per service.
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import json
 import logging
 import os
 import threading
 from typing import Any, Optional, Sequence
 
-from opendiloco_stream.net.dht import ip4_of
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from opendiloco_stream.net.dht import ip4_of, parse_maddr
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +63,6 @@ async def probe_dial(maddr: str, timeout: float = 10.0) -> Optional[str]:
     Returns None on success, else a short reason. The daemon's own bootstrap step is the dial: it
     connects to the given peer, verifying its peer id, before it reports ready.
     """
-    from hivemind.p2p import P2P
-
     try:
         p2p = await P2P.create(initial_peers=[maddr], startup_timeout=timeout, **_PROBE_ARGS)
     except Exception as e:
@@ -125,8 +129,6 @@ class DialbackService:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
-        from google.protobuf.wrappers_pb2 import BytesValue
-
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         # the p2p client's reader tasks fail when p2pd dies first (Ctrl+C reaches it too): not our error
         self._loop.set_exception_handler(lambda loop, context: logger.debug("dial-back loop: %s", context))
@@ -149,8 +151,6 @@ class DialbackService:
                 logger.debug("remove dial-back handler: %r", e)
 
     async def _handle(self, request: Any, context: Any) -> Any:
-        from google.protobuf.wrappers_pb2 import BytesValue
-
         caller = context.remote_id.to_base58()
         if caller in self._busy_callers:
             return BytesValue(value=json.dumps({"error": "a dial-back for this peer is already running"}).encode())
@@ -169,8 +169,6 @@ class DialbackService:
         return {"observed": sorted({str(a) for p in peers if p.peer_id == caller for a in p.addrs})}
 
     async def _dial_all(self, payload: bytes) -> dict[str, Any]:
-        from hivemind.utils.multiaddr import Multiaddr
-
         try:
             request = json.loads(payload)
             maddrs = [str(m) for m in request["maddrs"]][: self.max_addrs]
@@ -213,8 +211,6 @@ def _is_observe(payload: bytes) -> bool:
 
 async def _ask(p2p: Any, helper: Any, body: dict, timeout: float) -> dict[str, Any]:
     """One request to ``helper``'s dial-back service; its answer, or LookupError / TimeoutError."""
-    from google.protobuf.wrappers_pb2 import BytesValue
-
     request = BytesValue(value=json.dumps(body).encode())
     try:
         reply = await asyncio.wait_for(
@@ -264,10 +260,6 @@ async def _dialback_of_self(_dht: Any, node: Any, helpers: Sequence[str], timeou
     """In the DHT process: ask the first of ``helpers`` that answers to dial this node's announced
     addresses (loopback and wildcard ones left out). ``(True/False, detail)``; ``(None, why)`` when
     no helper could say."""
-    import ipaddress
-
-    from hivemind.p2p import PeerID
-
     maddrs = []
     for m in await node.p2p.get_visible_maddrs(latest=True):
         ip = ip4_of(m)
@@ -294,9 +286,5 @@ def reachable(dht: Any, initial_peers: Sequence[str], timeout: float = 30.0) -> 
     service (``opendiloco-stream bootstrap`` offers one), the way ``doctor`` asks. ``(True, ...)``,
     ``(False, what failed)``, or ``(None, why nobody could say)`` (no initial peer offers the
     service, or it did not answer within ``timeout``)."""
-    import functools
-
-    from opendiloco_stream.net.dht import parse_maddr
-
     helpers = list(dict.fromkeys(parse_maddr(m)["p2p"] for m in initial_peers))
     return dht.run_coroutine(functools.partial(_dialback_of_self, helpers=helpers, timeout=timeout))

@@ -31,8 +31,12 @@ from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
-from opendiloco_stream.config import ConfigError
+from opendiloco_stream.config import RunConfig
+from opendiloco_stream.train.streaming_data import build_streaming
+from opendiloco_stream.train.text_dataset import DataError, first_line, open_dataset
 
 #: Byte-level vocabulary: ids 0..255 are the byte values, then BOS (256), EOS (257), PAD (258).
 BYTE_VOCAB_SIZE = 259
@@ -40,10 +44,6 @@ BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 
 #: Default cap on training tokens read from a streamed hub dataset.
 HUB_MAX_TOKENS = 50_000_000
-
-
-class DataError(ConfigError):
-    """A dataset or tokenizer that cannot be used: printed as one line, exit code 2."""
 
 
 class ByteTokenizer:
@@ -95,13 +95,12 @@ def load_tokenizer(path: Optional[str]) -> Tokenizer:
     """``None`` -> :class:`ByteTokenizer`; else a HF tokenizer from a local directory (or hub name)."""
     if path is None or path in ("", "byte"):
         return ByteTokenizer()
-    from transformers import AutoTokenizer
 
     local = Path(path).expanduser().is_dir()
     try:
         tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()) if local else path, local_files_only=local)
     except Exception as e:  # transformers raises OSError, ValueError, HTTP errors...
-        raise DataError(f"cannot load tokenizer '{path}': {_first_line(e)}") from None
+        raise DataError(f"cannot load tokenizer '{path}': {first_line(e)}") from None
     return HFTokenizer(tok, path)
 
 
@@ -237,8 +236,6 @@ def build_datasets(
     if streaming:
         if dataset == "builtin":
             raise DataError("the built-in corpus is not streamed: set data.streaming = false or pass --dataset NAME")
-        from opendiloco_stream.train.streaming_data import build_streaming
-
         return build_streaming(dataset, tokenizer, seq_len, val_fraction=val_fraction, dataset_config=dataset_config,
                                text_field=text_field, max_val_windows=max_val_windows)
     dtype = _token_dtype(tokenizer.vocab_size)
@@ -265,6 +262,16 @@ def build_datasets(
     return TrainSource(train, seq_len, seed, tokenizer), torch.from_numpy(val_windows.astype(np.int64))
 
 
+def load_run_data(cfg: RunConfig) -> tuple[TrainSource, torch.Tensor, int]:
+    """(train source, validation tensor, vocab size) of a run's ``data`` section (DataError if unusable)."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    train_source, val = build_datasets(
+        cfg.data.dataset, tokenizer=tokenizer, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction,
+        dataset_config=cfg.data.dataset_config, text_field=cfg.data.text_field, seed=cfg.train.seed,
+        streaming=cfg.data.streaming)
+    return train_source, val, tokenizer.vocab_size
+
+
 def _builtin_split(val_fraction: float) -> tuple[list[Path], list[Path]]:
     root = _stdlib_root()
     files = builtin_corpus_files()
@@ -289,37 +296,6 @@ def _builtin_docs(tokenizer: Tokenizer, val_fraction: float) -> tuple[list[np.nd
     return read(train), read(val)
 
 
-_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def _local_files(path: Path) -> tuple[str, list[str]]:
-    """The ``datasets`` builder and sorted data files for a local file or directory."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    files = [p for p in files if p.suffix.lower() in _BUILDERS]
-    builders = {_BUILDERS[p.suffix.lower()] for p in files}
-    if not files:
-        raise DataError(f"dataset '{path}': no {'/'.join(_BUILDERS)} files found")
-    if len(builders) > 1:
-        raise DataError(f"dataset '{path}' mixes file types ({', '.join(sorted(builders))}); use one kind")
-    return builders.pop(), [str(p) for p in files]
-
-
-def _open_dataset(dataset: str, dataset_config: Optional[str]):
-    import datasets
-
-    path = Path(dataset).expanduser()
-    try:
-        if path.exists():
-            builder, files = _local_files(path)
-            extra = {"sample_by": "paragraph"} if builder == "text" else {}
-            return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **extra)
-        return datasets.load_dataset(dataset, dataset_config, split="train", streaming=True)
-    except DataError:
-        raise
-    except Exception as e:  # network, auth, missing config, bad files: all become one line
-        raise DataError(f"cannot load dataset '{dataset}': {_first_line(e)}") from None
-
-
 def _dataset_docs(
     dataset: str,
     dataset_config: Optional[str],
@@ -328,11 +304,9 @@ def _dataset_docs(
     val_fraction: float,
     max_tokens: Optional[int],
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    from tqdm.auto import tqdm
-
     if max_tokens is None and not Path(dataset).expanduser().exists():
         max_tokens = HUB_MAX_TOKENS
-    stream = _open_dataset(dataset, dataset_config)
+    stream = open_dataset(dataset, dataset_config)
     train, val, n_train, chunk = [], [], 0, []
 
     def flush() -> None:
@@ -362,12 +336,7 @@ def _dataset_docs(
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"cannot read dataset '{dataset}': {_first_line(e)}") from None
+        raise DataError(f"cannot read dataset '{dataset}': {first_line(e)}") from None
     if not train and not val:
         raise DataError(f"dataset '{dataset}' has no non-empty '{text_field}' documents")
     return train, val
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -22,8 +22,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
+from opendiloco_stream.algorithm.fragments import partition
 from opendiloco_stream.config import ConfigError, RunConfig
+from opendiloco_stream.train.checkpoint import checkpoint_path
+from opendiloco_stream.train.data import (BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, HFTokenizer, load_run_data,
+                                          load_tokenizer)
+from opendiloco_stream.train.loss import evaluate
+from opendiloco_stream.train.models import build_model, transformer_blocks
 
 #: ``save_pretrained`` splits ``model.safetensors`` into files of at most this size (with an index).
 DEFAULT_MAX_SHARD_SIZE = "2GB"
@@ -53,11 +61,6 @@ def byte_tokenizer():
     """The project's byte tokenizer as a ``PreTrainedTokenizerFast``: byte b is id b, BOS/EOS/PAD are
     256/257/258; the special tokens' text in a document stays bytes (``split_special_tokens``), as
     with :class:`~opendiloco_stream.train.data.ByteTokenizer`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from opendiloco_stream.train.data import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID
-
     vocab = {char: b for b, char in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -74,8 +77,6 @@ def byte_tokenizer():
 
 def hf_tokenizer(cfg: RunConfig):
     """The run's tokenizer as a ``transformers`` tokenizer (the byte tokenizer built, else loaded)."""
-    from opendiloco_stream.train.data import HFTokenizer, load_tokenizer
-
     tok = load_tokenizer(cfg.data.tokenizer)
     return tok.hf if isinstance(tok, HFTokenizer) else byte_tokenizer()
 
@@ -85,9 +86,6 @@ def theta_bar(model: torch.nn.Module, cfg: RunConfig, diloco_state: dict[str, An
     """Parameter name -> theta_bar tensor, from a StreamingDiLoCo ``state_dict()`` (its fragments'
     outer parameters, named by partitioning ``model`` as the run did) or, in mode data-parallel,
     from the model's own state."""
-    from opendiloco_stream.algorithm.fragments import partition
-    from opendiloco_stream.train.models import transformer_blocks
-
     if "fragments" not in diloco_state:  # data-parallel: every peer holds the averaged model itself
         if model_state is None:
             raise ExportError("the checkpoint holds neither outer parameters nor a model to export")
@@ -110,8 +108,6 @@ def run_model(cfg: RunConfig, vocab_size: int, diloco_state: dict[str, Any],
               model_state: Optional[dict[str, torch.Tensor]]):
     """The run's model, built as training built it but in fp32, holding theta_bar (copied exactly),
     ready for ``generate``."""
-    from opendiloco_stream.train.models import build_model
-
     model = build_model(cfg.model.name, vocab_size=vocab_size, seq_len=cfg.model.seq_len, seed=cfg.train.seed,
                         dtype=torch.float32, init_from_config=cfg.model.init_from_config)
     if "fragments" not in diloco_state:  # data-parallel: the model itself
@@ -189,10 +185,7 @@ def model_card(cfg: RunConfig, *, eval_loss: float, step: int, source: str, path
 
 def eval_loss_of(model, cfg: RunConfig) -> float:
     """The model's loss on the run's validation data (as the training loop evaluates it)."""
-    from opendiloco_stream.commands._common import prepare_data
-    from opendiloco_stream.train.loop import evaluate
-
-    _, val, _ = prepare_data(cfg)
+    _, val, _ = load_run_data(cfg)
     return evaluate(model, val, cfg.train.batch_size, cfg.data.max_val_batches, "cpu")
 
 
@@ -216,8 +209,6 @@ def read_checkpoint(path: Path, config: Optional[RunConfig]) -> tuple[dict[str, 
 def find_checkpoint(checkpoint_dir: str | Path, rank: Optional[int] = None) -> Path:
     """``worker-<rank>.pt`` in ``checkpoint_dir``; without ``rank``: worker-0.pt, else the only one there
     (a peer's file is named after its data shard)."""
-    from opendiloco_stream.train.checkpoint import checkpoint_path
-
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise ExportError(f"no checkpoint directory {directory}: give the --checkpoint-dir of a run")

@@ -49,7 +49,7 @@ class TensorBoardLogger:
     the whole run and TensorBoard overlays its peers."""
 
     def __init__(self, log_dir: str, config: Optional[dict[str, Any]] = None):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency (tensorboard, the loggers extra)
 
         self._factory, self._dir, self._writers, self._config = SummaryWriter, log_dir, {}, config
         self._peer: Optional[str] = None
@@ -91,7 +91,7 @@ class WandbLogger:
         self._name = peer
 
     def _start(self):
-        import wandb
+        import wandb  # lazy: optional dependency (wandb, the loggers extra)
 
         self._run = wandb.init(project=self._project, config=self._config, group=self._group, name=self._name,
                                job_type="peer")

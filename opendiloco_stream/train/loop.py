@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from opendiloco_stream.algorithm.diloco import StreamingDiLoCo
 from opendiloco_stream.algorithm.fragments import partition
@@ -27,6 +26,7 @@ from opendiloco_stream.stats import SyncStats
 from opendiloco_stream.train.devices import resolve_device
 from opendiloco_stream.train.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
 from opendiloco_stream.train.export import save_model_at_end
+from opendiloco_stream.train.loss import evaluate, lm_loss, use_bf16_autocast
 from opendiloco_stream.train.metrics_file import MetricsWriter, read_metrics  # noqa: F401 (re-exported)
 from opendiloco_stream.train.models import build_model, transformer_blocks
 from opendiloco_stream.testing import faults
@@ -52,24 +52,6 @@ def lr_factor(step: int, warmup: int, total: int, final: float = 0.1) -> float:
     return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def use_bf16_autocast(precision: str, device: Any) -> bool:
-    """``train.precision``: 'bf16' always, 'auto' on CUDA, 'fp32' never."""
-    return precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda")
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, val: torch.Tensor, batch_size: int, max_batches: int, device: Any,
-             bf16: bool = False) -> float:
-    """Mean next-token cross-entropy over the first ``max_batches`` validation batches."""
-    was_training = model.training
-    model.eval()
-    losses = []
-    for i in range(0, min(len(val), batch_size * max_batches), batch_size):
-        losses.append(lm_loss(model, val[i:i + batch_size].to(device), bf16).item())
-    model.train(was_training)
-    return float(sum(losses) / max(1, len(losses)))
-
-
 @dataclass
 class WorkerReport:
     """What one worker did; the CLI aggregates these into the summary record."""
@@ -91,13 +73,6 @@ class WorkerReport:
     device: str = ""  # where it trained (train.device resolved)
     peak_gpu_memory: int = 0  # torch.cuda.max_memory_allocated of a CUDA worker (bytes; 0 elsewhere)
     outer_device: str = ""  # where its outer state lived: "cuda:0", "cpu (pinned)", "cpu"
-
-
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """Next-token cross-entropy of ``batch`` (fp32 loss; the forward pass under bf16 autocast if asked)."""
-    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
 
 
 def inner_step(net: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, *, bf16: bool = False,
@@ -176,7 +151,7 @@ def train_worker(rank: int, world_size: int, cfg: RunConfig, transport: Transpor
     swarm's step. ``should_stop`` is polled after every step (graceful shutdown). ``on_step(rank,
     loss, stats)`` is called after every inner step with the worker's sync counters so far.
     ``before_join(model)`` runs once the model is built, before the transport is prepared, any state
-    is downloaded or any round runs (the join checks of ``net/join.py``); it may raise to refuse.
+    is downloaded or any round runs (the join checks of ``train/join.py``); it may raise to refuse.
     ``ranks``: this worker is one rank of a multi-rank peer (``train/ranks.py``): DDP inner steps on
     ``ranks.device``; only rank 0 has a transport (None elsewhere), evaluates and saves checkpoints.
 
@@ -397,7 +372,7 @@ def _finish(w: _Worker, report: WorkerReport, start_step: int, recent: list[floa
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)
     if w.ranks is not None:
-        report.rank_digests = w.ranks.digests(w.model, sharded=w.sharded)
+        report.rank_digests = w.ranks.digests(w.model)
     if torch.device(w.device).type == "cuda":
         report.peak_gpu_memory = torch.cuda.max_memory_allocated(w.device)
     diloco.close()

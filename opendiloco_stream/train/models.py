@@ -29,7 +29,7 @@ from typing import Union
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PretrainedConfig
 
 from opendiloco_stream.config import ConfigError
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from opendiloco_stream.config import ConfigError, check_data_parallel
 from opendiloco_stream.stats import SyncStats
@@ -96,11 +97,21 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2-sharded parameter), told by its methods: the class moved
+    between torch releases (``torch.distributed._tensor`` before 2.5)."""
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
 def params_digest(model: torch.nn.Module) -> str:
-    """blake2b of every parameter's bytes, in order."""
+    """blake2b of every parameter's bytes, in order. A sharded (DTensor) parameter is gathered whole
+    first, one at a time (a collective: every rank calls it), so a sharded peer's digest is the same
+    on every rank and comparable with an unsharded peer's."""
     h = hashlib.blake2b(digest_size=16)
     for p in model.parameters():
-        h.update(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        with torch.no_grad():
+            full = p.full_tensor() if is_dtensor(p) else p.detach()
+        h.update(full.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -133,8 +144,6 @@ class Ranks:
                 dist.broadcast(t.detach(), src=0)
 
     def ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def share_start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, step: int,
@@ -160,13 +169,11 @@ class Ranks:
         """What the loop uses as ``diloco`` on this rank: rank 0 passes its wrapper, the others None."""
         return Replicated(self, list(model.parameters()), diloco, stop_source)
 
-    def digests(self, model: torch.nn.Module, sharded: bool = False) -> list[str]:
-        """Every rank's ``params_digest``, in rank order (on every rank). ``sharded``: the digest of
-        the gathered whole model, as each rank sees it (comparable with an unsharded peer's)."""
-        from opendiloco_stream.train.sharded import params_digest_full
-
+    def digests(self, model: torch.nn.Module) -> list[str]:
+        """Every rank's ``params_digest``, in rank order (on every rank); a sharded model's is of the
+        gathered whole model, as each rank sees it (comparable with an unsharded peer's)."""
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, params_digest_full(model) if sharded else params_digest(model))
+        dist.all_gather_object(out, params_digest(model))
         return out
 
     def close(self) -> None:

@@ -41,15 +41,15 @@ from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import ParamAccess
 from opendiloco_stream.config import ConfigError
 from opendiloco_stream.train.checkpoint import atomic_save
-from opendiloco_stream.train.ranks import LeaderMirror
+from opendiloco_stream.train.ranks import LeaderMirror, is_dtensor
 
 END, READ, WRITE = 0, 1, 2
 
 
 def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device, world: int) -> None:
     """FSDP2 in place: every block, then the root (embeddings, final norm, head), over all ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
+    from torch.distributed.fsdp import fully_shard  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
 
     mesh = init_device_mesh(device.type, (world,))
     for block in blocks:
@@ -57,14 +57,10 @@ def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], device: t
     fully_shard(model, mesh=mesh)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "full_tensor") and hasattr(t, "placements")
-
-
 def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The full values of (possibly sharded) parameters, on every rank (one all-gather each)."""
     with torch.no_grad():
-        return [p.full_tensor() if _is_dtensor(p) else p.detach() for p in params]
+        return [p.full_tensor() if is_dtensor(p) else p.detach() for p in params]
 
 
 def scatter_full(params: list[torch.Tensor], values: Optional[list[torch.Tensor]], device: torch.device) -> None:
@@ -82,8 +78,8 @@ def scatter_full(params: list[torch.Tensor], values: Optional[list[torch.Tensor]
     with torch.no_grad():
         for p, full in zip(params, torch.split(flat, sizes)):
             full = full.view(p.shape)
-            if _is_dtensor(p):
-                from torch.distributed.tensor import distribute_tensor
+            if is_dtensor(p):
+                from torch.distributed.tensor import distribute_tensor  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
 
                 mine = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
                 p.to_local().copy_(mine)
@@ -217,23 +213,11 @@ class Sharded(LeaderMirror):
             self._inner.close()
 
 
-def params_digest_full(model: torch.nn.Module) -> str:
-    """The digest of the peer's whole model (``ranks.params_digest`` of the gathered parameters; the
-    same on every rank, comparable with an unsharded peer's)."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=16)
-    for param in model.parameters():  # one whole parameter at a time, never the whole model
-        full = gather_full([param])[0]
-        h.update(full.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------------------------- checkpoints
 def _local(obj: Any) -> Any:
     """A state dict with every DTensor replaced by this rank's shard (a plain CPU tensor)."""
     if isinstance(obj, torch.Tensor):
-        return (obj.to_local() if _is_dtensor(obj) else obj).detach().cpu()
+        return (obj.to_local() if is_dtensor(obj) else obj).detach().cpu()
     if isinstance(obj, dict):
         return {k: _local(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -258,8 +242,8 @@ def save_shard(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def _into(current: Any, saved: Any) -> Any:
     """``saved`` (plain shards) shaped like ``current`` (DTensors where it has them)."""
-    if isinstance(current, torch.Tensor) and _is_dtensor(current):
-        from torch.distributed.tensor import DTensor
+    if isinstance(current, torch.Tensor) and is_dtensor(current):
+        from torch.distributed.tensor import DTensor  # lazy: FSDP2 needs torch >= 2.6, pyproject allows 2.1
 
         local = saved.to(current.to_local().device, current.dtype)
         return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
@@ -278,7 +262,7 @@ def _optimizer_into(optimizer: torch.optim.Optimizer, saved: dict) -> dict:
     state = {}
     for index, entry in saved["state"].items():
         p = params[int(index)]
-        if not _is_dtensor(p):
+        if not is_dtensor(p):
             state[index] = entry
             continue
         shard = p.to_local()

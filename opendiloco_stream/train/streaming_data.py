@@ -35,6 +35,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
+from datasets.distributed import split_dataset_by_node
+
+from opendiloco_stream.train.text_dataset import DataError, open_dataset
 
 #: Documents tokenized per call (fast tokenizers are much quicker in batches).
 CHUNK_DOCS = 32
@@ -66,8 +69,6 @@ class StreamingSource:
         return batch_size * self.seq_len
 
     def _text(self, row: dict) -> Optional[str]:
-        from opendiloco_stream.train.data import DataError
-
         if self.text_field not in row:
             raise DataError(f"dataset '{self.name}' has no field '{self.text_field}' (fields: {', '.join(row)}); "
                             "set data.text_field")
@@ -79,8 +80,6 @@ class StreamingSource:
 
     def validation(self, max_windows: int = 64, max_docs: int = MAX_VAL_DOCS) -> torch.Tensor:
         """``[N, seq_len + 1]`` int64 windows of held-out documents from the start of the stream."""
-        from opendiloco_stream.train.data import DataError
-
         span, buf, windows, docs = self.seq_len + 1, [], [], 0
         for row in self.open_stream():
             docs += 1
@@ -105,8 +104,6 @@ class StreamingSource:
         ``position`` (from ``StreamBatches.position()``, e.g. out of a checkpoint) resumes exactly;
         without it, ``start_step`` batches are read and dropped (exact too, but it reads the data).
         """
-        from opendiloco_stream.train.data import DataError
-
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size < 1 or start_step < 0:
@@ -123,8 +120,6 @@ class StreamBatches(Iterator[torch.Tensor]):
 
     def __init__(self, source: StreamingSource, rank: int, world_size: int, batch_size: int,
                  position: Optional[dict] = None):
-        from opendiloco_stream.train.data import DataError
-
         self.source, self.batch_size = source, batch_size
         self.rank, self.world_size = rank, world_size
         self.epoch, self.served, self.buffer = 0, 0, np.zeros(0, dtype=np.int64)
@@ -154,16 +149,12 @@ class StreamBatches(Iterator[torch.Tensor]):
                 "dataset": copy.deepcopy(self._state), "buffer": self.buffer.copy()}
 
     def _open_shard(self):
-        from datasets.distributed import split_dataset_by_node
-
         ds = split_dataset_by_node(self.source.open_stream(), rank=self.rank, world_size=self.world_size)
         ds.set_epoch(self.epoch)
         return ds
 
     def _read_chunk(self) -> list[str]:
         """Up to CHUNK_DOCS training texts; starts the next epoch at the end of the shard."""
-        from opendiloco_stream.train.data import DataError
-
         src, texts = self.source, []
         while len(texts) < CHUNK_DOCS:
             try:
@@ -204,10 +195,8 @@ class StreamBatches(Iterator[torch.Tensor]):
 
 def open_stream_fn(dataset: str, dataset_config: Optional[str]) -> Callable[[], Any]:
     """A function returning a fresh IterableDataset of ``dataset`` (hub name or local files)."""
-    from opendiloco_stream.train.data import _open_dataset
-
     def open_stream():
-        return _open_dataset(dataset, dataset_config)
+        return open_dataset(dataset, dataset_config)
 
     return open_stream
 

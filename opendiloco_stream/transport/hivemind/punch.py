@@ -45,6 +45,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from opendiloco_stream.net.keys import run_key
+
 logger = logging.getLogger(__name__)
 
 ECHO_MAGIC = b"ODEC"
@@ -93,7 +95,6 @@ class EchoServer:
 
 
 def echo_key(run_id: str) -> str:
-    from opendiloco_stream.net.dht import run_key
     return run_key(run_id, "echo")
 
 

@@ -15,6 +15,9 @@ background thread until :meth:`RunGate.close`:
   mode, codec, H, P, the model's parameter names and shapes). Signed by the run key when there is
   one. A joiner compares its own with the run's (the oldest record) and is refused with the first
   field that differs: ``refused: codec differs: this peer fp4-e3m0, the run int8``.
+
+It sits above the transport (the fingerprint names its protocol version and codec) and below the
+``peer`` command, its one user; the records themselves are plain DHT records (``net.keys.run_key``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ import logging
 import threading
 from typing import Any, Optional
 
-from opendiloco_stream.net.dht import NetError, run_key
+from hivemind.utils import get_dht_time
+
+from opendiloco_stream.net.keys import NetError, run_key
+from opendiloco_stream.transport.factory import codec_from_config
+from opendiloco_stream.transport.reduce import PROTOCOL_VERSION, codec_spec
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +48,6 @@ class JoinRefused(NetError):
 
 def fingerprint_fields(cfg: Any, model: Any) -> dict[str, str]:
     """The fingerprint of ``cfg`` (a RunConfig) and ``model``, field by field, in the order compared."""
-    from opendiloco_stream.transport.factory import codec_from_config
-    from opendiloco_stream.transport.reduce import PROTOCOL_VERSION, codec_spec
-
     d = cfg.diloco
     shapes = [f"{name}:{list(p.shape)}" for name, p in model.named_parameters()]
     digest = hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
@@ -83,8 +87,6 @@ class RunGate:
     # ------------------------------------------------------------------ reads
     def _others(self, part: str) -> list[tuple[Any, float]]:
         """The unexpired ``(value, expiration)`` of every other peer under ``part``."""
-        from hivemind.utils import get_dht_time
-
         try:
             found = self.dht.get(run_key(self.run_id, part), latest=True, return_future=True).result(self.timeout)
         except Exception as e:  # cannot check: go on; groups and state downloads check every peer anyway
@@ -115,8 +117,6 @@ class RunGate:
 
     def check_fingerprint(self, fields: dict[str, str]) -> None:
         """Refuse (JoinRefused) if the run's fingerprint differs from ``fields``, naming the first field."""
-        from hivemind.utils import get_dht_time
-
         records = [v for v, _ in self._others("fingerprint")
                    if isinstance(v, dict) and isinstance(v.get("fields"), dict) and isinstance(v.get("since"), float)]
         if records:
@@ -128,8 +128,6 @@ class RunGate:
 
     # ------------------------------------------------------------------ records
     def _store(self, part: str, value: Any) -> bool:
-        from hivemind.utils import get_dht_time
-
         future = self.dht.store(run_key(self.run_id, part), value, expiration_time=get_dht_time() + self.expiration,
                                 subkey=self.peer_id, return_future=True)
         return bool(future.result(timeout=self.timeout))

@@ -17,6 +17,7 @@ import html
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -57,7 +58,7 @@ class History:
         Time is the training time accounted by the records (compute + sync of each step);
         utilization is compute / (compute + sync) over the last ``window`` steps.
         """
-        from opendiloco_stream.train.loop import read_metrics
+        from opendiloco_stream.train.loop import read_metrics  # lazy: loads torch; --help stays light
 
         steps = [r for r in read_metrics(path) if r.get("event") == "step"]
         ranks = {int(r.get("rank", 0)) for r in steps}
@@ -222,8 +223,6 @@ def write_page(path: "str | Path", history: History, refresh_s: Optional[float] 
 
 def load_history(path: "str | Path", run_id: str) -> History:
     """The history embedded in an existing page of the same run, else an empty one."""
-    import re
-
     path = Path(path)
     if path.is_file():
         m = re.search(r'<script type="application/json" id="ods-history">(.*?)</script>', path.read_text(), re.S)
