@@ -210,33 +210,6 @@ LAYERS = [
 ]
 _LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
 
-# Offenders in other engineers' areas (algorithm/, transport/) at the time of writing, while their
-# branches for the same issue are unmerged: shrink this after merging them, until it is empty.
-# Only algorithm/ and transport/ may appear here, and only what still offends
-# (test_pending_names_only_other_areas_and_only_what_is_still_there).
-PENDING: set[str] = {
-    "opendiloco_stream.algorithm.diloco <-> opendiloco_stream.algorithm.rules",
-    "opendiloco_stream.transport.factory <-> opendiloco_stream.transport.hivemind <-> "
-    "opendiloco_stream.transport.hivemind.transport",
-    "opendiloco_stream.transport.hivemind.round_report <-> opendiloco_stream.transport.hivemind.runner",
-    "opendiloco_stream.algorithm.diloco::wrap: from opendiloco_stream.algorithm.data_parallel import DataParallel",
-    "opendiloco_stream.transport.factory::chunk_bytes: from opendiloco_stream.transport.layout import resolve_chunk_bytes",
-    "opendiloco_stream.transport.factory::codec_args: from opendiloco_stream.compression.wire import SPARSE_CODECS",
-    "opendiloco_stream.transport.factory::codec_from_config: from opendiloco_stream.compression import get_codec",
-    "opendiloco_stream.transport.factory::hivemind_settings: "
-    "from opendiloco_stream.transport.hivemind.transport import HivemindSettings",
-    "opendiloco_stream.transport.factory::hivemind_transport: "
-    "from opendiloco_stream.transport.hivemind import HivemindTransport",
-    "opendiloco_stream.transport.factory::local_swarm: "
-    "from opendiloco_stream.transport.local import INSTANT_LINK, LocalSwarm",
-    "opendiloco_stream.transport.hivemind.punch::publish_echo: from hivemind.utils import get_dht_time",
-    "opendiloco_stream.transport.hivemind.service::AveragingService._connect: from hivemind.p2p import P2P",
-    "opendiloco_stream.transport.hivemind.service::new_loop: import uvloop",
-    "opendiloco_stream.transport.hivemind.transport::HivemindTransport.__init__: "
-    "from opendiloco_stream.transport.factory import default_hivemind_settings",
-}
-
-
 def _module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -367,19 +340,10 @@ def test_imports_point_down_the_layers_without_circles_and_lazy_imports_say_why(
     """Layers (lowest first): compression, stats < config, config_cli < net < transport < algorithm <
     train < commands < cli. A function-level import needs ``# lazy: <reason>`` on its line: an
     optional dependency, or in cli/commands keeping ``--help`` fast."""
-    offenders = {kind: [o for o in found if o not in PENDING] for kind, found in _offenders().items()}
+    offenders = _offenders()
     message = "\n".join(f"{kind} ({len(found)}):\n  " + "\n  ".join(found) for kind, found in offenders.items() if found)
     if any(offenders.values()):
         pytest.fail("\n" + message, pytrace=False)
-
-
-def test_pending_names_only_other_areas_and_only_what_is_still_there():
-    """The allowance for unmerged work shrinks: an entry that no longer offends is to be deleted."""
-    outside = [p for p in PENDING if not re.match(r"(opendiloco_stream\.(algorithm|transport)\b)", p)]
-    assert not outside, f"PENDING may name only algorithm/ and transport/: {outside}"
-    current = {o for found in _offenders().values() for o in found}
-    stale = sorted(PENDING - current)
-    assert not stale, f"these no longer offend: delete them from PENDING in tests/test_layout.py: {stale}"
 
 
 def test_every_commands_help_loads_neither_torch_nor_hivemind():

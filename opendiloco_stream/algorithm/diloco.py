@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from opendiloco_stream.algorithm import fragments as fr
+from opendiloco_stream.algorithm.data_parallel import DataParallel
 from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess
 from opendiloco_stream.algorithm.fragment_sync import FragmentSync, Rounds
 from opendiloco_stream.algorithm.prematch import Prematcher
@@ -336,8 +337,6 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transpor
     """The wrapper for ``config.mode``: DataParallel for 'data-parallel', else StreamingDiLoCo."""
     if config.mode == "data-parallel":
         check_data_parallel(config.mode, sharded=param_access is not None)
-        from opendiloco_stream.algorithm.data_parallel import DataParallel
-
         return DataParallel(model, optimizer, transport, config, blocks=blocks, on_event=on_event)
     return StreamingDiLoCo(model, optimizer, transport, config, blocks=blocks, on_event=on_event,
                            param_access=param_access)

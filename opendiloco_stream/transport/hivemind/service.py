@@ -24,6 +24,8 @@ import logging
 import threading
 from typing import Any, Coroutine, Optional
 
+from hivemind.p2p import P2P
+
 from opendiloco_stream.transport.hivemind.buffers import BufferPool
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ def new_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
         raise ValueError(f"event loop kind must be one of {', '.join(LOOP_KINDS)}, got {kind!r}")
     if kind != "asyncio":
         try:
-            import uvloop
+            import uvloop  # lazy: optional (no Windows build); the default loop is the fallback
         except ImportError:
             if kind == "uvloop":
                 raise
@@ -91,7 +93,6 @@ class AveragingService:
     async def _connect(self) -> Any:
         """A client of the DHT's p2p daemon of our own (bound to this loop; ``DHT.replicate_p2p``
         caches one per DHT object, which a second service in the process would share across loops)."""
-        from hivemind.p2p import P2P
 
         def ask() -> Any:
             with self.dht_lock:
