@@ -47,7 +47,8 @@ RUN_ID = "nattrain"
 def train_flags(args: argparse.Namespace) -> list[str]:
     return ["--run-id", RUN_ID, "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1",
             "--no-progress", "--mode", args.mode, "--codec", args.codec, "--fragments", str(args.fragments), "--inner-steps",
-            str(args.inner_steps), "--steps", str(args.steps)]
+            str(args.inner_steps), "--steps", str(args.steps)] + (["--log-level", args.peer_log_level]
+                                                                  if args.peer_log_level else [])
 
 
 def node_flags(args: argparse.Namespace, topo: NatTopology, node: str) -> list[str]:
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     ap.add_argument("--out", type=Path, help="write the report (JSON) here")
     ap.add_argument("--logs", type=Path, help="keep the peers' and relays' logs and metrics in this directory")
+    ap.add_argument("--peer-log-level", choices=("DEBUG", "INFO", "WARNING"),
+                    help="the peers' --log-level (DEBUG: their p2p daemons' lines too; with --logs to read them)")
     args = ap.parse_args(argv)
     exit_if_unavailable("nat_train")
     if args.spread_relays and args.public < args.relays - 1:
