@@ -26,6 +26,7 @@ bytes against the peers' payload. Results are in docs/networking.md ("Behind NAT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -33,7 +34,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 from benchmarks.harness.nat import NatTopology, exit_if_unavailable, listen_flags
 from benchmarks.harness.peers import PeerProcesses
@@ -46,7 +47,8 @@ RUN_ID = "nattrain"
 def train_flags(args: argparse.Namespace) -> list[str]:
     return ["--run-id", RUN_ID, "--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1",
             "--no-progress", "--mode", args.mode, "--codec", args.codec, "--fragments", str(args.fragments), "--inner-steps",
-            str(args.inner_steps), "--steps", str(args.steps)]
+            str(args.inner_steps), "--steps", str(args.steps)] + (["--log-level", args.peer_log_level]
+                                                                  if args.peer_log_level else [])
 
 
 def node_flags(args: argparse.Namespace, topo: NatTopology, node: str) -> list[str]:
@@ -120,8 +122,20 @@ def agreement(records: dict[str, list[dict]]) -> dict[str, int]:
     return {"rounds_with_all": len(full), "same_digest": len(same)}
 
 
+@contextlib.contextmanager
+def _workdir(keep: Optional[Path]) -> Iterator[str]:
+    """Where the peers' logs and metrics go: ``keep`` (``--logs``, left there to read), else a
+    temporary directory."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="ods-nat-train-") as workdir:
+            yield workdir
+    else:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield str(keep)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="ods-nat-train-") as workdir, \
+    with _workdir(args.logs) as workdir, \
             NatTopology(public=args.public, natted=args.natted,
                         symmetric=args.symmetric_routers if args.symmetric_routers else args.symmetric) as topo:
         if args.rate:
@@ -175,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     ap.add_argument("--out", type=Path, help="write the report (JSON) here")
+    ap.add_argument("--logs", type=Path, help="keep the peers' and relays' logs and metrics in this directory")
+    ap.add_argument("--peer-log-level", choices=("DEBUG", "INFO", "WARNING"),
+                    help="the peers' --log-level (DEBUG: their p2p daemons' lines too; with --logs to read them)")
     args = ap.parse_args(argv)
     exit_if_unavailable("nat_train")
     if args.spread_relays and args.public < args.relays - 1:
         ap.error(f"--spread-relays with --relays {args.relays} needs --public >= {args.relays - 1}")
     t0 = time.monotonic()
     report = run(args)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "logs")}
     print(json.dumps({"settings": settings, **report}, indent=2))
     if args.out:
         rows = report.pop("rows")

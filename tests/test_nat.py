@@ -105,9 +105,9 @@ def test_two_peers_behind_nat_without_a_relay_train_alone_and_say_why(tmp_path):
         assert recs[-1]["event"] == "summary" and recs[-1]["failed_syncs"] == len(syncs)
 
 
-def _doctor(run: PeerProcesses, name: str, *flags: str) -> tuple[int, str]:
+def _doctor(run: PeerProcesses, name: str, *flags: str, node: str = "n0") -> tuple[int, str]:
     proc = run.start(name, ["doctor", "--initial-peers", *run.addrs, "--run-id", "natdoc", "--timeout", "8", *flags],
-                     node="n0")
+                     node=node)
     code = proc.wait(120)
     return code, (run.workdir / f"{name}.log").read_text()
 
@@ -140,6 +140,27 @@ def test_doctor_on_a_peer_behind_nat_says_so_and_what_to_do(tmp_path):
                        f"relays among the initial peers, after a wait"], out
         assert "1 relay(s) among the initial peers" in out and "about 3 minutes" in out, out
         assert "[skip] data port: --relay" in out and code == 0 and "all checks passed" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_doctor_says_which_nat_and_whether_groupmates_can_punch_to_it(tmp_path):
+    """Two relay bootstraps (each serves an echo): doctor behind the home router finds one public
+    port for both echoes (cone: punching works), behind the symmetric NAT two (no punch can work,
+    a warning with the fix); with --no-punch it skips the check."""
+    with NatTopology(public=0, natted=2, symmetric=[1]) as topo, PeerProcesses(tmp_path, topology=topo) as run:
+        first = run.bootstrap("natdoc", "--relay", node="boot")
+        run.bootstrap("natdoc", "--relay", "--initial-peers", *first, node="boot", name="relay1")
+        _, out = _doctor(run, "doctor-cone", "--client-mode", node="n0")
+        [line] = [line for line in out.splitlines() if "] punch:" in line]
+        assert line.startswith("[ok] punch: NAT: cone (a home router: one public port, "
+                               f"{topo.public_ip('n0')}:") and "for 2 echo servers" in line, out
+        _, out = _doctor(run, "doctor-symmetric", "--client-mode", node="n1")
+        [line] = [line for line in out.splitlines() if "] punch:" in line]
+        assert line.startswith(f"[warn] punch: NAT: symmetric (a new public port per destination, "
+                               f"{topo.public_ip('n1')}:") and "no punch can work" in line, out
+        assert "fix: forward a port to this machine" in out, out
+        _, out = _doctor(run, "doctor-no-punch", "--client-mode", "--no-punch", node="n0")
+        assert "[skip] punch: --no-punch" in out, out
 
 
 @pytest.mark.timeout(120)

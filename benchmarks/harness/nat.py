@@ -52,6 +52,11 @@ table ip ods_nat {{
 """
 
 
+#: an on-path tamperer in a router: one byte of every large TCP segment forwarded to ``dest``
+#: overwritten (the kernel keeps the TCP checksum right, so the receiver's TCP accepts the segment)
+TAMPER_RULE = ('insert rule ip ods_nat forward ip daddr {dest} ip protocol tcp ip length > 1000 counter '
+               '@ih,{bit},8 set 0x5a comment "ods-tamper"')
+
 #: accepts one connection and prints the source port it came from
 _SEEN_PORT = r"""
 import socket, sys
@@ -165,6 +170,23 @@ class NatTopology(Topology):
                              verdict=self.inbound)
         subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, text=True, check=True,
                        capture_output=True, timeout=20)
+
+    def _nft(self, router: str, *args: str) -> str:
+        return subprocess.run(["ip", "netns", "exec", self.ns(router), "nft", *args], check=True, capture_output=True,
+                              text=True, timeout=20).stdout
+
+    def tamper(self, router: str, dest: str, offset: int = 100) -> None:
+        """Make ``router`` an attacker on the path: from now on it overwrites byte ``offset`` of
+        the payload of every TCP segment over 1000 bytes that it forwards to ``dest`` (small
+        segments, handshakes and hellos, pass intact). :meth:`untamper` stops it."""
+        self._nft(router, TAMPER_RULE.format(dest=dest, bit=8 * offset))
+
+    def untamper(self, router: str) -> int:
+        """Remove ``router``'s tamper rule; returns how many segments it altered."""
+        listing = self._nft(router, "-a", "list", "chain", "ip", "ods_nat", "forward")
+        line = next(line for line in listing.splitlines() if '"ods-tamper"' in line)
+        self._nft(router, "delete", "rule", "ip", "ods_nat", "forward", "handle", line.rsplit("handle", 1)[1].strip())
+        return int(line.split("counter packets", 1)[1].split()[0])
 
     def mapped_ports(self, node: str, targets: list[str], sport: int = 40000) -> list[int]:
         """The source port each public node of ``targets`` sees when ``node`` connects to it from

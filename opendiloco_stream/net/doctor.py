@@ -17,16 +17,22 @@ In order, each check printed as it completes:
                  to do: client mode, a forwarded port with ``--public-ip``, or ``--relay``; with
                  ``--relay`` it says whether enough relays are among the initial peers to
                  reserve a slot at once (4; with fewer the p2p daemon waits ~3 minutes).
-6. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
+6. ``punch``     which NAT this machine is behind, from the run's echo servers (every ``bootstrap
+                 --relay`` runs one): no NAT, a home router (one public port for every
+                 destination: groupmates behind NAT open direct connections to it by hole
+                 punching) or a symmetric NAT (a new port per destination: no punch can work,
+                 exchanges with groupmates behind NAT cross the relay); skipped without echoes
+                 (a warning with ``--relay``), ``--no-direct`` or ``--no-punch``.
+7. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
                  TCP D, and the bootstrap opens a TCP connection to D at each address that passed
                  check 4 (skipped for random data ports, ``--no-direct``, client mode and ``--relay``).
-7. ``link``      the round-trip time to each initial peer (TCP handshakes), and whether this
+8. ``link``      the round-trip time to each initial peer (TCP handshakes), and whether this
                  machine's TCP settings suit a link of that RTT at ``--link-mbit``: buffers that
                  grow to the bandwidth-delay product, and connections that keep their window
                  between rounds (``net.ipv4.tcp_slow_start_after_idle``); warn with the fix.
                  Whether a round of the run's H, P and codec fits that link: ``peer --dry-run``.
-8. ``share``     the address others should pass as ``--initial-peers``.
-9. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
+9. ``share``     the address others should pass as ``--initial-peers``.
+10. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
                  them the codecs run in torch, several times slower on the CPU (warn).
 
 Status: ``ok``, ``FAIL`` (the peer will not work as configured), ``warn`` (it may), ``skip``.
@@ -58,8 +64,9 @@ from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_st
 from opendiloco_stream.net.distance import probe_peers
 from opendiloco_stream.net.keys import run_key
 from opendiloco_stream.net.metrics import metrics_validators
-from opendiloco_stream.net.reachability import (probe_dial, probe_tcp, request_dialback, request_observed,
-                                                 request_tcp_dialback, short_error)
+from opendiloco_stream.net.reachability import (NatKind, echo_key, parse_echoes, probe_dial, probe_nat, probe_tcp,
+                                                 request_dialback, request_observed, request_tcp_dialback,
+                                                 reserve_ports, short_error)
 from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, slow_start_after_idle
 
 logger = logging.getLogger(__name__)
@@ -127,6 +134,16 @@ def _nat_fix(net: NetConfig, public: str) -> str:
             f"{port} --public-ip {public}; where no peer of the run can open a port: --relay here and on "
             f"4 relay bootstraps given as --initial-peers (bootstrap --relay; its rounds then cross a relay; "
             f"docs/networking.md, \"Behind NAT\")")
+
+
+def _probe_nat(echoes: list[tuple[str, int]]):
+    """``probe_nat`` from two fresh ports (blocking), freed afterwards."""
+    holders = reserve_ports(2)
+    try:
+        return probe_nat(*(h.getsockname()[1] for h in holders), echoes)
+    finally:
+        for holder in holders:
+            holder.close()
 
 
 class _Doctor:
@@ -285,6 +302,50 @@ class _Doctor:
             return Check("nat", "warn", f"{relays}, after a wait", wait)
         return Check("nat", "ok", f"{relays} (every byte of its rounds crosses one)")
 
+    async def punch(self) -> Check:
+        """Which NAT, from the run's echo servers: whether groupmates can punch to this peer."""
+        net, name = self.net, "punch"
+        if not net.direct:
+            return Check(name, "skip", "--no-direct: no direct data path, nothing to punch")
+        if not net.punch:
+            return Check(name, "skip", "--no-punch: groupmates behind NAT are reached through the relay")
+        if self.node is None:
+            return Check(name, "skip", "no bootstrap to ask for the run's echo servers")
+        try:
+            found = await asyncio.wait_for(self.node.get(echo_key(net.run_id), latest=True), self.timeout)
+        except Exception as e:
+            return Check(name, "skip", f"the run's echo servers could not be looked up ({short_error(e)})")
+        echoes = parse_echoes(None if found is None else found.value)
+        if not echoes:
+            detail = f"run '{net.run_id}' announces no echo server, so no peer can punch a direct connection"
+            if net.relay:
+                return Check(name, "warn", f"{detail}: every exchange with a groupmate behind NAT crosses the relay",
+                             "run the relays as `bootstrap --relay` (each serves an echo) and let their echo port "
+                             "through a firewall in front of them (`bootstrap --relay --echo-port PORT`)")
+            return Check(name, "skip", detail)
+        try:
+            probe = await asyncio.get_running_loop().run_in_executor(None, _probe_nat, echoes)
+        except OSError as e:
+            return Check(name, "warn", f"no echo server of the run answered ({short_error(e)}): no punching; "
+                         f"groupmates behind NAT go through the relay",
+                         "let the relays' echo port through the firewalls on the way (`bootstrap --relay --echo-port`)")
+        seen = f"{probe.send_seen[0]}:{probe.send_seen[1]}"
+        if probe.kind is NatKind.OPEN:
+            return Check(name, "ok", f"no NAT on the way to the echo servers ({seen}): groupmates behind NAT open "
+                         f"direct connections to this peer by punching")
+        if probe.kind is NatKind.CONE:
+            return Check(name, "ok", f"NAT: cone (a home router: one public port, {seen}, for {probe.echoes} echo "
+                         f"servers): punching works with groupmates behind a cone NAT or none; one behind a "
+                         f"symmetric NAT is reached through the relay")
+        if probe.kind is NatKind.SYMMETRIC:
+            return Check(name, "warn", f"NAT: symmetric (a new public port per destination, {seen} for the first "
+                         f"echo): no punch can work; exchanges with groupmates behind NAT cross the relay",
+                         "forward a port to this machine (--port P --public-ip IP --data-port D), or use a router "
+                         "with endpoint-independent mapping (most home routers; not carrier-grade NAT)")
+        return Check(name, "warn", f"NAT: unknown (one echo server answered and saw the port changed, {seen}): "
+                     f"maybe symmetric; groupmates do not count on a punch to this peer",
+                     "run a second `bootstrap --relay` (each serves an echo) so two echoes tell the NAT's kind")
+
     async def data_port(self) -> Check:
         net, name = self.net, "data port"
         if net.client_mode:
@@ -401,7 +462,7 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
 
     try:
         if add(await doctor.p2pd()).status == "FAIL":
-            for name in ("listen", "bootstrap", "dial-back", "nat", "data port", "link", "share"):
+            for name in ("listen", "bootstrap", "dial-back", "nat", "punch", "data port", "link", "share"):
                 add(Check(name, "skip", "needs p2pd"))
             add(doctor.kernels())
             return checks
@@ -409,6 +470,7 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
         add(await doctor.bootstrap())
         add(await doctor.dial_back())
         add(await doctor.nat())
+        add(await doctor.punch())
         add(await doctor.data_port())
         add(await doctor.link())
         add(doctor.share())

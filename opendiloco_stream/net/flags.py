@@ -18,7 +18,7 @@ from opendiloco_stream.net.keys import NetError
 BASIC = ("initial_peers", "run_id", "run_key_file")
 LISTEN = ("port", "public_ip", "host_maddrs", "announce_maddrs")
 IDENTITY = ("identity_path",)
-DATA = ("data_port", "direct", "client_mode", "relay")  # doctor: the data path it checks, and whether it needs dialing
+DATA = ("data_port", "direct", "punch", "client_mode", "relay")  # doctor: the data path it checks, and whether it needs dialing
 
 
 def add_network_flags(p: argparse.ArgumentParser, *, listen: bool = True, identity: bool = True,

@@ -18,6 +18,11 @@ to know is to be dialed from the outside:
 * Asked with ``{"observe": true}`` (:func:`request_observed`), the service dials nothing and answers
   with the address it sees the caller's connection come from. Behind NAT that is the router's
   public address, not one of the caller's own: how ``doctor`` tells a peer it is behind NAT.
+* *Which NAT* (:class:`EchoServer`, :func:`probe_nat`): an echo server (``bootstrap --relay`` runs
+  one, announced on the DHT under the run's ``echo`` key) answers each TCP connection with the
+  address and port it came from. Connecting from one local port to two echo servers tells the
+  NAT's kind (:class:`NatKind`): whether hole punching (``transport/hivemind/punch.py``) can open
+  a direct connection through it, and what ``doctor`` reports.
 
 Abuse bound: one request at a time per caller, at most ``max_addrs`` addresses (and TCP targets),
 all of one peer id, and at most two dials in flight per service.
@@ -26,12 +31,16 @@ all of one peer id, and at most two dials in flight per service.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import ipaddress
 import json
 import logging
 import os
+import socket
+import struct
 import threading
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -39,6 +48,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco_stream.net.dht import ip4_of, parse_maddr
+from opendiloco_stream.net.keys import run_key
 
 logger = logging.getLogger(__name__)
 
@@ -288,3 +298,162 @@ def reachable(dht: Any, initial_peers: Sequence[str], timeout: float = 30.0) -> 
     service, or it did not answer within ``timeout``)."""
     helpers = list(dict.fromkeys(parse_maddr(m)["p2p"] for m in initial_peers))
     return dht.run_coroutine(functools.partial(_dialback_of_self, helpers=helpers, timeout=timeout))
+
+
+# ---------------------------------------------------------------------------------------- which NAT
+ECHO_MAGIC = b"ODEC"
+_ECHO = struct.Struct(">4s4sH")  # magic, IPv4 address, port: what the echo saw of the connection
+ECHO_TIMEOUT_S = 3.0
+
+
+class NatKind(str, enum.Enum):
+    """What the echoes saw of this machine's NAT (the value travels in round metadata)."""
+
+    OPEN = "open"  # no NAT: the echo saw the local address and port
+    CONE = "cone"  # endpoint-independent mapping (a home router): one public port for every destination
+    SYMMETRIC = "symmetric"  # a new public port per destination: no punch can work through it
+    UNKNOWN = "unknown"  # one echo only, and a changed port: it may be symmetric; no punch is counted on
+
+
+class EchoServer:
+    """Answers every TCP connection with the source address and port it came from, then closes
+    (first, so the TIME_WAIT stays here and the client may reuse its port at once). A thread."""
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, name="ods-echo", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, (ip, port) = self.sock.accept()
+            except OSError:
+                return  # closed
+            try:
+                conn.settimeout(ECHO_TIMEOUT_S)
+                conn.sendall(_ECHO.pack(ECHO_MAGIC, socket.inet_aton(ip), port))
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._thread.join(2.0)
+
+
+def echo_key(run_id: str) -> str:
+    """The DHT key under which a run's echo servers are announced."""
+    return run_key(run_id, "echo")
+
+
+def parse_echoes(value: Any) -> list[tuple[str, int]]:
+    """The echo servers in a DHT lookup's value of :func:`echo_key` (a dict of subkey -> entry)."""
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for entry in value.values():
+        try:
+            ip, port = entry.value
+            ipaddress.IPv4Address(ip)
+            out.append((str(ip), int(port)))
+        except (AttributeError, TypeError, ValueError):
+            continue
+    return sorted(set(out))
+
+
+def reusable(sock: socket.socket) -> None:
+    """Let ``sock`` share its local port: one port takes part in one connection per remote."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+
+
+def reserve_ports(n: int, bind_host: str = "0.0.0.0") -> list[socket.socket]:
+    """``n`` bound (not listening) placeholder sockets that keep their ports ours; close them to free them."""
+    holders: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            holders.append(holder)
+            reusable(holder)
+            holder.bind((bind_host, 0))
+    except OSError:
+        for holder in holders:
+            holder.close()
+        raise
+    return holders
+
+
+def observe(local_port: int, echo: tuple[str, int], timeout: float = ECHO_TIMEOUT_S,
+            bind_host: str = "0.0.0.0") -> tuple[str, int, str]:
+    """The public ``(ip, port)`` a connection from ``local_port`` shows to ``echo`` (blocking), and
+    the local address it left from."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        reusable(sock)
+        sock.bind((bind_host, local_port))
+        sock.settimeout(timeout)
+        sock.connect(echo)
+        data = b""
+        while len(data) < _ECHO.size:
+            more = sock.recv(_ECHO.size - len(data))
+            if not more:
+                break
+            data += more
+        local_ip = sock.getsockname()[0]
+        while sock.recv(64):  # wait for the echo's close: its TIME_WAIT, not ours, keeps the 4-tuple
+            pass
+    if len(data) != _ECHO.size or data[:4] != ECHO_MAGIC:
+        raise ConnectionError(f"echo server {echo[0]}:{echo[1]} answered {len(data)} bytes, not an echo")
+    _magic, ip, port = _ECHO.unpack(data)
+    return socket.inet_ntoa(ip), port, local_ip
+
+
+def nat_kind(send_port: int, recv_port: int, seen: Sequence[tuple], recv: tuple) -> NatKind:
+    """The NAT's kind from the echoes: ``seen``, ``(ip, port, local ip)`` from ``send_port`` per
+    echo; ``recv``, the same from ``recv_port`` to the first echo. ``open`` where the echo saw the
+    local address and ports; ``symmetric`` where one port showed two mappings; ``unknown`` where
+    one echo saw a changed port (a symmetric NAT's, maybe); else ``cone``."""
+    ip, port, local_ip = seen[0]
+    if ip == local_ip and port == send_port and recv[1] == recv_port:
+        return NatKind.OPEN
+    if len({(s[0], s[1]) for s in seen}) > 1:
+        return NatKind.SYMMETRIC
+    if len(seen) == 1 and (port != send_port or recv[1] != recv_port):
+        return NatKind.UNKNOWN
+    return NatKind.CONE
+
+
+@dataclass(frozen=True)
+class NatProbe:
+    """What the echoes saw of two local ports (see :func:`probe_nat`)."""
+
+    kind: NatKind
+    send_seen: tuple[str, int]  # the public address of the first port, as the first echo saw it
+    recv_seen: tuple[str, int]  # the same of the second port
+    echoes: int  # how many echo servers answered the first port (2: the kind is certain)
+
+
+def probe_nat(send_port: int, recv_port: int, echoes: Sequence[tuple[str, int]],
+              bind_host: str = "0.0.0.0") -> NatProbe:
+    """Ask up to two echo servers what ``send_port`` maps to, and the first what ``recv_port``
+    does (blocking, a few round trips); ``ConnectionError`` where no echo answers."""
+    seen, answered = [], []
+    for echo in list(echoes)[:2]:
+        try:
+            seen.append(observe(send_port, echo, bind_host=bind_host))
+            answered.append(echo)
+        except OSError as e:
+            logger.info("echo server %s:%d did not answer (%r)", *echo, e)
+    if not seen:
+        raise ConnectionError("no echo server answered")
+    recv = observe(recv_port, answered[0], bind_host=bind_host)
+    return NatProbe(nat_kind(send_port, recv_port, seen, recv), tuple(seen[0][:2]), tuple(recv[:2]), len(seen))

@@ -8,8 +8,8 @@ leaves through its own NAT first, which then lets the other's SYN (a reply, to i
 the kernels turn the crossing SYNs into one established connection (RFC 793's simultaneous open).
 
 - *Observed addresses.* A peer does not know which public address and port its NAT maps a local
-  port to. A public node echoes it (:class:`EchoServer`, run by ``bootstrap --relay`` and
-  announced on the DHT under the run's ``echo`` key): connect from the local port, read back
+  port to. A public node echoes it (``net.reachability.EchoServer``, run by ``bootstrap --relay``
+  and announced on the DHT under the run's ``echo`` key): connect from the local port, read back
   the source address the echo saw. Two echoes from one local port to two echo servers tell the
   NAT's kind: the same mapping (``cone``: endpoint-independent, a home router) or not
   (``symmetric``: a new port per destination; no punch can work through it), or no NAT at all
@@ -41,66 +41,26 @@ import logging
 import random
 import socket
 import struct
-import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from opendiloco_stream.net.keys import run_key
+from hivemind.utils import get_dht_time
+
+from opendiloco_stream.net.reachability import (  # the echo and the NAT's kind; re-exported for the bootstrap
+    EchoServer, NatKind, echo_key, nat_kind, observe, parse_echoes, probe_nat, reserve_ports, reusable,
+)
 
 logger = logging.getLogger(__name__)
 
-ECHO_MAGIC = b"ODEC"
-_ECHO = struct.Struct(">4s4sH")  # magic, IPv4 address, port: what the echo saw of the connection
-ECHO_TIMEOUT_S = 3.0
-OPEN, CONE, SYMMETRIC, UNKNOWN = "open", "cone", "symmetric", "unknown"
+OPEN, CONE, SYMMETRIC, UNKNOWN = NatKind.OPEN, NatKind.CONE, NatKind.SYMMETRIC, NatKind.UNKNOWN
 UNREACHED_S = 120.0  # a failed punch keeps the pair off the direct path (and out of reducer choice) this long
 RETRY_S = (0.05, 0.2)  # after a reset (the other side's socket not there yet), retry after this much
 
 
 # ---------------------------------------------------------------------------------------- the echo
-class EchoServer:
-    """Answers every TCP connection with the source address and port it came from, then closes
-    (first, so the TIME_WAIT stays here and the client may reuse its port at once). A thread."""
-
-    def __init__(self, host: str = "0.0.0.0", port: int = 0):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, name="ods-echo", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, (ip, port) = self.sock.accept()
-            except OSError:
-                return  # closed
-            try:
-                conn.settimeout(ECHO_TIMEOUT_S)
-                conn.sendall(_ECHO.pack(ECHO_MAGIC, socket.inet_aton(ip), port))
-            except OSError:
-                pass
-            finally:
-                conn.close()
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._thread.join(2.0)
-
-
-def echo_key(run_id: str) -> str:
-    return run_key(run_id, "echo")
-
-
 def publish_echo(dht: Any, run_id: str, ips: Sequence[str], port: int, ttl_s: float = 120.0) -> None:
-    """Announce an echo server on the DHT (the bootstrap calls this at start and every heartbeat)."""
-    from hivemind.utils import get_dht_time
+    """Announce an echo server (``net.reachability.EchoServer``) on the DHT (the bootstrap calls
+    this at start and every heartbeat)."""
     for ip in ips:
         dht.store(echo_key(run_id), subkey=f"{ip}:{port}", value=[ip, port], expiration_time=get_dht_time() + ttl_s,
                   return_future=True)
@@ -113,46 +73,7 @@ def find_echoes(dht: Any, run_id: str, timeout: float = 10.0) -> list[tuple[str,
     except Exception as e:
         logger.debug("echo lookup: %r", e)
         return []
-    if found is None or not isinstance(found.value, dict):
-        return []
-    out = []
-    for entry in found.value.values():
-        try:
-            ip, port = entry.value
-            ipaddress.IPv4Address(ip)
-            out.append((str(ip), int(port)))
-        except (TypeError, ValueError):
-            continue
-    return sorted(set(out))
-
-
-def _reusable(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-
-
-def observe(local_port: int, echo: tuple[str, int], timeout: float = ECHO_TIMEOUT_S,
-            bind_host: str = "0.0.0.0") -> tuple[str, int, str]:
-    """The public ``(ip, port)`` a connection from ``local_port`` shows to ``echo`` (blocking), and
-    the local address it left from."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        _reusable(sock)
-        sock.bind((bind_host, local_port))
-        sock.settimeout(timeout)
-        sock.connect(echo)
-        data = b""
-        while len(data) < _ECHO.size:
-            more = sock.recv(_ECHO.size - len(data))
-            if not more:
-                break
-            data += more
-        local_ip = sock.getsockname()[0]
-        while sock.recv(64):  # wait for the echo's close: its TIME_WAIT, not ours, keeps the 4-tuple
-            pass
-    if len(data) != _ECHO.size or data[:4] != ECHO_MAGIC:
-        raise ConnectionError(f"echo server {echo[0]}:{echo[1]} answered {len(data)} bytes, not an echo")
-    _magic, ip, port = _ECHO.unpack(data)
-    return socket.inet_ntoa(ip), port, local_ip
+    return parse_echoes(None if found is None else found.value)
 
 
 # ---------------------------------------------------------------------------------------- the puncher
@@ -162,7 +83,7 @@ class Puncher:
     by the endpoint) serves a punched connection on which a groupmate will say hello."""
 
     def __init__(self, send_port: int, recv_port: int, send_seen: tuple[str, int], recv_seen: tuple[str, int],
-                 kind: str, holders: Sequence[socket.socket] = (), clock: Callable[[], float] = time.monotonic):
+                 kind: NatKind, holders: Sequence[socket.socket] = (), clock: Callable[[], float] = time.monotonic):
         self.send_port, self.recv_port = send_port, recv_port
         self.send_seen, self.recv_seen, self.kind = tuple(send_seen), tuple(recv_seen), kind
         self._holders = list(holders)  # placeholder sockets that keep both ports ours
@@ -174,38 +95,28 @@ class Puncher:
 
     @classmethod
     def start(cls, echoes: Sequence[tuple[str, int]], bind_host: str = "0.0.0.0") -> Optional["Puncher"]:
-        """Bind two ports and ask up to two echo servers what they map to; None (no punching)
-        where no echo answers."""
-        holders = []
+        """Bind two ports and ask up to two echo servers what they map to
+        (``net.reachability.probe_nat``); None (no punching) where no echo answers."""
         try:
-            for _ in range(2):
-                holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                _reusable(holder)
-                holder.bind((bind_host, 0))
-                holders.append(holder)
-            send_port, recv_port = (h.getsockname()[1] for h in holders)
-            seen = []  # (observed ip, observed port, local ip) from the send port, per echo
-            for echo in list(echoes)[:2]:
-                try:
-                    seen.append(observe(send_port, echo, bind_host=bind_host))
-                except OSError as e:
-                    logger.info("echo server %s:%d did not answer (%r)", *echo, e)
-            if not seen:
-                raise ConnectionError("no echo server answered")
-            recv = observe(recv_port, next(e for e in echoes), bind_host=bind_host)
+            holders = reserve_ports(2, bind_host)
+        except OSError as e:
+            logger.info("no hole punching (%s): groupmates behind NAT are reached through the relay", e)
+            return None
+        send_port, recv_port = (h.getsockname()[1] for h in holders)
+        try:
+            probe = probe_nat(send_port, recv_port, echoes, bind_host)
         except OSError as e:
             for h in holders:
                 h.close()
             logger.info("no hole punching (%s): groupmates behind NAT are reached through the relay", e)
             return None
-        kind = nat_kind(send_port, recv_port, seen, recv)
-        logger.info("hole punching: this peer's NAT is %s (data ports %d, %d seen as %s:%d, %s:%d)", kind,
-                    send_port, recv_port, seen[0][0], seen[0][1], recv[0], recv[1])
-        return cls(send_port, recv_port, seen[0][:2], recv[:2], kind, holders)
+        logger.info("hole punching: this peer's NAT is %s (data ports %d, %d seen as %s:%d, %s:%d)", probe.kind.value,
+                    send_port, recv_port, *probe.send_seen, *probe.recv_seen)
+        return cls(send_port, recv_port, probe.send_seen, probe.recv_seen, probe.kind, holders)
 
     def meta(self) -> dict:
         """What the round's metadata says of this peer's punching (``punch``)."""
-        return {"send": list(self.send_seen), "recv": list(self.recv_seen), "nat": self.kind,
+        return {"send": list(self.send_seen), "recv": list(self.recv_seen), "nat": NatKind(self.kind).value,
                 "unreached": self.unreached()}
 
     def unreached(self) -> list[str]:
@@ -232,7 +143,7 @@ class Puncher:
         while True:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                _reusable(sock)
+                reusable(sock)
                 # closed with a reset, not a FIN: no TIME_WAIT keeps this 4-tuple (the next punch's) for a minute
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.bind(("0.0.0.0", local_port))
@@ -266,20 +177,6 @@ class Puncher:
             holder.close()
 
 
-def nat_kind(send_port: int, recv_port: int, seen: Sequence[tuple], recv: tuple) -> str:
-    """The NAT's kind from the echoes (see the module docstring): ``open`` where the echo saw the
-    local address and port; ``symmetric`` where one port showed two mappings (or, with one echo
-    server, a port the NAT did not keep); else ``cone``."""
-    ip, port, local_ip = seen[0]
-    if ip == local_ip and port == send_port and recv[1] == recv_port:
-        return OPEN
-    if len({(s[0], s[1]) for s in seen}) > 1:
-        return SYMMETRIC
-    if len(seen) == 1 and (port != send_port or recv[1] != recv_port):
-        return UNKNOWN  # one echo: a changed port may be a symmetric NAT's; do not count on a punch
-    return CONE
-
-
 # ---------------------------------------------------------------------------------------- reachability
 def punch_info(meta: Any) -> Optional[dict]:
     """A member's ``punch`` announcement, if it is well formed."""
@@ -302,8 +199,8 @@ def can_punch(a: Optional[dict], b: Optional[dict]) -> bool:
     a symmetric NAT (or an unknown one) unless the other has no NAT at all."""
     if a is None or b is None:
         return False
-    kinds = {a.get("nat"), b.get("nat")}
-    return kinds <= {OPEN, CONE} or (OPEN in kinds and len(kinds) == 2)
+    kinds = {a.get("nat"), b.get("nat")}  # strings, as announced (an enum member hashes by its name)
+    return kinds <= {OPEN.value, CONE.value} or (OPEN.value in kinds and len(kinds) == 2)
 
 
 def reaches(users: Sequence[Any], peer_names: Sequence[str], direct: Sequence[Any], a: int, b: int) -> bool:
