@@ -49,7 +49,9 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float, code: Optional[str],
              timeout: float, steps: int = 60, keep_window: bool = False, extra: tuple = ()) -> dict[str, Any]:
     regions = Regions.pair(rtt_ms, loss=loss)
-    env = {"PYTHONPATH": code} if code else None
+    # PYTHONSAFEPATH: ``python -m`` would put the working directory (this checkout) ahead of
+    # PYTHONPATH, and the peers would run this checkout's code instead of ``code``'s
+    env = {"PYTHONPATH": code, "PYTHONSAFEPATH": "1"} if code else None
     with netns.Topology(2, regions=regions, place={"boot": "a", "p0": "a", "p1": "b"}) as topo:
         if keep_window:  # what doctor advises at a distance: kept-open connections keep their window
             for node in topo.nodes:
