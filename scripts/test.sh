@@ -5,8 +5,8 @@
 #   scripts/test.sh --fast    the in-process tier: no test marked `network` (starts peer processes)
 #                             or `slow`; a few minutes, for everyday work
 # Two pytest-xdist workers run the tests (ODS_TEST_WORKERS=N for N, 0 for one process), a file at a
-# time each (`--dist loadfile`): a module's shared fixture (a swarm, a training run) starts once,
-# and two tests of one file never run at the same time.
+# time each (`--dist loadfile`), except the files of peer swarms (tests/conftest.py SWARM_FILES):
+# one worker runs those first, one test at a time, while the other takes the other files.
 # What the tests add to the main job's setup: the test extra (pytest, the loggers, the Compose
 # validator, the Grafana SDK) and, when run as root on Debian/Ubuntu, Debian's `prometheus`
 # (promtool and the server: tests/test_prometheus.py, benchmarks/prometheus_scrape.py) and
@@ -42,7 +42,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
 fi
 WORKERS=(-n "${ODS_TEST_WORKERS:-2}")
-[ "${ODS_TEST_WORKERS:-2}" = 0 ] || WORKERS+=(--dist loadfile)
+[ "${ODS_TEST_WORKERS:-2}" = 0 ] || WORKERS+=(--dist loadfile --no-loadscope-reorder)
 "$V" -m pytest -q -p no:cacheprovider --durations=30 "${WORKERS[@]}" "${SELECT[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
