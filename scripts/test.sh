@@ -4,6 +4,9 @@
 #   scripts/test.sh           everything (CI)
 #   scripts/test.sh --fast    the in-process tier: no test marked `network` (starts peer processes)
 #                             or `slow`; a few minutes, for everyday work
+# Two pytest-xdist workers run the tests (ODS_TEST_WORKERS=N for N, 0 for one process), a file at a
+# time each (`--dist loadfile`), except the files of peer swarms (tests/conftest.py SWARM_FILES):
+# one worker runs those first, one test at a time, while the other takes the other files.
 # What the tests add to the main job's setup: the test extra (pytest, the loggers, the Compose
 # validator, the Grafana SDK) and, when run as root on Debian/Ubuntu, Debian's `prometheus`
 # (promtool and the server: tests/test_prometheus.py, benchmarks/prometheus_scrape.py) and
@@ -19,7 +22,7 @@ fi
 bash scripts/setup.sh || exit 1
 VENV="${ODS_VENV:-.venv}"
 V="$VENV/bin/python"
-if ! "$V" -c "import pytest, pytest_timeout, yaml, compose, tensorboard, wandb, matplotlib, grafana_foundation_sdk" >/dev/null 2>&1; then
+if ! "$V" -c "import pytest, pytest_timeout, xdist, yaml, compose, tensorboard, wandb, matplotlib, grafana_foundation_sdk" >/dev/null 2>&1; then
   echo "[test] installing the test extras" >&2
   "$V" -m pip install -q -e ".[test,bench]" >"$VENV/pip-test.log" 2>&1 || {
     cat "$VENV/pip-test.log" >&2; echo "[test] test extras install failed" >&2; exit 1; }
@@ -38,7 +41,9 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "[test] missing: ${missing[*]} (as root: apt-get install ${missing[*]}); their tests are skipped" >&2
   fi
 fi
-"$V" -m pytest -q -p no:cacheprovider --durations=30 "${SELECT[@]}" "$@"
+WORKERS=(-n "${ODS_TEST_WORKERS:-2}")
+[ "${ODS_TEST_WORKERS:-2}" = 0 ] || WORKERS+=(--dist loadfile --no-loadscope-reorder)
+"$V" -m pytest -q -p no:cacheprovider --durations=30 "${WORKERS[@]}" "${SELECT[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests (exit 5): treating as success" >&2
