@@ -132,6 +132,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     med = {c: statistics.median(r["tokens_per_s"] for r in rs) for c, rs in by.items()}
     per_round, extra = {c: [] for c in CONDITIONS[1:]}, []
     for alone, elsewhere, inside in zip(*(by[c] for c in CONDITIONS)):
+        if alone["tokens_per_s"] <= 0:
+            raise SystemExit("service_gil: the trainer took no step in an 'alone' window (it was not ready "
+                             "in time): nothing to compare against; give it more --seconds")
         loss = {c: (alone["tokens_per_s"] - r["tokens_per_s"]) / alone["tokens_per_s"] / max(1, r.get("rounds_ok", 0))
                 for c, r in (("rounds elsewhere", elsewhere), ("rounds in the trainer", inside))}
         for c, x in loss.items():
@@ -158,6 +161,10 @@ def main() -> None:
     with LoopbackSwarm(3, run_id="servicegil", transport_kwargs=kwargs) as swarm:
         swarm.start()
         swarm.call_all("prepare", {0: args.numel}, timeout=120)
+        # an unrecorded first window: peer 0's first model build imports transformers, which on a
+        # loaded machine took longer than START_AHEAD_S + a short --seconds and left the first
+        # recorded window ('alone') without a single step
+        run_condition(swarm, "alone", args, key_base=0)
         for rep in range(args.repeats):
             for c, condition in enumerate(CONDITIONS):
                 row = run_condition(swarm, condition, args, key_base=(rep * 3 + c) * 10_000)
