@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from opendiloco_stream.net.reachability import EchoServer, nat_kind, observe
 from opendiloco_stream.transport.hivemind.punch import (
-    CONE, OPEN, SYMMETRIC, UNKNOWN, EchoServer, Puncher, can_punch, direct_reducers, nat_kind, observe, punch_info,
+    CONE, OPEN, SYMMETRIC, UNKNOWN, Puncher, can_punch, direct_reducers, punch_info,
 )
 from tests.support.nat import NatTopology, unavailable_reason
 

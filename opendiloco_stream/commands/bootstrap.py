@@ -69,7 +69,7 @@ class _Echo:
     """A relay's echo server for hole punching (``transport/hivemind/punch.py``), announced on the DHT."""
 
     def __init__(self, dht, run_id: str, ips: list[str], port: int = 0):
-        from opendiloco_stream.transport.hivemind.punch import EchoServer  # lazy: loads torch; --help stays light
+        from opendiloco_stream.net.reachability import EchoServer  # lazy: loads hivemind; --help stays light
         self.dht, self.run_id, self.ips = dht, run_id, ips
         self.server = EchoServer("0.0.0.0", port)
         self.publish()

@@ -25,7 +25,8 @@ from hivemind.proto import averaging_pb2
 
 from opendiloco_stream.transport.hivemind.direct import read_message, write_end, write_message
 from opendiloco_stream.transport.hivemind.protocol import CONTRIB, Message, frame_parts
-from opendiloco_stream.transport.hivemind.punch import EchoServer, Puncher
+from opendiloco_stream.net.reachability import EchoServer
+from opendiloco_stream.transport.hivemind.punch import Puncher
 from opendiloco_stream.transport.hivemind.seal import DirectSecurity, SealError
 
 GROUP, PREFIX, SALT = bytes(range(32)), "punch_f0", b"p" * 16

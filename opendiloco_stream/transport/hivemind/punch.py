@@ -46,9 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hivemind.utils import get_dht_time
 
-from opendiloco_stream.net.reachability import (  # the echo and the NAT's kind; re-exported for the bootstrap
-    EchoServer, NatKind, echo_key, nat_kind, observe, parse_echoes, probe_nat, reserve_ports, reusable,
-)
+from opendiloco_stream.net.reachability import NatKind, echo_key, parse_echoes, probe_nat, reserve_ports, reusable
 
 logger = logging.getLogger(__name__)
 
