@@ -340,6 +340,14 @@ class NetConfig(_Strict):
     metrics_expiration: float = Field(60.0, gt=0, description="seconds a peer's monitor record lives on the DHT")
     metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="serve Prometheus metrics on "
                                         "http://0.0.0.0:PORT/metrics (0: a free port)")
+    wait_for_peers: int = Field(1, ge=1, description="before its first step, wait until this many peers of the "
+                                "run (this one included) are ready to train, e.g. the swarm's size when its "
+                                "peers are started together: their first rounds then meet instead of going "
+                                "alone while a slower peer still starts up; a running swarm that has them "
+                                "already is joined at once", json_schema_extra=cli(metavar="N"))
+    wait_for_peers_timeout: float = Field(600.0, gt=0, description="seconds --wait-for-peers waits at most; then "
+                                          "the peer trains with the peers it has, and says so",
+                                          json_schema_extra=cli(metavar="S"))
     target_group_size: Optional[int] = Field(None, ge=1, description="override: start every round at this many "
                                              "peers (a larger swarm splits into disjoint groups); unset: each round "
                                              "waits for the run's live peers, counted on the DHT")

@@ -184,6 +184,52 @@ def test_join_checks_refuse_another_key_no_key_and_another_fingerprint(tmp_path)
             stop_dht(node)
 
 
+@pytest.mark.network
+@pytest.mark.timeout(90)
+def test_wait_for_peers_counts_the_key_holders_ready_and_gives_up_at_its_timeout(tmp_path):
+    """``--wait-for-peers``: a peer waits until N peers of the run said they are ready, reports its
+    progress while it waits, and trains with fewer after its timeout; an outsider's forged ``ready``
+    record (another key) is not counted."""
+    import threading
+
+    from opendiloco_stream.net.dht import stop_dht, visible_maddrs
+
+    nodes, gates = [], []
+    try:
+        first = _dht(tmp_path, [], run_key=KEY)
+        nodes.append(first)
+        addrs = visible_maddrs(first)
+        outsider, second = _dht(tmp_path, addrs, run_key=OTHER), _dht(tmp_path, addrs, run_key=KEY)
+        nodes += [outsider, second]
+        RunGate(outsider, "keyed", None, timeout=10)._store("ready", {"since": 0.0})  # a forgery: never counted
+        waiter = RunGate(first, "keyed", RunAuth(KEY.encode()), timeout=10)
+        gates.append(waiter)
+        result, seen = [], []
+        thread = threading.Thread(target=lambda: result.append(waiter.wait_for_peers(
+            2, timeout=60, progress=lambda ready, waited: seen.append(ready), poll_s=0.2, progress_every_s=0.5)))
+        thread.start()
+        time.sleep(3.0)
+        assert thread.is_alive() and not result and seen and set(seen) == {1}, (result, seen)
+        late = RunGate(second, "keyed", RunAuth(KEY.encode()), timeout=10)
+        gates.append(late)
+        assert late.wait_for_peers(2, timeout=30) == 2  # the first peer is ready already: no wait
+        thread.join(30)
+        assert result == [2], result
+        alone = RunGate(second, "keyed-alone", RunAuth(KEY.encode()), timeout=10)
+        gates.append(alone)
+        start = time.monotonic()
+        assert alone.wait_for_peers(3, timeout=1.0, poll_s=0.2) == 1  # nobody else in that run: gives up
+        assert time.monotonic() - start >= 1.0
+        stopped = RunGate(second, "keyed-stop", RunAuth(KEY.encode()), timeout=10)
+        gates.append(stopped)
+        assert stopped.wait_for_peers(3, timeout=60, should_stop=lambda: True) == 1  # a signal ends the wait
+    finally:
+        for g in gates:
+            g.close()
+        for node in nodes:
+            stop_dht(node)
+
+
 # ---------------------------------------------------------------------------------------- real averagers
 class _Forger(RunKeyValidator):
     """An outsider's node that reads the holders' records (strips their MACs unchecked) and signs its

@@ -5,6 +5,12 @@ Each test starts a bootstrap node and 2 or 3 ``peer`` processes on 127.0.0.1 wit
 after the first of each fragment has a group of all the peers, on every peer. Before the fix, two
 blocking peers started together never averaged: each reached every round one matchmaking window
 after the other had given up on it.
+
+Peers "started together" are launched at once with ``--wait-for-peers N`` (what a user starting a
+swarm at once does; ``local`` does it too): without it, on a loaded 2-core box one peer's start-up
+could take 30 s longer than the other's and the swarm was several rounds in before it came (a CI
+run: the second overlap peer had 3 of 8 rounds). A peer "5 s later" is launched with the others
+and waits 5 s once its model is built (see ``_run_swarm``).
 """
 
 from __future__ import annotations
@@ -41,20 +47,23 @@ def _peer(tmp: Path, name: str, addrs: list[str], run_id: str, *flags: str, env:
 
 
 def _run_swarm(tmp: Path, run_id: str, flags: list[str], starts: list[float], timeout: float = 300,
-               env: Optional[dict] = None, steps: int = STEPS) -> list[list[dict]]:
-    """Start one peer per entry of ``starts`` (seconds after the first), wait for all, return each
-    peer's records. ``env``: extra environment of every peer (a slower step: ``faults.env``)."""
+               slow_step: float = 0.0, steps: int = STEPS) -> list[list[dict]]:
+    """Start one peer per entry of ``starts``, wait for all, return each peer's records. All are
+    launched at once (their start-ups, mostly imports, overlap); a peer with a start of S > 0 waits
+    S seconds once its model is built before it joins (``faults`` ``start_delay_s``), and the
+    peers with a start of 0 wait for each other (``--wait-for-peers``): "5 s apart" is 5 s of
+    training apart whatever the machine's load does to each start-up (under load a start-up took
+    from seconds to a minute, and a peer launched 5 s later came rounds later). ``slow_step``: every
+    inner step also sleeps this long (``faults`` ``step_delay_s``)."""
     boot, addrs = start_bootstrap(tmp, run_id)
     procs = [boot]
+    together = sum(1 for at in starts if at == 0)
     try:
-        t0 = None
         for i, at in enumerate(starts):
-            if t0 is not None:
-                time.sleep(max(0.0, t0 + at - time.monotonic()))
-            procs.append(_peer(tmp, f"p{i}", addrs, run_id, *flags, "--shard", f"{i}/{len(starts)}", env=env, steps=steps))
-            if t0 is None:  # "5 s apart": 5 s after the first peer is up (its start-up time varies with load)
-                _wait_up(tmp / "p0.log", procs[-1])
-                t0 = time.monotonic()
+            kinds = {**({"step_delay_s": slow_step} if slow_step else {}), **({"start_delay_s": at} if at else {})}
+            wait = ["--wait-for-peers", str(together)] if at == 0 and together > 1 else []
+            procs.append(_peer(tmp, f"p{i}", addrs, run_id, *flags, *wait, "--shard", f"{i}/{len(starts)}",
+                               env=faults.env(**kinds) if kinds else None, steps=steps))
         deadline = time.monotonic() + timeout
         for i, p in enumerate(procs[1:]):
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -62,15 +71,6 @@ def _run_swarm(tmp: Path, run_id: str, flags: list[str], starts: list[float], ti
         return [read_metrics(tmp / f"p{i}.jsonl") for i in range(len(starts))]
     finally:
         stop_processes(procs, grace=10)
-
-
-def _wait_up(log: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if log.exists() and "joined run" in log.read_text():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"the first peer did not come up: {log.read_text()[-2000:] if log.exists() else ''}")
 
 
 def _assert_met(records: list[list[dict]], first_rounds: set, min_share: float = 0.5) -> None:
@@ -132,7 +132,7 @@ def test_two_peers_started_5s_apart_average_together_after_the_first_round_of_ea
 def test_a_naive_delayed_peer_5s_later_averages_in_every_round_from_its_first_with_the_swarm(tmp_path):
     """Naive-delayed trains on like eager: the joiner downloads the state (the first peer's outer
     step at each launch ends the initial model) and averages in every round from its first."""
-    records = _run_swarm(tmp_path, "meet5-naive", MODES["naive-delayed"], [0.0, 5.0], env=faults.env(step_delay_s=1.0),
+    records = _run_swarm(tmp_path, "meet5-naive", MODES["naive-delayed"], [0.0, 5.0], slow_step=1.0,
                          steps=SLOW_STEPS)
     _assert_met(records, _first_rounds("naive-delayed"), min_share=0.25)
 
@@ -184,7 +184,7 @@ def test_an_eager_third_peer_5s_later_averages_in_groups_of_three_from_its_first
     their state (with a run key: proofs both ways, net/auth.py) and is in every group of three
     from its first round on."""
     records = _run_swarm(tmp_path, "meet3-eager", [*MODES["eager"], *_key_flags(tmp_path)], [0.0, 0.0, 5.0],
-                         env=faults.env(step_delay_s=1.0), steps=SLOW_STEPS)
+                         slow_step=1.0, steps=SLOW_STEPS)
     _assert_met(records, _first_rounds("eager"), min_share=0.2)
     assert any(r["event"] == "joined" for r in records[2]), "the third peer did not join the running swarm"
 
@@ -198,18 +198,20 @@ def test_three_peers_started_together_average_in_groups_of_three(tmp_path, mode)
     runs with 1 s steps: unslowed, a peer whose start-up took a few seconds longer asked for the
     state while the others' first rounds were formed, got it after they landed, three times a
     round late, and joined as the 5-9 s run ended (once in a full suite)."""
-    slow = {"env": faults.env(step_delay_s=1.0), "steps": SLOW_STEPS} if mode == "eager" else {}
+    slow = {"slow_step": 1.0, "steps": SLOW_STEPS} if mode == "eager" else {}
     records = _run_swarm(tmp_path, f"meet3t-{mode}", MODES[mode], [0.0, 0.0, 0.0], **slow)
     _assert_met(records, _first_rounds(mode), min_share=0.2)
 
 
 @pytest.mark.timeout(300)
 def test_a_peer_alone_warns_on_its_console_and_in_its_metrics(tmp_path):
-    """One peer, no swarm: after a few rounds it says it trains alone, naming the cause."""
+    """One peer, no swarm: after a few rounds it says it trains alone, naming the cause (and,
+    asked to wait for a second peer, that it gave up waiting at its timeout)."""
     boot, addrs = start_bootstrap(tmp_path, "alone")
     procs = [boot]
     try:
-        proc = _peer(tmp_path, "p0", addrs, "alone", "--mode", "eager", "--matchmaking-time", "4")
+        proc = _peer(tmp_path, "p0", addrs, "alone", "--mode", "eager", "--matchmaking-time", "4",
+                     "--wait-for-peers", "2", "--wait-for-peers-timeout", "2")
         procs.append(proc)
         proc.wait(timeout=240)
         assert proc.returncode == 0, (tmp_path / "p0.log").read_text()[-3000:]
@@ -220,4 +222,5 @@ def test_a_peer_alone_warns_on_its_console_and_in_its_metrics(tmp_path):
     assert len(warnings) == 1 and warnings[0]["cause"] == "matchmaking", warnings
     log = (tmp_path / "p0.log").read_text()
     assert "synced alone for 3 rounds" in log and "WARNING" in log and "trained alone" in log
+    assert "only 1/2 peers ready after 2 s (--wait-for-peers-timeout): training with those" in log, log[-3000:]
     assert recs[-1]["alone_syncs"] == recs[-1]["syncs"]

@@ -129,7 +129,8 @@ def run_hivemind(args: argparse.Namespace, cfg: RunConfig) -> int:
                 cmd = [_python(), "-m", "opendiloco_stream", "peer", "--config", str(workdir / "run.toml"),
                        "--run-id", run_id, "--initial-peers", *addrs, "--shard", f"{r}/{M}", "--no-join",
                        "--metrics-file", str(workdir / f"peer-{r}.jsonl"), "--no-progress",
-                       "--threads", str(threads), "--target-group-size", str(M), "--log-level", args.log_level]
+                       "--threads", str(threads), "--target-group-size", str(M), "--wait-for-peers", str(M),
+                       "--log-level", args.log_level]
                 if r == 0 and cfg.train.save_model:
                     cmd += ["--save-model", str(Path(cfg.train.save_model).resolve())]
                 if cfg.net.data_port:  # one range of data ports per peer: they share this machine

@@ -40,6 +40,7 @@ from opendiloco_stream.net.flags import add_network_flags, net_overrides, verbos
 from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
 from opendiloco_stream.net.prometheus import PrometheusExporter
 from opendiloco_stream.stats import SyncStats
+from opendiloco_stream.testing import faults
 from opendiloco_stream.train.loggers import Fanout, build_loggers
 
 if TYPE_CHECKING:
@@ -262,6 +263,23 @@ def _announce(cfg, dht, ranks, exporter) -> tuple[tuple[int, int], tuple[int, in
     return (rank, world), (data_rank, data_world)
 
 
+def _wait_for_peers(cfg, gate, stop) -> None:
+    """``--wait-for-peers N``: say this peer is ready and wait for N ready peers, with progress."""
+    faults.delay_start()  # tests only (ODS_TEST_FAULTS=start_delay_s=S): a peer that comes S seconds later
+    want, timeout = cfg.net.wait_for_peers, cfg.net.wait_for_peers_timeout
+
+    def progress(ready: int, waited: float) -> None:
+        print(f"peer: waiting for peers: {ready}/{want} ready after {waited:.0f} s (--wait-for-peers {want}, "
+              f"at most {timeout:.0f} s)", file=sys.stderr, flush=True)
+
+    ready = gate.wait_for_peers(want, timeout, should_stop=lambda: stop.requested, progress=progress)
+    if want > 1 and ready >= want:
+        print(f"peer: {ready}/{want} peers ready: training", file=sys.stderr, flush=True)
+    elif want > 1 and not stop.requested:
+        print(f"peer: only {ready}/{want} peers ready after {timeout:.0f} s (--wait-for-peers-timeout): training "
+              f"with those, later peers join the running swarm", file=sys.stderr, flush=True)
+
+
 def _train(args: argparse.Namespace, cfg, ranks, dht, gate, admission, transport, sinks: list, stop,
            shards: tuple, data: tuple) -> None:
     """Train the peer with its live metrics, then write and print its summary."""
@@ -281,6 +299,7 @@ def _train(args: argparse.Namespace, cfg, ranks, dht, gate, admission, transport
         fields = fingerprint_fields(cfg, model)
         gate.check_fingerprint(fields)
         admission.fingerprint = fingerprint_digest(fields)  # groupmates compare it every round
+        _wait_for_peers(cfg, gate, stop)
 
     writer = MetricsWriter(cfg.train.metrics_file)
     writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",

@@ -6,6 +6,8 @@ variable ``ODS_TEST_FAULTS`` for a peer process it starts (``step_delay_s=0.25``
 a module-level value where the fault happens; with nothing injected it does nothing.
 
 - ``step_delay_s``: every inner step also sleeps this long, counted as compute (a slower peer).
+- ``start_delay_s``: a ``peer`` sleeps this long once its model is built, before it says it is
+  ready and joins (a peer that comes later, without its start-up's own time varying with load).
 - ``die_after_tensors``: a donor serving its state exits (``os._exit``, no cleanup) when it is
   about to send tensor number N (a donor dying mid-download, at a known point).
 """
@@ -17,7 +19,7 @@ import time
 from typing import Optional
 
 ENV = "ODS_TEST_FAULTS"
-_KINDS = {"step_delay_s": float, "die_after_tensors": int}
+_KINDS = {"step_delay_s": float, "start_delay_s": float, "die_after_tensors": int}
 
 
 def _from_env() -> dict[str, float]:
@@ -52,6 +54,13 @@ def env(**faults: float) -> dict[str, str]:
 def slow_step() -> None:
     """Inside an inner step: sleep ``step_delay_s`` if injected."""
     delay = _injected.get("step_delay_s", 0.0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+def delay_start() -> None:
+    """Once the model is built, before the join: sleep ``start_delay_s`` if injected."""
+    delay = _injected.get("start_delay_s", 0.0)
     if delay > 0:
         time.sleep(delay)
 

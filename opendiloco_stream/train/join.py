@@ -3,8 +3,9 @@
     gate = RunGate(dht, run_id, auth)        # auth: net.auth.RunAuth or None
     gate.check_key()                          # before anything else is stored or read
     gate.check_fingerprint(fingerprint_fields(cfg, model))   # before state download and rounds
+    gate.wait_for_peers(3, timeout=600)       # optional: until 3 peers of the run are ready to train
 
-Two records per peer, under the run (``run_key``) with the peer id as subkey, kept alive by a
+Three records per peer, under the run (``run_key``) with the peer id as subkey, kept alive by a
 background thread until :meth:`RunGate.close`:
 
 * ``keyid``: the id of the peer's run key (``RunAuth.key_id``) or ``""``: public and unsigned, the
@@ -15,6 +16,9 @@ background thread until :meth:`RunGate.close`:
   mode, codec, H, P, the model's parameter names and shapes). Signed by the run key when there is
   one. A joiner compares its own with the run's (the oldest record) and is refused with the first
   field that differs: ``refused: codec differs: this peer fp4-e3m0, the run int8``.
+* ``ready``: the peer has passed its checks and built its model (``--wait-for-peers N``: peers
+  started together wait for N of these before their first step, so a slow start-up does not send
+  the others' first rounds out alone).
 
 It sits above the transport (the fingerprint names its protocol version and codec) and below the
 ``peer`` command, its one user; the records themselves are plain DHT records (``net.keys.run_key``).
@@ -26,7 +30,8 @@ import hashlib
 import json
 import logging
 import threading
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 from hivemind.utils import get_dht_time
 
@@ -125,6 +130,25 @@ class RunGate:
             if why is not None:
                 raise JoinRefused(f"refused: {why}")
         self._announce("fingerprint", {"fields": dict(fields), "since": float(get_dht_time())})
+
+    def wait_for_peers(self, count: int, timeout: float, should_stop: Optional[Callable[[], bool]] = None,
+                       progress: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.5,
+                       progress_every_s: float = 10.0) -> int:
+        """Say this peer is ready to train (a ``ready`` record), then wait until ``count`` peers of the
+        run (this one included) are, at most ``timeout`` seconds or until ``should_stop()``. Returns
+        the peers ready when it stopped waiting (less than ``count`` after a timeout or a stop).
+        ``progress(ready, waited_s)`` is called every ``progress_every_s`` while it waits."""
+        self._announce("ready", {"since": float(get_dht_time())})
+        start = last = time.monotonic()
+        while True:
+            ready = 1 + len(self._others("ready"))
+            waited = time.monotonic() - start
+            if ready >= count or waited >= timeout or (should_stop is not None and should_stop()):
+                return ready
+            if progress is not None and time.monotonic() - last >= progress_every_s:
+                last = time.monotonic()
+                progress(ready, waited)
+            time.sleep(min(poll_s, max(0.0, timeout - waited)))
 
     # ------------------------------------------------------------------ records
     def _store(self, part: str, value: Any) -> bool:
