@@ -160,14 +160,15 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
 
 
 def peer_flags(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, workdir: Path,
-               matchmaking_s: float) -> list[str]:
+               matchmaking_s: float, wait: bool = True) -> list[str]:
     """The ``peer`` flags of peer ``rank`` of ``spec`` (``PeerProcesses.peer`` adds the initial
-    peers and the metrics file ``workdir/peer-RANK.jsonl``)."""
+    peers and the metrics file ``workdir/peer-RANK.jsonl``). ``wait``: the peers, started together,
+    wait for each other before their first step (``--wait-for-peers``)."""
     flags = ["--run-id", run_id, "--host-maddrs", f"/ip4/{topo.ip(f'p{rank}')}/tcp/0", "--shard", f"{rank}/{spec.peers}",
              "--no-join", "--no-progress", "--mode", spec.mode, "--fragments", str(spec.fragments),
              "--inner-steps", str(spec.inner_steps), "--codec", spec.codec, "--steps", str(spec.steps),
              "--model", "tiny", "--target-group-size", str(spec.peers), "--link-mbit", f"{spec.link_mbit:g}",
-             "--threads", "1",
+             "--threads", "1", "--wait-for-peers", str(spec.peers if wait else 1),
              # the final checkpoint waits for the rounds still in flight (eager, tau) and stores their byte
              # counts: how our accounting covers every round that went on the wire (see tail_rounds)
              "--checkpoint-dir", str(workdir / f"ckpt-{rank}"), "--matchmaking-time", f"{matchmaking_s:g}"]
@@ -213,7 +214,8 @@ def watch(run: PeerProcesses, peers: list[subprocess.Popen], topo: netns.Topolog
 
 
 def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, progress: bool,
-            other_bps: float = 0.0, matchmaking_s: float = 10.0, pin: Optional[list[int]] = None) -> dict[str, Any]:
+            other_bps: float = 0.0, matchmaking_s: float = 10.0, pin: Optional[list[int]] = None,
+            wait: bool = True) -> dict[str, Any]:
     """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed).
 
     Processes start and stop through :class:`benchmarks.harness.peers.PeerProcesses`: SIGTERM
@@ -232,7 +234,7 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
             run.bootstrap(run_id, node="boot")
             before, t0 = {n: topo.counters(n) for n in nodes}, time.monotonic()
             # taskset: the peer's DHT and p2pd inherit its CPU
-            peers = [run.peer(f"peer-{r}", *peer_flags(topo, spec, r, run_id, workdir, matchmaking_s), node=f"p{r}",
+            peers = [run.peer(f"peer-{r}", *peer_flags(topo, spec, r, run_id, workdir, matchmaking_s, wait), node=f"p{r}",
                               prefix=["taskset", "-c", str(pin[r % len(pin)])] if pin else ())
                      for r in range(spec.peers)]
             seen = watch(run, peers, topo, nodes, t0, timeout, bar)
@@ -250,7 +252,7 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
     started = [next((x["t"] for x in seen.series if x["steps"][r] > 0), None) for r in range(spec.peers)]
     rec["start_skew_s"] = max(started) - min(started) if None not in started else None  # 0.5 s resolution
     rec.update(max_step_lag=seen.max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
-               boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin)
+               boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin, wait_for_peers=wait)
     return rec
 
 
@@ -307,6 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-timeout", type=float, help="seconds per run (default: derived from the expected traffic)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin peer r (and its helper processes) to CPU r mod #CPUs")
+    p.add_argument("--no-wait", dest="wait", action="store_false",
+                   help="peers do not wait for each other before their first step (no --wait-for-peers: whichever "
+                        "starts up first trains ahead, as every run before that flag did)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the no-sync run that measures traffic other than syncs")
     p.add_argument("--out", help="write the JSON list of runs here (updated after every run)")
@@ -427,7 +432,7 @@ def run_rate(args: argparse.Namespace, topo: netns.Topology, specs: list[RunSpec
     for spec in specs:
         timeout = args.run_timeout or 120 + 3 * (expected_network_s(spec) + spec.steps * args.step_time_guess)
         rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, other_bps,
-                      args.matchmaking_time, pin)
+                      args.matchmaking_time, pin, args.wait)
         if spec.label == "idle" and rec["status"] == "ok":
             # TCP payload a peer sends when it never syncs (DHT upkeep, metrics), per second of run
             other_bps = wr.mean([p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"]]) / rec["elapsed_s"]
