@@ -160,15 +160,17 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
 
 
 def peer_flags(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, workdir: Path,
-               matchmaking_s: float, wait: bool = True) -> list[str]:
+               matchmaking_s: float, wait: bool = True, prematch_steps: int = 0) -> list[str]:
     """The ``peer`` flags of peer ``rank`` of ``spec`` (``PeerProcesses.peer`` adds the initial
     peers and the metrics file ``workdir/peer-RANK.jsonl``). ``wait``: the peers, started together,
-    wait for each other before their first step (``--wait-for-peers``)."""
+    wait for each other before their first step (``--wait-for-peers``). ``prematch_steps``: groups
+    formed that many inner steps ahead of their rounds (``--prematch-steps``)."""
     flags = ["--run-id", run_id, "--host-maddrs", f"/ip4/{topo.ip(f'p{rank}')}/tcp/0", "--shard", f"{rank}/{spec.peers}",
              "--no-join", "--no-progress", "--mode", spec.mode, "--fragments", str(spec.fragments),
              "--inner-steps", str(spec.inner_steps), "--codec", spec.codec, "--steps", str(spec.steps),
              "--model", "tiny", "--target-group-size", str(spec.peers), "--link-mbit", f"{spec.link_mbit:g}",
              "--threads", "1", "--wait-for-peers", str(spec.peers if wait else 1),
+             "--prematch-steps", str(prematch_steps if spec.mode != "data-parallel" else 0),
              # the final checkpoint waits for the rounds still in flight (eager, tau) and stores their byte
              # counts: how our accounting covers every round that went on the wire (see tail_rounds)
              "--checkpoint-dir", str(workdir / f"ckpt-{rank}"), "--matchmaking-time", f"{matchmaking_s:g}"]
@@ -215,7 +217,7 @@ def watch(run: PeerProcesses, peers: list[subprocess.Popen], topo: netns.Topolog
 
 def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, progress: bool,
             other_bps: float = 0.0, matchmaking_s: float = 10.0, pin: Optional[list[int]] = None,
-            wait: bool = True) -> dict[str, Any]:
+            wait: bool = True, prematch_steps: int = 0) -> dict[str, Any]:
     """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed).
 
     Processes start and stop through :class:`benchmarks.harness.peers.PeerProcesses`: SIGTERM
@@ -234,7 +236,8 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
             run.bootstrap(run_id, node="boot")
             before, t0 = {n: topo.counters(n) for n in nodes}, time.monotonic()
             # taskset: the peer's DHT and p2pd inherit its CPU
-            peers = [run.peer(f"peer-{r}", *peer_flags(topo, spec, r, run_id, workdir, matchmaking_s, wait), node=f"p{r}",
+            peers = [run.peer(f"peer-{r}", *peer_flags(topo, spec, r, run_id, workdir, matchmaking_s, wait,
+                                                            prematch_steps), node=f"p{r}",
                               prefix=["taskset", "-c", str(pin[r % len(pin)])] if pin else ())
                      for r in range(spec.peers)]
             seen = watch(run, peers, topo, nodes, t0, timeout, bar)
@@ -252,7 +255,8 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
     started = [next((x["t"] for x in seen.series if x["steps"][r] > 0), None) for r in range(spec.peers)]
     rec["start_skew_s"] = max(started) - min(started) if None not in started else None  # 0.5 s resolution
     rec.update(max_step_lag=seen.max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
-               boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin, wait_for_peers=wait)
+               boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin, wait_for_peers=wait,
+               prematch_steps=prematch_steps)
     return rec
 
 
@@ -309,6 +313,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-timeout", type=float, help="seconds per run (default: derived from the expected traffic)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin peer r (and its helper processes) to CPU r mod #CPUs")
+    p.add_argument("--prematch-steps", type=int, default=0,
+                   help="the peers' --prematch-steps: each round's group forms this many inner steps ahead "
+                        "(default 0, the trainer's; data-parallel always 0)")
     p.add_argument("--no-wait", dest="wait", action="store_false",
                    help="peers do not wait for each other before their first step (no --wait-for-peers: whichever "
                         "starts up first trains ahead, as every run before that flag did)")
@@ -432,7 +439,7 @@ def run_rate(args: argparse.Namespace, topo: netns.Topology, specs: list[RunSpec
     for spec in specs:
         timeout = args.run_timeout or 120 + 3 * (expected_network_s(spec) + spec.steps * args.step_time_guess)
         rec = run_one(topo, spec, root / spec.name, timeout, not args.no_progress, other_bps,
-                      args.matchmaking_time, pin, args.wait)
+                      args.matchmaking_time, pin, args.wait, args.prematch_steps)
         if spec.label == "idle" and rec["status"] == "ok":
             # TCP payload a peer sends when it never syncs (DHT upkeep, metrics), per second of run
             other_bps = wr.mean([p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"]]) / rec["elapsed_s"]
