@@ -41,7 +41,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "[test] missing: ${missing[*]} (as root: apt-get install ${missing[*]}); their tests are skipped" >&2
   fi
 fi
-# The suite starts hundreds of Python processes (peers, bootstraps, benchmarks, the command line),
+# The suite starts many Python processes (peers, bootstraps, benchmarks, the command line),
 # each importing ~100 of the package's modules: with PYTHONDONTWRITEBYTECODE set (as in many container
 # images) each of them compiles those from source again (~0.35 s of CPU a process). The bytecode goes to
 # __pycache__/ (git-ignored) as without that variable.
