@@ -41,6 +41,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "[test] missing: ${missing[*]} (as root: apt-get install ${missing[*]}); their tests are skipped" >&2
   fi
 fi
+# The suite starts many Python processes (peers, bootstraps, benchmarks, the command line),
+# each importing ~100 of the package's modules: with PYTHONDONTWRITEBYTECODE set (as in many container
+# images) each of them compiles those from source again (~0.35 s of CPU a process). The bytecode goes to
+# __pycache__/ (git-ignored) as without that variable.
+unset PYTHONDONTWRITEBYTECODE
 WORKERS=(-n "${ODS_TEST_WORKERS:-2}")
 [ "${ODS_TEST_WORKERS:-2}" = 0 ] || WORKERS+=(--dist loadfile --no-loadscope-reorder)
 "$V" -m pytest -q -p no:cacheprovider --durations=30 "${WORKERS[@]}" "${SELECT[@]}" "$@"

@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 
 from opendiloco_stream.train.text_dataset import DataError, open_dataset
 
@@ -149,6 +148,8 @@ class StreamBatches(Iterator[torch.Tensor]):
                 "dataset": copy.deepcopy(self._state), "buffer": self.buffer.copy()}
 
     def _open_shard(self):
+        from datasets.distributed import split_dataset_by_node  # lazy: as in text_dataset.open_dataset
+
         ds = split_dataset_by_node(self.source.open_stream(), rank=self.rank, world_size=self.world_size)
         ds.set_epoch(self.epoch)
         return ds

@@ -10,8 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import datasets
-
 from opendiloco_stream.config import ConfigError
 
 
@@ -35,6 +33,8 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
 
 
 def open_dataset(dataset: str, dataset_config: Optional[str]):
+    import datasets  # lazy: pandas/pyarrow, ~1 s of every peer start-up; only a --dataset other than builtin needs it
+
     path = Path(dataset).expanduser()
     try:
         if path.exists():
