@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -61,7 +62,7 @@ def start_relays(run: PeerProcesses, topo: NatTopology, args: argparse.Namespace
     """The bootstrap in ``boot`` and ``--relays - 1`` more, in ``boot`` too (one public machine)
     or, with ``--spread-relays``, one in each of the first public nodes; returns the public nodes
     that host one. Every bootstrap's addresses become the peers' initial peers (``run.addrs``)."""
-    flags = ["--relay"] if args.relay else []
+    flags = (["--relay"] if args.relay else []) + (["--log-level", args.relay_log_level] if args.relay_log_level else [])
     first = run.bootstrap(RUN_ID, *flags, node="boot")
     hosts = topo.public_peers()[:args.relays - 1] if args.spread_relays else ["boot"] * (args.relays - 1)
     for i, node in enumerate(hosts, start=1):
@@ -192,8 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, help="keep the peers' and relays' logs and metrics in this directory")
     ap.add_argument("--peer-log-level", choices=("DEBUG", "INFO", "WARNING"),
                     help="the peers' --log-level (DEBUG: their p2p daemons' lines too; with --logs to read them)")
+    ap.add_argument("--p2pd-log", metavar="LEVELS",
+                    help="the p2p daemons' log levels (GOLOG_LOG_LEVEL), e.g. 'info,relay=debug,p2p-circuit=debug'; "
+                         "their lines show where the process logs at DEBUG")
+    ap.add_argument("--relay-log-level", choices=("DEBUG", "INFO", "WARNING"),
+                    help="the relays' (bootstraps') --log-level: DEBUG shows their p2p daemons' relay lines")
     args = ap.parse_args(argv)
     exit_if_unavailable("nat_train")
+    if args.p2pd_log:
+        os.environ["GOLOG_LOG_LEVEL"] = args.p2pd_log  # inherited by every peer's and relay's p2p daemon
     if args.spread_relays and args.public < args.relays - 1:
         ap.error(f"--spread-relays with --relays {args.relays} needs --public >= {args.relays - 1}")
     t0 = time.monotonic()
