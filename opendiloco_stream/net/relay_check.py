@@ -1,0 +1,187 @@
+"""Whether this machine's circuit relay carries a round: a self-test that ``bootstrap --relay`` runs.
+
+hivemind's p2pd (go-libp2p-daemon, learning-at-home fork, shipped with hivemind 1.1.12) serves
+circuit relay v2 twice on one hop protocol: the relay service configured from its flags
+(``-relayDataLimit`` 4 GiB and ``-relayTimeLimit`` 30 minutes per relayed connection), started by
+go-libp2p once the node is public, and a second one that ``EnableRelayV2`` starts with go-libp2p's
+default resources (``relay.DefaultResources()``: 128 KiB per direction and 2 minutes per relayed
+connection). Whichever registers its stream handler last serves every reservation and connection,
+and the order is a race between two goroutines. When the default one wins, the relay resets each
+relayed connection after 128 KiB (its log: ``relayed 131072 bytes from ...``), so no relayed
+exchange of a round (hundreds of KB) ever completes, for the whole life of that relay.
+
+:func:`probe_relay` tells the two apart from outside the daemon: two throwaway p2p daemons on this
+machine, one holding a reservation on the relay and serving a stream handler, the other
+connecting to it through the relay, send ``PROBE_BYTES`` (over 128 KiB) through one relayed stream.
+``bootstrap --relay`` restarts its daemon (same identity, same port) until the probe passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+
+from opendiloco_stream.config import NetConfig
+from opendiloco_stream.net.dht import listen_maddrs, start_dht, stop_dht, visible_maddrs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RELAY_DATA_LIMIT = 128 << 10  # go-libp2p's relay.DefaultResources().Limit.Data (v0.32)
+PROBE_BYTES = 512 << 10  # through one relayed stream: 4x what the default relay lets through
+PROBE_TIMEOUT_S = 30.0
+RELAY_ATTEMPTS = 6  # starts of the relay's daemon before giving up (each race lost about 1 time in 4-13)
+
+
+class RelayVerdict(enum.Enum):
+    CARRIES = "carries"  # the probe's bytes crossed the relay
+    LIMITED = "limited"  # the relayed connection was reset before they did: go-libp2p's default limits
+    UNKNOWN = "unknown"  # no relayed stream could be opened (the probe says nothing of the limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayProbe:
+    """What :func:`probe_relay` saw: the verdict, the bytes that crossed, and why it stopped."""
+
+    verdict: RelayVerdict
+    moved_bytes: int
+    seconds: float
+    detail: str = ""
+
+
+class _StaticRelayP2P(P2P):
+    """A p2p daemon that reserves a slot on its ``trusted_relays`` at once. p2pd takes them as
+    static relays only with ``-relayDiscovery=false``, which ``P2P.create`` (hivemind 1.1.12) does
+    not pass: its private ``_make_process_args`` (the argv builder, read from that version) is the
+    one place to add it. Without it autorelay waits for 4 relay candidates or 3 minutes."""
+
+    @staticmethod
+    def _make_process_args(*args, **kwargs) -> list[str]:
+        return P2P._make_process_args(*args, relayDiscovery=False, **kwargs)
+
+
+def local_relay_maddrs(visible: Sequence[str], host_maddrs: Sequence[str]) -> list[str]:
+    """Where a process on this machine dials the relay: each TCP port it listens on, at the
+    listening IP (127.0.0.1 for a wildcard ``0.0.0.0``), with the relay's ``/p2p/`` id taken from
+    ``visible`` (its announced addresses may be a public IP this machine cannot reach itself)."""
+    peer_id = Multiaddr(visible[0])["p2p"]
+    ports = [Multiaddr(m)["tcp"] for m in visible if "tcp" in Multiaddr(m)]
+    out = []
+    for host in host_maddrs:
+        h = Multiaddr(host)
+        if "ip4" not in h or "tcp" not in h:
+            continue
+        ip = "127.0.0.1" if h["ip4"] == "0.0.0.0" else h["ip4"]
+        for port in ([h["tcp"]] if h["tcp"] != "0" else ports):
+            out.append(f"/ip4/{ip}/tcp/{port}/p2p/{peer_id}")
+    return list(dict.fromkeys(out))
+
+
+async def _probe(relay: Sequence[str], nbytes: int, timeout: float) -> RelayProbe:
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    relay = list(relay)
+    moved = [0]
+    target = await _StaticRelayP2P.create(
+        initial_peers=relay, trusted_relays=relay, use_relay=True, use_auto_relay=True, force_reachability="private",
+        no_listen=True, dht_mode="server", announce_maddrs=[f"{m}/p2p-circuit" for m in relay])
+    dialer = None
+    try:
+        async def count(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while moved[0] < nbytes:
+                    chunk = await reader.read(1 << 16)
+                    if not chunk:
+                        return
+                    moved[0] += len(chunk)
+                writer.write(b"ok")
+                await writer.drain()
+                await reader.read()  # until the dialer closes
+            except OSError:
+                pass
+
+        await target.add_binary_stream_handler("ods-relay-probe", count)
+        dialer = await P2P.create(initial_peers=relay, use_relay=True, force_reachability="private", no_listen=True,
+                                  dht_mode="client")
+        last = ""
+        while True:  # until the target's reservation is up and the dialer finds it through the relay
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    dialer.call_binary_stream_handler(target.peer_id, "ods-relay-probe"), 5.0)
+                break
+            except Exception as e:
+                last = repr(e)[:200]
+                if time.monotonic() + 0.5 > deadline:
+                    return RelayProbe(RelayVerdict.UNKNOWN, 0, time.monotonic() - t0, f"no relayed stream: {last}")
+                await asyncio.sleep(0.5)
+        try:
+            writer.write(b"\0" * nbytes)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readexactly(2), max(1.0, deadline - time.monotonic()))
+            ok = answer == b"ok"
+            return RelayProbe(RelayVerdict.CARRIES if ok else RelayVerdict.LIMITED, moved[0], time.monotonic() - t0,
+                              "" if ok else f"answered {answer!r}")
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            await asyncio.sleep(0.2)  # the count of what arrived before the reset
+            return RelayProbe(RelayVerdict.LIMITED, moved[0], time.monotonic() - t0, repr(e)[:200])
+        finally:
+            writer.close()
+    finally:
+        for p2p in (dialer, target):
+            if p2p is not None:
+                await p2p.shutdown()
+
+
+def probe_relay(relay: Sequence[str], nbytes: int = PROBE_BYTES, timeout: float = PROBE_TIMEOUT_S) -> RelayProbe:
+    """Send ``nbytes`` through one connection relayed by the relay at ``relay`` (its multiaddrs,
+    dialable from here) and say whether they crossed (see the module docstring). Blocking; runs
+    its own event loop; the two daemons it starts are shut down before it returns. A probe that
+    cannot start its daemons is ``UNKNOWN``, with the reason."""
+    t0 = time.monotonic()
+    try:
+        return asyncio.run(_probe(relay, nbytes, timeout))
+    except Exception as e:  # e.g. P2PDaemonError: a helper daemon did not reach the relay
+        return RelayProbe(RelayVerdict.UNKNOWN, 0, time.monotonic() - t0, repr(e)[:200])
+
+
+def _pin_port(host: Sequence[str], visible: Sequence[str]) -> list[str]:
+    """``host`` with a random TCP port (``/tcp/0``) replaced by the one the node got, so a restart
+    listens where the first start did (the address already printed stays valid)."""
+    port = next((Multiaddr(m)["tcp"] for m in visible if "tcp" in Multiaddr(m)), None)
+    return [m.replace("/tcp/0", f"/tcp/{port}") if port and m.endswith("/tcp/0") else m for m in host]
+
+
+def start_relay(net: NetConfig, attempts: int = RELAY_ATTEMPTS, **dht_kwargs: Any) -> tuple[Any, RelayProbe]:
+    """Start ``net``'s DHT node as a circuit relay and probe it (:func:`probe_relay`); while it
+    resets relayed connections at go-libp2p's default limits, restart it with the same identity
+    (a temporary key where ``net`` has none) and the same port, up to ``attempts`` starts. Returns
+    the node and the last probe (``LIMITED`` after ``attempts``: the caller says so)."""
+    host, _ = listen_maddrs(net)
+    with tempfile.TemporaryDirectory(prefix="ods-relay-") as tmp:
+        if not net.identity_path:  # the same /p2p/ id across restarts, for this process's life
+            net = net.model_copy(update={"identity_path": str(Path(tmp) / "relay.key")})
+        for attempt in range(1, attempts + 1):
+            dht = start_dht(net, **dht_kwargs)
+            visible = visible_maddrs(dht)
+            local = local_relay_maddrs(visible, host)
+            probe = probe_relay(local)
+            if probe.verdict is RelayVerdict.UNKNOWN:  # once more: the helpers may have come too early
+                logger.info("relay self-test inconclusive (%s): once more", probe.detail)
+                probe = probe_relay(local)
+            if probe.verdict is not RelayVerdict.LIMITED or attempt == attempts:
+                return dht, probe
+            logger.warning("the relay reset a relayed connection after %d bytes (p2pd serves go-libp2p's default "
+                           "limits: 128 KiB and 2 minutes per relayed connection): restarting its p2p daemon "
+                           "(start %d of %d)", probe.moved_bytes, attempt + 1, attempts)
+            stop_dht(dht)
+            host = _pin_port(host, visible)
+            net = net.model_copy(update={"host_maddrs": host})
+    raise AssertionError("unreachable")
