@@ -23,10 +23,24 @@ from benchmarks.harness.peers import PeerProcesses
 from opendiloco_stream.config import NetConfig
 from opendiloco_stream.net.dht import stop_dht, visible_maddrs
 from opendiloco_stream.net.relay_check import (
-    DEFAULT_RELAY_DATA_LIMIT, PROBE_BYTES, RelayVerdict, local_relay_maddrs, probe_relay, start_relay,
+    DEFAULT_RELAY_DATA_LIMIT, PROBE_BYTES, RelayVerdict, pin_port, local_relay_maddrs, probe_relay, start_relay,
 )
 
-pytestmark = [pytest.mark.network]
+
+ID = "12D3KooWEpDUHmB3dTNVLP4BePWbtTcrhXxkNQcLcSBuRimGaJMf"
+
+
+def test_the_probe_dials_the_relay_where_it_listens_and_a_restart_keeps_its_port():
+    """A relay announced at a public IP (which its own machine may not reach) is probed where it
+    listens: 127.0.0.1 for a wildcard, else the listening IP; a random port is the one it got, and
+    a restart listens on that port again (the address printed stays valid)."""
+    visible = [f"/ip4/203.0.113.7/tcp/31337/p2p/{ID}"]
+    assert local_relay_maddrs(visible, ["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1"]) == \
+        [f"/ip4/127.0.0.1/tcp/31337/p2p/{ID}"]
+    assert local_relay_maddrs([f"/ip4/10.77.0.2/tcp/40011/p2p/{ID}"], ["/ip4/10.77.0.2/tcp/0"]) == \
+        [f"/ip4/10.77.0.2/tcp/40011/p2p/{ID}"]
+    assert pin_port(["/ip4/10.77.0.2/tcp/0"], [f"/ip4/10.77.0.2/tcp/40011/p2p/{ID}"]) == ["/ip4/10.77.0.2/tcp/40011"]
+    assert pin_port(["/ip4/0.0.0.0/tcp/31337"], visible) == ["/ip4/0.0.0.0/tcp/31337"]
 
 
 class _DefaultLimitsRelay(P2P):
@@ -38,6 +52,7 @@ class _DefaultLimitsRelay(P2P):
         return P2P._make_process_args(*args, relayService=False, **kwargs)
 
 
+@pytest.mark.network
 @pytest.mark.timeout(120)
 def test_the_probe_finds_a_relay_at_go_libp2p_default_limits_resetting_after_128_KiB():
     async def start():
@@ -55,6 +70,8 @@ def test_the_probe_finds_a_relay_at_go_libp2p_default_limits_resetting_after_128
     assert probe.moved_bytes <= DEFAULT_RELAY_DATA_LIMIT < PROBE_BYTES, probe
 
 
+@pytest.mark.network
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_relay_started_for_the_bootstrap_carries_a_relayed_round_every_time():
     """Three relays in a row (the race is lost at one start in several here): each, probed again
@@ -69,6 +86,8 @@ def test_a_relay_started_for_the_bootstrap_carries_a_relayed_round_every_time():
             stop_dht(dht)
 
 
+@pytest.mark.network
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bootstrap_relay_serves_relayed_connections_past_128_KiB(tmp_path):
     with PeerProcesses(tmp_path) as run:

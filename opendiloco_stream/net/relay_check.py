@@ -153,7 +153,7 @@ def probe_relay(relay: Sequence[str], nbytes: int = PROBE_BYTES, timeout: float 
         return RelayProbe(RelayVerdict.UNKNOWN, 0, time.monotonic() - t0, repr(e)[:200])
 
 
-def _pin_port(host: Sequence[str], visible: Sequence[str]) -> list[str]:
+def pin_port(host: Sequence[str], visible: Sequence[str]) -> list[str]:
     """``host`` with a random TCP port (``/tcp/0``) replaced by the one the node got, so a restart
     listens where the first start did (the address already printed stays valid)."""
     port = next((Multiaddr(m)["tcp"] for m in visible if "tcp" in Multiaddr(m)), None)
@@ -186,6 +186,6 @@ def start_relay(net: NetConfig, attempts: int = RELAY_ATTEMPTS, **dht_kwargs: An
                            "limits: 128 KiB and 2 minutes per relayed connection): restarting its p2p daemon "
                            "(start %d of %d)", probe.moved_bytes, attempt + 1, attempts)
             stop_dht(dht)
-            host = _pin_port(host, visible)
+            host = pin_port(host, visible)
             net = net.model_copy(update={"host_maddrs": host})
     raise AssertionError("unreachable")
