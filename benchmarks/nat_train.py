@@ -7,6 +7,8 @@
     python -m benchmarks.nat_train --public 2 --natted 1 --symmetric --client-mode --steps 40
     python -m benchmarks.nat_train --natted 2 --relay --relays 4 --symmetric-routers 1     # one of each NAT
     python -m benchmarks.nat_train --natted 2 --relay --relays 4 --rate 100 --relay-rate 20 [--no-punch]
+    python -m benchmarks.nat_train --natted 2 --relay --relays 4 --symmetric --logs DIR \
+        --relay-log-level DEBUG --p2pd-log 'info,relay=debug'    # each relayed connection's bytes in the relays' logs
 
 Builds :class:`benchmarks.harness.nat.NatTopology` (the bootstrap and ``--public`` peers on a
 public bridge, ``--natted`` peers each behind its own masquerading router; ``--symmetric``: a new
