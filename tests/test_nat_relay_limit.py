@@ -17,13 +17,12 @@ import asyncio
 import time
 
 import pytest
-from hivemind.p2p import P2P
 
 from benchmarks.harness.peers import PeerProcesses
 from opendiloco_stream.config import NetConfig
 from opendiloco_stream.net.dht import stop_dht, visible_maddrs
 from opendiloco_stream.net.relay_check import (
-    DEFAULT_RELAY_DATA_LIMIT, PROBE_BYTES, RelayVerdict, pin_port, local_relay_maddrs, probe_relay, start_relay,
+    DEFAULT_RELAY_DATA_LIMIT, PROBE_BYTES, Daemon, RelayVerdict, pin_port, local_relay_maddrs, probe_relay, start_relay,
 )
 
 
@@ -43,28 +42,22 @@ def test_the_probe_dials_the_relay_where_it_listens_and_a_restart_keeps_its_port
     assert pin_port(["/ip4/0.0.0.0/tcp/31337"], visible) == ["/ip4/0.0.0.0/tcp/31337"]
 
 
-class _DefaultLimitsRelay(P2P):
-    """A p2pd whose only relay is the one with go-libp2p's default limits (``-relayService=0``
-    drops the configured one): what a relay serves when the configured one loses the race."""
-
-    @staticmethod
-    def _make_process_args(*args, **kwargs) -> list[str]:
-        return P2P._make_process_args(*args, relayService=False, **kwargs)
-
-
 @pytest.mark.network
 @pytest.mark.timeout(120)
 def test_the_probe_finds_a_relay_at_go_libp2p_default_limits_resetting_after_128_KiB():
-    async def start():
-        return await _DefaultLimitsRelay.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=True,
-                                                force_reachability="public", dht_mode="server")
+    """A p2pd started with ``-relayService=0`` runs only the relay with go-libp2p's default
+    limits: what a relay serves when the configured one loses the race."""
+    async def start() -> Daemon:
+        return await Daemon.start({"relay": True, "relayService": False, "forceReachabilityPublic": True,
+                                   "hostAddrs": "/ip4/127.0.0.1/tcp/0", "dhtServer": True})
+
     loop = asyncio.new_event_loop()
     relay = loop.run_until_complete(start())
     try:
-        maddrs = [str(m) for m in loop.run_until_complete(relay.get_visible_maddrs())]
+        maddrs = [str(m) for m in loop.run_until_complete(relay.p2p.get_visible_maddrs())]
         probe = probe_relay(maddrs)
     finally:
-        loop.run_until_complete(relay.shutdown())
+        loop.run_until_complete(relay.stop())
         loop.close()
     assert probe.verdict is RelayVerdict.LIMITED, probe
     assert probe.moved_bytes <= DEFAULT_RELAY_DATA_LIMIT < PROBE_BYTES, probe

@@ -21,13 +21,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import importlib.resources
 import logging
+import secrets
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from hivemind import hivemind_cli
 from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon import P2PD_FILENAME
 from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco_stream.config import NetConfig
@@ -59,15 +63,52 @@ class RelayProbe:
     detail: str = ""
 
 
-class _StaticRelayP2P(P2P):
-    """A p2p daemon that reserves a slot on its ``trusted_relays`` at once. p2pd takes them as
-    static relays only with ``-relayDiscovery=false``, which ``P2P.create`` (hivemind 1.1.12) does
-    not pass: its private ``_make_process_args`` (the argv builder, read from that version) is the
-    one place to add it. Without it autorelay waits for 4 relay candidates or 3 minutes."""
+def _p2pd_path() -> Path:
+    """The p2pd binary shipped in hivemind's package (where ``P2P.create`` finds it)."""
+    return Path(str(importlib.resources.files(hivemind_cli) / P2PD_FILENAME))
 
-    @staticmethod
-    def _make_process_args(*args, **kwargs) -> list[str]:
-        return P2P._make_process_args(*args, relayDiscovery=False, **kwargs)
+
+class Daemon:
+    """A p2pd started with exactly ``flags`` (``P2P.create`` passes a fixed set: the probe needs
+    ``-relayDiscovery=0``, without which autorelay waits for 4 relay candidates or 3 minutes, and
+    the tests ``-relayService=0``), driven through hivemind's public ``P2P.replicate``."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, p2p: P2P, drain: asyncio.Task):
+        self.proc, self.p2p, self._drain = proc, p2p, drain
+
+    @classmethod
+    async def start(cls, flags: dict[str, Any], timeout: float = 20.0) -> "Daemon":
+        sock = Path(tempfile.gettempdir()) / f"ods-p2pd-{secrets.token_hex(6)}.sock"
+        argv = [str(_p2pd_path()), f"-listen=/unix{sock}",
+                *(f"-{k}={int(v) if isinstance(v, bool) else v}" for k, v in flags.items())]
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        try:
+            seen = []
+            while True:  # p2pd prints its peer id once it serves its control socket
+                line = await asyncio.wait_for(proc.stdout.readline(), timeout)
+                if not line:
+                    raise OSError(f"p2pd exited: {' '.join(seen[-3:])}")
+                seen.append(line.decode(errors="replace").strip())
+                if seen[-1].startswith("Peer ID:"):
+                    break
+            drain = asyncio.ensure_future(proc.stdout.read())  # never let its pipe fill up
+            return cls(proc, await P2P.replicate(Multiaddr(f"/unix{sock}")), drain)
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+
+    async def stop(self) -> None:
+        await self.p2p.shutdown()
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5.0)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self._drain.cancel()
 
 
 def local_relay_maddrs(visible: Sequence[str], host_maddrs: Sequence[str]) -> list[str]:
@@ -92,9 +133,11 @@ async def _probe(relay: Sequence[str], nbytes: int, timeout: float) -> RelayProb
     deadline = t0 + timeout
     relay = list(relay)
     moved = [0]
-    target = await _StaticRelayP2P.create(
-        initial_peers=relay, trusted_relays=relay, use_relay=True, use_auto_relay=True, force_reachability="private",
-        no_listen=True, dht_mode="server", announce_maddrs=[f"{m}/p2p-circuit" for m in relay])
+    joined = ",".join(relay)
+    target = await Daemon.start({"relay": True, "autoRelay": True, "relayDiscovery": False, "trustedRelays": joined,
+                                 "forceReachabilityPrivate": True, "noListenAddrs": True, "b": True,
+                                 "bootstrapPeers": joined, "dhtServer": True,
+                                 "announceAddrs": ",".join(f"{m}/p2p-circuit" for m in relay)})
     dialer = None
     try:
         async def count(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -110,14 +153,14 @@ async def _probe(relay: Sequence[str], nbytes: int, timeout: float) -> RelayProb
             except OSError:
                 pass
 
-        await target.add_binary_stream_handler("ods-relay-probe", count)
-        dialer = await P2P.create(initial_peers=relay, use_relay=True, force_reachability="private", no_listen=True,
-                                  dht_mode="client")
+        await target.p2p.add_binary_stream_handler("ods-relay-probe", count)
+        dialer = await Daemon.start({"relay": True, "forceReachabilityPrivate": True, "noListenAddrs": True, "b": True,
+                                     "bootstrapPeers": joined, "dhtClient": True})
         last = ""
         while True:  # until the target's reservation is up and the dialer finds it through the relay
             try:
                 _, reader, writer = await asyncio.wait_for(
-                    dialer.call_binary_stream_handler(target.peer_id, "ods-relay-probe"), 5.0)
+                    dialer.p2p.call_binary_stream_handler(target.p2p.peer_id, "ods-relay-probe"), 5.0)
                 break
             except Exception as e:
                 last = repr(e)[:200]
@@ -137,9 +180,9 @@ async def _probe(relay: Sequence[str], nbytes: int, timeout: float) -> RelayProb
         finally:
             writer.close()
     finally:
-        for p2p in (dialer, target):
-            if p2p is not None:
-                await p2p.shutdown()
+        for daemon in (dialer, target):
+            if daemon is not None:
+                await daemon.stop()
 
 
 def probe_relay(relay: Sequence[str], nbytes: int = PROBE_BYTES, timeout: float = PROBE_TIMEOUT_S) -> RelayProbe:
