@@ -73,8 +73,8 @@ class Daemon:
     ``-relayDiscovery=0``, without which autorelay waits for 4 relay candidates or 3 minutes, and
     the tests ``-relayService=0``), driven through hivemind's public ``P2P.replicate``."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, p2p: P2P, drain: asyncio.Task):
-        self.proc, self.p2p, self._drain = proc, p2p, drain
+    def __init__(self, proc: asyncio.subprocess.Process, p2p: P2P, drain: asyncio.Task, sock: Path):
+        self.proc, self.p2p, self._drain, self._sock = proc, p2p, drain, sock
 
     @classmethod
     async def start(cls, flags: dict[str, Any], timeout: float = 20.0) -> "Daemon":
@@ -93,10 +93,11 @@ class Daemon:
                 if seen[-1].startswith("Peer ID:"):
                     break
             drain = asyncio.ensure_future(proc.stdout.read())  # never let its pipe fill up
-            return cls(proc, await P2P.replicate(Multiaddr(f"/unix{sock}")), drain)
+            return cls(proc, await P2P.replicate(Multiaddr(f"/unix{sock}")), drain, sock)
         except BaseException:
             proc.kill()
             await proc.wait()
+            sock.unlink(missing_ok=True)
             raise
 
     async def stop(self) -> None:
@@ -109,6 +110,7 @@ class Daemon:
                 self.proc.kill()
                 await self.proc.wait()
         self._drain.cancel()
+        self._sock.unlink(missing_ok=True)  # p2pd leaves its control socket behind
 
 
 def local_relay_maddrs(visible: Sequence[str], host_maddrs: Sequence[str]) -> list[str]:
