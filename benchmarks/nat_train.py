@@ -7,6 +7,8 @@
     python -m benchmarks.nat_train --public 2 --natted 1 --symmetric --client-mode --steps 40
     python -m benchmarks.nat_train --natted 2 --relay --relays 4 --symmetric-routers 1     # one of each NAT
     python -m benchmarks.nat_train --natted 2 --relay --relays 4 --rate 100 --relay-rate 20 [--no-punch]
+    python -m benchmarks.nat_train --natted 2 --relay --relays 4 --symmetric --logs DIR \
+        --relay-log-level DEBUG --p2pd-log 'info,relay=debug'    # each relayed connection's bytes in the relays' logs
 
 Builds :class:`benchmarks.harness.nat.NatTopology` (the bootstrap and ``--public`` peers on a
 public bridge, ``--natted`` peers each behind its own masquerading router; ``--symmetric``: a new
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -61,7 +64,7 @@ def start_relays(run: PeerProcesses, topo: NatTopology, args: argparse.Namespace
     """The bootstrap in ``boot`` and ``--relays - 1`` more, in ``boot`` too (one public machine)
     or, with ``--spread-relays``, one in each of the first public nodes; returns the public nodes
     that host one. Every bootstrap's addresses become the peers' initial peers (``run.addrs``)."""
-    flags = ["--relay"] if args.relay else []
+    flags = (["--relay"] if args.relay else []) + (["--log-level", args.relay_log_level] if args.relay_log_level else [])
     first = run.bootstrap(RUN_ID, *flags, node="boot")
     hosts = topo.public_peers()[:args.relays - 1] if args.spread_relays else ["boot"] * (args.relays - 1)
     for i, node in enumerate(hosts, start=1):
@@ -192,8 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, help="keep the peers' and relays' logs and metrics in this directory")
     ap.add_argument("--peer-log-level", choices=("DEBUG", "INFO", "WARNING"),
                     help="the peers' --log-level (DEBUG: their p2p daemons' lines too; with --logs to read them)")
+    ap.add_argument("--p2pd-log", metavar="LEVELS",
+                    help="the p2p daemons' log levels (GOLOG_LOG_LEVEL), e.g. 'info,relay=debug,p2p-circuit=debug'; "
+                         "their lines show where the process logs at DEBUG")
+    ap.add_argument("--relay-log-level", choices=("DEBUG", "INFO", "WARNING"),
+                    help="the relays' (bootstraps') --log-level: DEBUG shows their p2p daemons' relay lines")
     args = ap.parse_args(argv)
     exit_if_unavailable("nat_train")
+    if args.p2pd_log:
+        os.environ["GOLOG_LOG_LEVEL"] = args.p2pd_log  # inherited by every peer's and relay's p2p daemon
     if args.spread_relays and args.public < args.relays - 1:
         ap.error(f"--spread-relays with --relays {args.relays} needs --public >= {args.relays - 1}")
     t0 = time.monotonic()

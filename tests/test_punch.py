@@ -20,7 +20,8 @@ import pytest
 
 from opendiloco_stream.net.reachability import EchoServer, nat_kind, observe
 from opendiloco_stream.transport.hivemind.punch import (
-    CONE, OPEN, SYMMETRIC, UNKNOWN, Puncher, can_punch, direct_reducers, punch_info,
+    CONE, OPEN, SYMMETRIC, UNKNOWN, UNREACHED_FIRST_S, UNREACHED_MAX_S, Puncher, can_punch, direct_reducers,
+    punch_info,
 )
 from tests.support.nat import NatTopology, unavailable_reason
 
@@ -53,6 +54,28 @@ def test_a_puncher_without_nat_is_open_and_announces_both_ports():
     finally:
         server.close()
     assert Puncher.start([("127.0.0.1", 1)], bind_host="127.0.0.1") is None  # no echo: no punching
+
+
+def test_a_failed_punch_backs_off_from_seconds_doubling_and_a_punched_exchange_resets_it():
+    """After a punched connection breaks, the next punch between the same ports fails while the
+    routers still hold the old connection (~10 s): the pair is kept off the direct path for 15 s,
+    not minutes; only repeated failures back off further (to 10 minutes), and a punched
+    connection that works starts the back-off afresh."""
+    now = [1000.0]
+    puncher = Puncher(1, 2, ("9.9.9.9", 1), ("9.9.9.9", 2), CONE, clock=lambda: now[0])
+    assert puncher.mark_unreached("peerX") == UNREACHED_FIRST_S == 15.0
+    assert puncher.meta()["unreached"] == ["peerX"]
+    now[0] += 14.9
+    assert puncher.unreached() == ["peerX"]
+    now[0] += 0.2
+    assert puncher.unreached() == []  # punched again after 15 s
+    backoffs = [puncher.mark_unreached("peerX") for _ in range(8)]  # failing again and again
+    assert backoffs == [30.0, 60.0, 120.0, 240.0, 480.0, 600.0, 600.0, 600.0] and UNREACHED_MAX_S == 600.0
+    assert puncher.unreached() == ["peerX"] and puncher.failed == 9
+    puncher.mark_reached("peerX")  # an exchange went through a punched connection
+    assert puncher.unreached() == []
+    assert puncher.mark_unreached("peerX") == 15.0
+    assert puncher.mark_unreached("peerY") == 15.0 and puncher.unreached() == ["peerX", "peerY"]
 
 
 @pytest.mark.parametrize("seen,recv,kind", [

@@ -25,6 +25,9 @@ from opendiloco_stream.train.loop import read_metrics
 TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--threads", "1", "--no-progress"]
 
 
+RELAY_START_S = 300.0  # bootstrap --relay: up to 12 starts of its daemon, each with a self-test, on a loaded machine
+
+
 class PeerProcesses:
     """Command processes of one run; a context manager that stops every one of them on exit.
 
@@ -53,6 +56,8 @@ class PeerProcesses:
             self.procs.append(boot)
             self.addrs = self.addrs + addrs
             return addrs
+        if "--relay" in flags:  # a relay tests itself and restarts while p2pd serves 128 KiB (net/relay_check.py)
+            timeout = max(timeout, RELAY_START_S)
         addr_file = self.workdir / f"{name}.addrs"
         proc = self.start(name, ["bootstrap", "--run-id", run_id, "--addr-file", str(addr_file),
                                  "--host-maddrs", f"/ip4/{self.topology.ip(node)}/tcp/0", *flags], node=node)

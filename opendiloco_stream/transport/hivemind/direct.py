@@ -167,6 +167,11 @@ class FailedAddresses:
     def succeeded(self, address: Any) -> None:
         self._entries.pop(address, None)
 
+    def blocked_now(self) -> list:
+        """The addresses blocked at this moment, sorted."""
+        now = self.clock()
+        return sorted(a for a, (until, _) in self._entries.items() if now < until)
+
     def __len__(self) -> int:  # addresses remembered (blocked now or in a back-off that may double)
         return len(self._entries)
 

@@ -47,11 +47,18 @@ from typing import Any, Callable, Optional, Sequence
 from hivemind.utils import get_dht_time
 
 from opendiloco_stream.net.reachability import NatKind, echo_key, parse_echoes, probe_nat, reserve_ports, reusable
+from opendiloco_stream.transport.hivemind.direct import FailedAddresses
 
 logger = logging.getLogger(__name__)
 
 OPEN, CONE, SYMMETRIC, UNKNOWN = NatKind.OPEN, NatKind.CONE, NatKind.SYMMETRIC, NatKind.UNKNOWN
-UNREACHED_S = 120.0  # a failed punch keeps the pair off the direct path (and out of reducer choice) this long
+#: A failed punch keeps the pair off the direct path (and out of reducer choice) for a back-off:
+#: UNREACHED_FIRST_S after a first failure, doubling with each further one up to UNREACHED_MAX_S,
+#: forgotten once an exchange completes over a punched connection. The usual failure is the punch
+#: right after a punched connection broke: the routers keep the closed connection's conntrack entry
+#: 10 s (Linux's ``nf_conntrack_tcp_timeout_close``) and reset a SYN that meets it; 15 s later a punch
+#: works. A pair that cannot punch at all (a filtered port) backs off to minutes.
+UNREACHED_FIRST_S, UNREACHED_MAX_S = 15.0, 600.0
 RETRY_S = (0.05, 0.2)  # after a reset (the other side's socket not there yet), retry after this much
 
 
@@ -87,8 +94,7 @@ class Puncher:
         self._holders = list(holders)  # placeholder sockets that keep both ports ours
         self.adopt: Optional[Callable[[socket.socket], "asyncio.Future"]] = None
         self.answered: dict[tuple, asyncio.Future] = {}  # sender's address -> serving task of its punched connection
-        self._unreached: dict[str, float] = {}  # peer id -> until when a failed punch keeps it off
-        self.clock = clock
+        self._unreached = FailedAddresses(UNREACHED_FIRST_S, UNREACHED_MAX_S, clock)  # peer id -> its back-off
         self.punched = self.failed = 0  # connections this endpoint opened by punching, and punches that failed
 
     @classmethod
@@ -118,13 +124,17 @@ class Puncher:
                 "unreached": self.unreached()}
 
     def unreached(self) -> list[str]:
-        now = self.clock()
-        self._unreached = {p: t for p, t in self._unreached.items() if t > now}
-        return sorted(self._unreached)
+        """The groupmates a failed punch keeps off the direct path now (announced with the round)."""
+        return self._unreached.blocked_now()
 
-    def mark_unreached(self, peer: str) -> None:
+    def mark_unreached(self, peer: str) -> float:
+        """A punch with ``peer`` failed: returns how long it is now kept off (its back-off)."""
         self.failed += 1
-        self._unreached[peer] = self.clock() + UNREACHED_S
+        return self._unreached.failed(peer)
+
+    def mark_reached(self, peer: str) -> None:
+        """A punched connection with ``peer`` worked: its next failure starts the back-off afresh."""
+        self._unreached.succeeded(peer)
 
     def serving(self, remote: tuple) -> bool:
         """Whether a connection punched from ``remote`` (a sender's send address) is still served."""

@@ -380,9 +380,9 @@ class HvAllReduceRunner:
                                              pool=self.direct_pool,
                                              connect=lambda: puncher.dial(puncher.send_port, remote, timeout))
         except (OSError, asyncio.TimeoutError) as e:
-            puncher.mark_unreached(self.names[q])
-            logger.info("round %s: no punched connection to %s at %s:%d (%r): using the p2p daemon", self.key,
-                        self._name(q), remote[0], remote[1], e)
+            backoff = puncher.mark_unreached(self.names[q])
+            logger.info("round %s: no punched connection to %s at %s:%d (%r): using the p2p daemon (punching "
+                        "again in %.0f s)", self.key, self._name(q), remote[0], remote[1], e, backoff)
             return None
         if not stream.reused:
             puncher.punched += 1
@@ -399,7 +399,9 @@ class HvAllReduceRunner:
                 if not puncher.serving(remote):
                     answers.append((s, puncher.answer(remote, min(self.t.request, self._remaining()))))
         for s, ok in zip([s for s, _ in answers], await asyncio.gather(*(a for _, a in answers))):
-            if not ok:
+            if ok:
+                puncher.mark_reached(self.names[s])
+            else:
                 puncher.mark_unreached(self.names[s])
 
     def _buffers_for(self, q: int):
@@ -459,6 +461,8 @@ class HvAllReduceRunner:
             await self._next_result(q, it, DONE, len(self.layout.chunks[q]), timeout)
             self.links_seen.setdefault(q, {})["path"] = self.paths.get(q)
             self._measure(q, stream, asyncio.get_event_loop().time() - t0)
+            if self.paths.get(q) == "punched":  # a punched connection carried a whole exchange
+                self.puncher.mark_reached(self.names[q])
         except RoundError:
             raise
         except StopAsyncIteration:
