@@ -22,6 +22,7 @@ No networking here: everything goes through a Transport. docs/algorithm.md state
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -169,6 +170,21 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                     self._catching_up = False
                 self.log.stats.caught_up_steps += target - start
                 self.log.emit({"event": "catch_up", "from_step": start, "to_step": target})
+            self._digest_outer()
+
+    def _digest_outer(self) -> None:
+        """``record_digests``: an ``outer_digest`` record (blake2b of theta_bar) for every fragment
+        that consumed a round since the last call. Peers with equal digests hold the same global
+        parameters bit for bit (what a joiner must reach: ``benchmarks/harness/wan_pair.py``)."""
+        consumed, self.log.consumed = self.log.consumed, []
+        if not self.config.record_digests:
+            return
+        for p, k in consumed:
+            h = hashlib.blake2b(digest_size=16)
+            for t in self.frags[p].outer:
+                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+            self.log.emit({"event": "outer_digest", "fragment": p, "round": k, "step": self.step_count,
+                           "digest": h.hexdigest()})
 
     def _late_sync_step(self) -> Optional[int]:
         """The latest sync step among fragments whose next round the swarm launched already: that
@@ -285,6 +301,15 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         t, H = self.step_count, self.config.inner_steps
         return [(f.index, fr.round_index(fr.next_sync(t, f.offset, H), f.offset, H)) for f in self.frags]
 
+    def expect_rounds_after(self, step: int) -> None:
+        """A joiner that learned the step of the state it is downloading (before its tensors
+        arrive): take part in the rounds that follow that step, announced now, so that the swarm's
+        next rounds count this peer and wait for it instead of going on without it
+        (``Transport.expect_rounds``). ``load_state_dict`` announces the same rounds again."""
+        H = self.config.inner_steps
+        self.transport.expect_rounds([(f.index, fr.round_index(fr.next_sync(int(step), f.offset, H), f.offset, H))
+                                      for f in self.frags])
+
     def missed_rounds(self) -> list[tuple[int, int]]:
         """After a join: those of this peer's next rounds that the swarm launched already. A joiner
         whose download took longer than the gap to a round would run that round alone and its outer
@@ -308,6 +333,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         with self._lock:
             for s in self.syncs:
                 s.finish()
+            self._digest_outer()
 
     @contextlib.contextmanager
     def global_params(self) -> Iterator[None]:

@@ -27,6 +27,7 @@ class SyncLog:
         self.stats = SyncStats()
         self.events: list[dict[str, Any]] = []
         self._messages: dict[Any, str] = {}  # round key -> why it failed, until its record is emitted
+        self.consumed: list[tuple[int, int]] = []  # record_digests: (fragment, round) recorded since the owner took them
         self.alone = AloneWatch(self.emit)
 
     def wait(self, handle: SyncHandle, timeout: float, give_up: Optional[Callable[[], bool]] = None
@@ -57,6 +58,8 @@ class SyncLog:
         rule's fields, e.g. ``land_steps``)."""
         s = self.stats
         s.syncs += 1
+        if self.record_digests:  # (the streaming wrapper digests theta_bar after them)
+            self.consumed.append((p, k))
         rec: dict[str, Any] = {"event": "sync", "fragment": p, "round": k, "step": step,
                                "ok": result is not None, "wait_s": round(waited, 6)}
         if result is not None:

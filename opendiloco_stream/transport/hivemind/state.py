@@ -235,13 +235,27 @@ class _Filling:
         return True
 
 
+def _state_step(manifest: dict) -> Optional[int]:
+    """The step of the state a manifest describes (a streaming state's ``step``), if it says one;
+    None for a donor still at the initial model (nothing to wait for: the first rounds form anyway)."""
+    structure = manifest.get("structure")
+    if not isinstance(structure, dict) or structure.get("initial") or isinstance(structure.get("step"), bool):
+        return None
+    step = structure.get("step")
+    return step if isinstance(step, int) else None
+
+
 class _Progress:
     """A download's progress records, every ``PROGRESS_EVERY_S`` and once at the end."""
 
-    def __init__(self, sink: Optional[Callable[[dict], None]], donor: str, total: int, last_load: dict):
+    def __init__(self, sink: Optional[Callable[[dict], None]], donor: str, total: int, last_load: dict,
+                 state_step: Optional[int] = None):
         self.sink, self.donor, self.total, self.last_load = sink, donor, total, last_load
         self.done_bytes, self.t0 = 0, time.monotonic()
         self.next_at = self.t0 + PROGRESS_EVERY_S
+        if state_step is not None and sink is not None:  # the manifest's: before any tensor arrives
+            sink({"donor": donor, "bytes": 0, "total_bytes": total, "received_bytes": 0, "reused_bytes": 0,
+                  "seconds": 0.0, "mib_per_s": 0.0, "done": False, "state_step": state_step})
 
     def add(self, nbytes: int) -> None:
         self.done_bytes += nbytes
@@ -386,7 +400,8 @@ class StateSharing:
         try:
             it = stream.__aiter__()
             manifest = await self._manifest(it, theirs, me)
-            report = _Progress(progress, str(donor), int(manifest.get("bytes", 0)), self.last_load)
+            report = _Progress(progress, str(donor), int(manifest.get("bytes", 0)), self.last_load,
+                               _state_step(manifest))
             if isinstance(manifest.get("lanes"), int) and manifest["lanes"] > 1:
                 tensors = await self._receive_lanes(donor, it, manifest, held, have, report)
             else:

@@ -164,6 +164,8 @@ class HivemindTransport(Transport):
         self._presence = Presence(self.dht, self.run_id, self.peer_id, ttl=self.presence_ttl,
                                   late_after=self.timeout_args["matchmaking_time"] / 4,
                                   window=self.timeout_args["matchmaking_time"],
+                                  # the shortest of the fragments' (a joiner's check must not count on more)
+                                  joiner_wait=min(e.timeouts.joiner_wait for e in endpoints.values()),
                                   dht_timeout=self.timeout_args["request_timeout"], dht_lock=self._dht_lock)
         self._lanes = {p: _Lane(p, endpoint, endpoint.timeouts, self._presence, self.target_group_size)
                        for p, endpoint in endpoints.items()}
