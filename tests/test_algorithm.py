@@ -651,7 +651,7 @@ class _SwarmAheadTransport(_SlowLinkTransport):
     def round_late(self, key):
         return key in self.late
 
-    def expect_rounds(self, keys):
+    def expect_rounds(self, keys, since=None):
         self.expected.append(list(keys))
 
 

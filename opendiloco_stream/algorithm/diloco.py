@@ -263,7 +263,13 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         if self.at_initial_model() and not self._rounds_closed():
             return {"step": 0, "initial": True}
         t0 = time.monotonic()
-        state = self.state_dict()  # waits for a step in progress, then for the rounds in flight
+        with self._lock:
+            state = self.state_dict()  # waits for a step in progress, then for the rounds in flight
+            # the joiner takes part in the rounds after this state: reserved for it before this
+            # peer trains on and launches them, so they wait for it however long its download takes
+            reserved_at = self.transport.reserve_rounds(self.next_rounds())
+        if reserved_at is not None:
+            state["reserved_at"] = reserved_at
         logger.info("state of step %d for a joiner in %.2fs (a step in progress and the rounds in flight "
                     "land first)", state["step"], time.monotonic() - t0)
         return state
@@ -294,21 +300,22 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                 if not joiner and state.get("error_feedback") is not None:
                     self.rounds.error_feedback.load_state_dict(state["error_feedback"])
             if joiner:  # so that the others count this peer in them
-                self.transport.expect_rounds(self.next_rounds())
+                self.transport.expect_rounds(self.next_rounds(), since=state.get("reserved_at"))
 
     def next_rounds(self) -> list[tuple[int, int]]:
         """(fragment, round) of the next round of every fragment from the current step."""
         t, H = self.step_count, self.config.inner_steps
         return [(f.index, fr.round_index(fr.next_sync(t, f.offset, H), f.offset, H)) for f in self.frags]
 
-    def expect_rounds_after(self, step: int) -> None:
+    def expect_rounds_after(self, step: int, since: Optional[float] = None) -> None:
         """A joiner that learned the step of the state it is downloading (before its tensors
         arrive): take part in the rounds that follow that step, announced now, so that the swarm's
         next rounds count this peer and wait for it instead of going on without it
-        (``Transport.expect_rounds``). ``load_state_dict`` announces the same rounds again."""
+        (``Transport.expect_rounds``; ``since``: when the donor reserved them, if it did: this
+        keeps them alive). ``load_state_dict`` announces the same rounds again."""
         H = self.config.inner_steps
         self.transport.expect_rounds([(f.index, fr.round_index(fr.next_sync(int(step), f.offset, H), f.offset, H))
-                                      for f in self.frags])
+                                      for f in self.frags], since=since)
 
     def missed_rounds(self) -> list[tuple[int, int]]:
         """After a join: those of this peer's next rounds that the swarm launched already. A joiner

@@ -295,7 +295,7 @@ def _download_progress(w: _Worker, attempt: int, rec: dict) -> None:
     The first record names the state's step (``state_step``): the rounds after it are announced
     then, off the download's thread (a DHT store, one or two round trips at a distance)."""
     if rec.get("state_step") is not None:
-        threading.Thread(target=w.diloco.expect_rounds_after, args=(int(rec["state_step"]),),
+        threading.Thread(target=w.diloco.expect_rounds_after, args=(int(rec["state_step"]), rec.get("reserved_at")),
                          name="join-expect", daemon=True).start()
     w.emit({"event": "state_download", "rank": w.rank, "attempt": attempt, **rec})
     total = max(1, int(rec.get("total_bytes", 0)))

@@ -208,15 +208,33 @@ class Presence:
         joiners = {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t == 0 and peer != self.peer_id}
         return RoundPlan(target=count if count >= 2 else None, joiner=count >= 2 and bool(joiners))
 
-    def expect(self, fragment: int, round_index: int) -> None:
-        """A joiner: announce this peer ahead for ``round_index``, its first round of ``fragment``."""
+    def reserve(self, joiner: str, keys: list[tuple[int, int]]) -> Optional[float]:
+        """A donor serving ``joiner`` its state: announce the joiner ahead for these rounds (the
+        next ones after that state) as its own ``expect`` will, before this peer launches them;
+        the DHT time they were stored, None if a store failed (the joiner's own ``expect`` counts then)."""
+        expiration = get_dht_time() + self.ttl  # the joiner's own announcement takes over within it
+        try:
+            with self._dht_lock:
+                futures = [self.dht.store(live_key(self.run_id, f, k), subkey=joiner, value=[True, 0.0],
+                                          expiration_time=expiration, return_future=True) for f, k in keys]
+            stored = [future.result(timeout=self.dht_timeout) for future in futures]
+        except Exception as e:
+            logger.info("presence: could not reserve rounds %s for joiner %s: %r", keys, joiner, e)
+            return None
+        return get_dht_time() if all(stored) else None
+
+    def expect(self, fragment: int, round_index: int, since: Optional[float] = None) -> None:
+        """A joiner: announce this peer ahead for ``round_index``, its first round of ``fragment``
+        (``since``: its donor announced it there already, at that DHT time)."""
         with self._lock:
             if fragment in self._ahead and self._ahead[fragment][1] != 0.0:
                 return  # it launched a round of this fragment already: its own announcements count
             self._ahead[fragment] = (round_index, 0.0)  # a joiner that downloaded again moves on
         if self._store(fragment, round_index, [True, 0.0]) is not None:
             with self._lock:  # the first store counts: the rounds launched after it waited for this peer
-                self._expected_at.setdefault((fragment, round_index), get_dht_time())
+                first = min(t for t in (since, get_dht_time(), self._expected_at.get((fragment, round_index)))
+                            if t is not None)
+                self._expected_at[(fragment, round_index)] = first
 
     def launched_by_others(self, fragment: int, round_index: int) -> bool:
         """Whether another peer launched this round without counting this peer, so that its group

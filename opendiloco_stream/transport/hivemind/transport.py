@@ -233,10 +233,16 @@ class HivemindTransport(Transport):
         presence = self._presence
         return presence is not None and not self._closed and presence.is_late(*key)
 
-    def expect_rounds(self, keys: list[tuple[int, int]]) -> None:
+    def expect_rounds(self, keys: list[tuple[int, int]], since: Optional[float] = None) -> None:
         if self._presence is not None and not self._closed:
             for fragment, round_index in keys:
-                self._presence.expect(fragment, round_index)
+                self._presence.expect(fragment, round_index, since=since)
+
+    def reserve_rounds(self, keys: list[tuple[int, int]]) -> Optional[float]:
+        joiner = self._state.serving() if self._state is not None else None
+        if joiner is None or self._presence is None or self._closed:
+            return None
+        return self._presence.reserve(joiner, keys)
 
     def rounds_launched(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if self._presence is None or self._closed:
