@@ -249,10 +249,16 @@ class Presence:
         launched = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
                     if is_ahead and t > 0 and peer != self.peer_id]
         now = get_dht_time()
-        # the time to reach the round after this check: see it launched (a beat), late, then join
-        reach_s = min(self.late_after + 2 * self.poll_s + self.dht_timeout, self.joiner_wait / 2)
-        if any(t >= expected_at and now - t > self.joiner_wait - reach_s for t in launched):
-            return True  # it waited for this peer, but will have formed without it by the time it gets there
+        waited = [t for t in launched if t >= expected_at]
+        if waited:
+            # the time to reach the round after this check (is_late knows it now, below), launch it
+            # and join the group: a beat and the round's own lookups, a few round trips
+            reach_s = min(self.late_after + 2 * self.poll_s, self.joiner_wait / 4)
+            if now - min(waited) > self.joiner_wait - reach_s:
+                return True  # it waited for this peer, but will have formed without it by the time it gets there
+            with self._lock:  # the first step's is_late knows it at once, without waiting for a beat
+                self._watch[fragment] = round_index
+                self._launched[(fragment, round_index)] = min(waited)
         launches = [t for t in launched if t < expected_at]
         if not launches:
             return False

@@ -80,9 +80,9 @@ class RoundTimeouts:
     @property
     def joiner_wait(self) -> float:
         """From the start of a round that counts an expected joiner (a peer still downloading the
-        run's state, ``presence.py``): how long its group waits for it. Half the all-reduce bound
-        past the window, so the exchange after it still fits in ``round_bound``."""
-        return self.matchmaking + self.allreduce / 2
+        run's state, ``presence.py``): how long its group waits for it. Three quarters of the
+        all-reduce bound past the window: the exchange after it still fits in ``round_bound``."""
+        return self.matchmaking + 0.75 * self.allreduce
 
     @property
     def round_bound(self) -> float:
