@@ -24,6 +24,7 @@ import pytest
 from benchmarks.harness import netns
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.wan_emulator import Link, Regions
+from benchmarks.harness.wan_pair import run_once
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.network, pytest.mark.slow,
@@ -81,3 +82,26 @@ def test_three_regions_average_every_round_after_the_first(tmp_path, mode):
     fragment's second round, every peer's round averaged all three with the same result."""
     records = _train(tmp_path, mode, f"dist{mode}", extra=("--no-join",) if mode == "eager" else ())
     _check_every_round_averaged_by_all(records, mode)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["eager", "blocking"])
+def test_a_joiner_5_s_late_at_300_ms_with_loss_takes_part_in_the_swarms_rounds(tmp_path, mode):
+    """Two peers 300 ms apart with 1% loss each way (``benchmarks/harness/wan_pair.py``), the
+    second 5 s late: it downloads the running swarm's state (12-14 MB, 4-6 s across that link,
+    longer than the gap between two rounds), its donor reserved it in the rounds after that
+    state, and they waited for it. It joins without missing a round, averages with the first
+    peer from then on, and its theta_bar is the first peer's bit for bit after every round both
+    consumed (``outer_digest`` records)."""
+    res = run_once(tmp_path, rtt_ms=300.0, loss=0.01, mode=mode, late_s=5.0, code=None, timeout=240.0)
+    assert res["error"] is None, res["error"]
+    first, joiner = res["peers"]
+    assert joiner["downloads"], joiner  # it downloaded the state: the swarm was running
+    assert joiner["join"][-1]["event"] == "joined" and joiner["join"][-1]["missed_rounds"] == [], joiner["join"]
+    assert joiner["steps_trained"] > 0, joiner
+    # its own rounds averaged with the first peer; a failure it consumed is one of the donor's,
+    # taken with the state (reason "restored")
+    assert set(joiner["failed"]) <= {"restored"}, joiner
+    assert joiner["averaged"] >= 3, joiner
+    digests = res["outer_digests"]
+    assert digests["compared"] >= 3 and digests["equal"], digests

@@ -80,7 +80,8 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                              "opendiloco_stream.algorithm.wrap(...)")
         self.model, self.optimizer, self.transport, self.config = model, optimizer, transport, config
         self.step_count = 0  # t: inner steps taken
-        self.log = SyncLog(on_event, config.record_digests)
+        # with digests, theta_bar's after each round consumed (``_digest_outer``)
+        self.log = SyncLog(on_event, config.record_digests, keep_consumed=config.record_digests)
         self._closed = False
         self._catching_up = False  # inside step()'s jump to the swarm's round
         self._loaded = False  # a state was loaded (resume or join): theta_bar is not the initial model
