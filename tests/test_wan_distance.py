@@ -13,8 +13,14 @@ re-downloads and may train nothing (1 of 2 runs; docs/networking.md, "At distanc
 still open work; this test pins the averaging at distance, ``tests/test_wan_join.py`` the join at
 150 ms. Blocking keeps the default join (the swarm waits for its rounds).
 
+``test_a_joiner_5_s_late_at_300_ms_with_loss_takes_part_in_the_swarms_rounds`` pins the join at
+distance on two peers: the second one starts 5 s late, 300 ms away with 1% loss, downloads the
+running swarm's state (longer than the gap between two rounds), and its donor's next rounds wait
+for it (the donor reserved it in them when it served the state), so it joins at once and its
+theta_bar is the first peer's from then on.
+
 Needs root and ``ip netns``; skipped with the reason otherwise. Bounded: 40 inner steps, 8
-rounds, about a minute per test on 2 cores.
+rounds, about a minute per 3-region test on 2 cores; the joiner test 60 steps, ~2 minutes.
 """
 
 from __future__ import annotations

@@ -259,10 +259,10 @@ def _join(w: _Worker, transport: Transport, start_step: int) -> int:
     before (``since``: the fragments that synced meanwhile), so an attempt is shorter than the
     one before and catches up with a swarm that moves faster than a whole download.
 
-    As soon as a download's first message says which step the state is of, the rounds after
-    that step are announced (``expect_rounds_after``): the swarm's next rounds then count this
-    peer and wait for it (``presence.py``, "Joiners"), so a download slower than the gap between
-    two rounds still lands in time for them."""
+    The donor reserved this peer in the rounds after the state it serves, and as soon as the
+    download's first message says which step that is, this peer announces them too
+    (``expect_rounds_after``): the swarm's next rounds count it and wait for it (``presence.py``,
+    "Joiners"), so a download slower than the gap between two rounds still lands in time."""
     previous = None
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         state = transport.load_state_from_peers(

@@ -16,13 +16,16 @@ average). With it the target of every round is the number of live peers of the r
 - *Death.* A peer that dies stops refreshing: its announcement expires ``ttl`` later and it is not
   counted in any round the others launch after that. A peer that closes marks its announcements
   as left at once.
-- *Joiners.* A peer downloading the run's state announces the round after the state's step of
-  every fragment ahead as soon as it knows that step, before the tensors arrive (``expect``, with
-  ``launched_at`` = 0: it launched nothing), so the others count it in the rounds right after
-  the state it gets. Such a round (its plan says ``joiner``) waits for its group longer than a
-  window (``RoundTimeouts.joiner_wait``): long enough for a download across a long link, and the
-  group starts as soon as the joiner is in. A joiner whose download outlasted that wait missed
-  the round (``launched_by_others``) and downloads what changed again.
+- *Joiners.* A donor serving its state announces the joiner ahead in the round after the
+  state's step of every fragment (``reserve``, with ``launched_at`` = 0: it launched nothing),
+  under its state's lock, before it launches them; the joiner announces itself there too as soon
+  as its download's first message names that step (``expect``, which its heartbeat refreshes), so
+  the others count it in the rounds right after the state it gets. Such a round (its plan says
+  ``joiner``) waits for its group longer than a window (``RoundTimeouts.joiner_wait``): long
+  enough for a download across a long link, and the group starts as soon as the joiner is in. A
+  joiner whose download outlasted that wait missed the round (``launched_by_others``) and
+  downloads what changed again; one that died costs the round that wait once (its announcements
+  expire ``ttl`` later).
 - *First round* of a fragment without that (a fresh start, a restart from a checkpoint): the peer
   also announces round k itself (``ahead=False``). If others announced k ahead (the run is going),
   it sits round k out (``SyncFailed`` reason "joining") and is counted from k+1 on: the others did
