@@ -7,11 +7,12 @@ a user would (started together) and checks that from each fragment's
 second round on (the first may meet a peer still starting) every peer averaged every round with
 both others, with the same result everywhere (digests of the average).
 
-Eager runs with ``--no-join``: a peer that starts while the others already train asks them for the
-run's state, and at 230 ms that download (17 MB in ~5 s) can arrive stale, so the far peer
-re-downloads and may train nothing (1 of 2 runs; docs/networking.md, "At distance"). That join is
-still open work; this test pins the averaging at distance, ``tests/test_wan_join.py`` the join at
-150 ms. Blocking keeps the default join (the swarm waits for its rounds).
+The three start with ``--wait-for-peers 3`` and the default join, in both modes: each takes its
+first step once all three have built their models, so none finds the others rounds in (before
+that flag eager ran with ``--no-join``: the asia peer, whose start-up across 160-230 ms took
+longer, found the others training, downloaded a state that was stale on arrival and trained
+nothing, 1 of 2 runs). A joiner into a running swarm at distance is still open work
+(docs/benchmarks-wan.md); ``tests/test_wan_join.py`` pins the join at 150 ms.
 
 Needs root and ``ip netns``; skipped with the reason otherwise. Bounded: 40 inner steps, 8
 rounds, about a minute per test on 2 cores.
@@ -79,5 +80,5 @@ def _check_every_round_averaged_by_all(records: dict[str, list[dict]], mode: str
 def test_three_regions_average_every_round_after_the_first(tmp_path, mode):
     """us, eu and asia (75/230/160 ms, 1% loss eu-asia), fp4, eager and blocking: from each
     fragment's second round, every peer's round averaged all three with the same result."""
-    records = _train(tmp_path, mode, f"dist{mode}", extra=("--no-join",) if mode == "eager" else ())
+    records = _train(tmp_path, mode, f"dist{mode}", extra=("--wait-for-peers", "3"))
     _check_every_round_averaged_by_all(records, mode)
