@@ -68,12 +68,19 @@ def test_the_probe_finds_a_relay_at_go_libp2p_default_limits_resetting_after_128
 @pytest.mark.timeout(300)
 def test_a_relay_started_for_the_bootstrap_carries_a_relayed_round_every_time():
     """Three relays in a row (the race is lost at one start in several here): each, probed again
-    after ``start_relay`` returned, carries 512 KiB through one relayed connection."""
+    after ``start_relay`` returned, carries 512 KiB through one relayed connection. The self-test
+    itself may end inconclusive (in a full suite, once: every probe's helper daemon exited with
+    "failed to connect to bootstrap peers"), never limited; the probe from outside, repeated while
+    inconclusive, must find the relay carrying."""
     for _ in range(3):
         dht, probe = start_relay(NetConfig(run_id="relaycheck"), use_relay=True, force_reachability="public")
         try:
-            assert probe.verdict is RelayVerdict.CARRIES, probe
-            again = probe_relay(local_relay_maddrs(visible_maddrs(dht), ["/ip4/127.0.0.1/tcp/0"]))
+            assert probe.verdict in (RelayVerdict.CARRIES, RelayVerdict.UNKNOWN), probe
+            for attempt in range(5):
+                again = probe_relay(local_relay_maddrs(visible_maddrs(dht), ["/ip4/127.0.0.1/tcp/0"]))
+                if again.verdict is not RelayVerdict.UNKNOWN:
+                    break
+                time.sleep(1.0 + attempt)
             assert again.verdict is RelayVerdict.CARRIES and again.moved_bytes == PROBE_BYTES, again
         finally:
             stop_dht(dht)

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_RELAY_DATA_LIMIT = 128 << 10  # go-libp2p's relay.DefaultResources().Limit.Data (v0.32)
 PROBE_BYTES = 512 << 10  # through one relayed stream: 4x what the default relay lets through
 PROBE_TIMEOUT_S = 30.0
-PROBE_RETRIES = 2  # more probes of one start while a probe's daemons cannot reach the relay
+PROBE_RETRIES = 5  # more probes of one start while a probe's daemons cannot reach the relay (1, 2, ... s apart)
 RELAY_ATTEMPTS = 12  # starts of the relay's daemon before giving up (the race was lost at 50 of 102 starts
                      # in NAT runs on a loaded 2-core machine, up to 12 in a row for one relay)
 
@@ -220,11 +220,11 @@ def start_relay(net: NetConfig, attempts: int = RELAY_ATTEMPTS, **dht_kwargs: An
             visible = visible_maddrs(dht)
             local = local_relay_maddrs(visible, host)
             probe = probe_relay(local)
-            for _ in range(PROBE_RETRIES):  # a helper daemon that came too early fails to reach the relay
+            for retry in range(PROBE_RETRIES):  # a helper daemon that came too early fails to reach the relay
                 if probe.verdict is not RelayVerdict.UNKNOWN:
                     break
                 logger.info("relay self-test inconclusive (%s): once more", probe.detail)
-                time.sleep(1.0)
+                time.sleep(1.0 + retry)
                 probe = probe_relay(local)
             if probe.verdict is not RelayVerdict.LIMITED or attempt == attempts:
                 return dht, probe
