@@ -71,7 +71,8 @@ def test_curves_from_a_real_run_give_each_mode_its_time_to_the_reference_loss(tm
     stalled = {**ref, "mode": "streaming-eager", "codec": "fp4-e3m0",
                "eval_curve": [p if i < 3 else [p[0], p[1], curve[2][2]] for i, p in enumerate(curve)]}
     rows = {r["mode"]: r for r in ttl.rows([ref, stalled])}
-    assert rows["streaming"]["time_s"] <= curve[-1][1] and rows["streaming"]["vs_reference"] == 1.0
+    # time_s is interpolated between two points of the curve: at the last one it may exceed its wall by 1 ulp
+    assert rows["streaming"]["time_s"] <= curve[-1][1] + 1e-9 and rows["streaming"]["vs_reference"] == 1.0
     assert rows["streaming-eager"]["time_s"] is None and rows["streaming-eager"]["best_loss"] == curve[2][2]
     text = "\n".join(ttl.section([ref, stalled]))
     assert "not reached" in text and f"{rows['streaming']['time_s']:.1f} s" in text
