@@ -10,23 +10,16 @@ usual way.
 """
 
 import atexit
-import logging
-import os
 import sys
+
+from opendiloco_stream.net.lifecycle import exit_without_teardown
 
 _returned: list[int] = []  # the command's exit code, once it returned
 
 
 def _exit_now() -> None:
-    if not _returned:
-        return
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(_returned[0])
+    if _returned:
+        exit_without_teardown(_returned[0])
 
 
 atexit.register(_exit_now)

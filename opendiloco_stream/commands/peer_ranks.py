@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import faulthandler
-import logging
 import os
 import signal
 import socket
@@ -35,7 +34,7 @@ from opendiloco_stream.commands._common import prepare_data
 from opendiloco_stream.commands.local_hivemind import stop_processes
 from opendiloco_stream.config import check_data_parallel
 from opendiloco_stream.config_cli import UsageError
-from opendiloco_stream.net.lifecycle import GracefulShutdown
+from opendiloco_stream.net.lifecycle import GracefulShutdown, exit_without_teardown
 
 GRACE_S = 15.0  # a failed rank's peers: how long the others get to leave before their trees are killed
 
@@ -131,13 +130,7 @@ def end_rank(code: int) -> NoReturn:
     ``destroy_process_group``; freed during finalization, its worker threads can abort the process
     (CI saw a rank end with SIGABRT after its run had finished). Everything the rank wrote is
     flushed first; the DHT, averagers and files were closed by the rank itself."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 def lost_rank(e: BaseException) -> bool:
