@@ -317,9 +317,9 @@ class NetConfig(_Strict):
                               "cannot (NAT, firewall), train as a client (reduce no part) instead of stalling "
                               "every group it joins; not done for a local run or in client mode")
     relay: bool = Field(False, description="behind NAT with no port to open: be reachable through the "
-                        "initial peers' circuit relay (a bootstrap started with --relay); takes ~3 minutes to "
-                        "set up unless 4 relays are among the initial peers, and every byte of this peer's rounds "
-                        "crosses a relay (docs/networking.md)")
+                        "initial peers, each a circuit relay (a bootstrap started with --relay), with a slot "
+                        "reserved on each at start; exchanges with groupmates that cannot punch a direct "
+                        "connection cross a relay (docs/networking.md)")
     daemon_startup_timeout: float = Field(30.0, gt=0, description="bound on starting the p2p daemon (s)")
     run_key_file: Optional[str] = Field(None, description="file holding the run key: only peers with the same key "
                                         "join the run's groups, write its DHT records and download its state "

@@ -22,8 +22,8 @@ from typing import Optional
 import pytest
 
 from opendiloco_stream.config import NetConfig
-from opendiloco_stream.net.dht import (RELAY_CANDIDATES, NetError, ensure_identity, listen_maddrs,
-                                       relay_wait_warning, start_dht, stop_dht, visible_maddrs)
+from opendiloco_stream.net.dht import (PRIVATE_STATIC_RELAYS, NetError, ensure_identity, listen_maddrs,
+                                       relayed_peer_kwargs, start_dht, stop_dht, visible_maddrs)
 from opendiloco_stream.net.keys import run_key
 from opendiloco_stream.net.lifecycle import descendants, is_running, kill_process_tree, process_name
 
@@ -498,6 +498,8 @@ def test_doctor_passes_against_a_live_bootstrap(bootstrap, publishing_peer):
     assert punch == ["[skip] punch: run 'net-test' announces no echo server, so no peer can punch a direct connection"], \
         result.stdout
     lines.remove(punch[0])
+    # the relays among the initial peers are checked with --relay only (tests/test_nat_relay_limit.py)
+    lines.remove("[skip] relay: no --relay: the initial peers are not used as relays")
     assert [l.split("]")[0] + "]" for l in lines] == ["[ok]"] * 9, result.stdout + result.stderr
     assert "run 'net-test' has 1 peer(s) publishing metrics" in lines[2]  # decoded the signed records
     assert "the bootstrap" in lines[3] and "opened a new connection" in lines[3]  # a real dial-back
@@ -610,16 +612,21 @@ def test_doctor_bad_input_exits_2_with_one_line(monkeypatch, capsys):
     assert "\n" not in err
 
 
-def test_a_relayed_peer_with_fewer_than_four_relays_is_told_it_waits_three_minutes():
-    """p2pd's autorelay reserves a slot once it knows RELAY_CANDIDATES relays, or after 3 minutes
-    (measured: benchmarks/nat_train.py, 190-197 s with one relay, 30 s with four). Addresses of one
-    node count once; four nodes, on one machine or not, need no warning."""
-    ids = ["12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE", "12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq",
-           "12D3KooWSyjaEpPzb2NDcTKRJKtHmE6SHqjmFB5NjRnRBkHwEjnM", "12D3KooWHKh35u9Yg8nR3jzPAdGbX4UD4oUwrJNAVi7LuNR3kW7M"]
-    one = [f"/ip4/203.0.113.7/tcp/31337/p2p/{ids[0]}", f"/ip4/203.0.113.7/udp/31337/quic-v1/p2p/{ids[0]}"]
-    warning = relay_wait_warning(one)
-    assert warning and "1 relay(s)" in warning and "about 3 minutes" in warning and "bootstrap --relay" in warning
-    four = [f"/ip4/203.0.113.7/tcp/{31337 + i}/p2p/{pid}" for i, pid in enumerate(ids)]
-    assert RELAY_CANDIDATES == 4 and relay_wait_warning(four) is None
-    assert "3 relay(s)" in relay_wait_warning(four[:3])
+def test_a_relayed_peer_takes_each_initial_peer_once_as_a_static_relay():
+    """p2pd's autorelay waits for 4 relay candidates (or 3 minutes) unless its relays are static:
+    ``-trustedRelays`` with ``-relayDiscovery=0``, the latter through an entry of hivemind's
+    ``P2P.FORCE_REACHABILITY_MAPPING``. Each relay node once, at a TCP address where it has one
+    (p2pd would count every address as a relay and wait for that many); none is a usage error."""
+    from hivemind.p2p import P2P
+
+    ids = ["12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE", "12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq"]
+    peers = [f"/ip4/203.0.113.7/udp/31337/quic-v1/p2p/{ids[0]}", f"/ip4/203.0.113.7/tcp/31337/p2p/{ids[0]}",
+             f"/ip4/203.0.113.8/udp/31338/quic-v1/p2p/{ids[1]}"]
+    kwargs = relayed_peer_kwargs(peers)
+    assert kwargs == {"use_relay": True, "use_auto_relay": True, "force_reachability": PRIVATE_STATIC_RELAYS,
+                      "trusted_relays": [peers[1], peers[2]]}
+    assert P2P.FORCE_REACHABILITY_MAPPING[PRIVATE_STATIC_RELAYS] == {"forceReachabilityPrivate": 1,
+                                                                     "relayDiscovery": 0}
+    with pytest.raises(NetError, match="--relay needs its relays among the initial peers"):
+        relayed_peer_kwargs([])
 

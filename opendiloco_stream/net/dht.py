@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import hivemind
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
@@ -82,21 +82,43 @@ def _is_loopback(maddr) -> bool:
     return False
 
 
-#: go-libp2p's autorelay (in hivemind's p2pd) waits for this many relay candidates before it
-#: reserves a slot, or for its boot delay (3 minutes) with fewer
-RELAY_CANDIDATES = 4
+#: the ``force_reachability`` of a ``--relay`` peer's p2p daemon: private, and its relays static
+#: (registered in hivemind's ``P2P.FORCE_REACHABILITY_MAPPING`` by :func:`relayed_peer_kwargs`)
+PRIVATE_STATIC_RELAYS = "private, static relays"
 
 
-def relay_wait_warning(initial_peers: list[str]) -> Optional[str]:
-    """What a ``--relay`` peer is told when its initial peers are fewer than ``RELAY_CANDIDATES``
-    distinct nodes: its first ~3 minutes are alone (None when there are enough)."""
-    nodes = {str(m).rstrip("/").rsplit("/p2p/", 1)[-1] for m in initial_peers}
-    if len(nodes) >= RELAY_CANDIDATES:
-        return None
-    return (f"--relay with {len(nodes)} relay(s) among the initial peers: the p2p daemon waits about 3 minutes for "
-            f"{RELAY_CANDIDATES} before it reserves a slot, and this peer trains alone until then; start "
-            f"{RELAY_CANDIDATES} `bootstrap --relay` (one public machine is enough, one port each) and pass all "
-            f"of them as --initial-peers to average from the first rounds (docs/networking.md)")
+def relay_nodes(initial_peers: Iterable[str]) -> dict[str, list[str]]:
+    """The initial peers of a ``--relay`` peer, which are its relays, by node: ``{peer id:
+    multiaddrs}``, TCP addresses first, else in the order given."""
+    nodes: dict[str, list[str]] = {}
+    for m in sorted(map(str, initial_peers), key=lambda m: "/tcp/" not in m):  # a stable sort
+        nodes.setdefault(m.rstrip("/").rsplit("/p2p/", 1)[-1], []).append(m)
+    return nodes
+
+
+def relayed_peer_kwargs(initial_peers: Sequence[str]) -> dict[str, Any]:
+    """``hivemind.DHT`` keyword arguments of a ``--relay`` peer: a private node whose p2p daemon
+    reserves a slot at once on each initial peer, taken as its relays.
+
+    p2pd's autorelay, fed relay candidates from its DHT, reserves only once it knows 4 of them, or
+    after a boot delay of 3 minutes (go-libp2p v0.32 autorelay ``minCandidates`` and ``bootDelay``).
+    Given ``-trustedRelays`` and ``-relayDiscovery=0`` it uses those relays statically instead
+    (``EnableAutoRelayWithStaticRelays``: as many candidates as relays, no wait). hivemind 1.1.12's
+    ``P2P.create`` passes ``trusted_relays`` as ``-trustedRelays`` but has no argument for
+    ``-relayDiscovery``; it turns ``force_reachability`` into daemon flags through the class
+    attribute ``P2P.FORCE_REACHABILITY_MAPPING`` (hivemind/p2p/p2p_daemon.py, 1.1.12), where one
+    more entry, :data:`PRIVATE_STATIC_RELAYS`, adds ``-relayDiscovery=0`` to
+    ``-forceReachabilityPrivate=1``. hivemind's DHT process is forked (``DHT`` is a
+    ``ForkProcess``), so it sees the entry. Each relay is passed once, at its first TCP address
+    (else its first): p2pd counts every address as a relay, and autorelay would wait for as many
+    distinct ones. docs/networking.md, "Two peers both behind NAT".
+    """
+    if not initial_peers:
+        raise NetError("--relay needs its relays among the initial peers: pass the address each "
+                       "`bootstrap --relay` printed as --initial-peers")
+    P2P.FORCE_REACHABILITY_MAPPING[PRIVATE_STATIC_RELAYS] = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
+    return {"use_relay": True, "use_auto_relay": True, "force_reachability": PRIVATE_STATIC_RELAYS,
+            "trusted_relays": [maddrs[0] for maddrs in relay_nodes(initial_peers).values()]}
 
 
 def listen_maddrs(net: NetConfig) -> tuple[list[str], list[str]]:
@@ -232,11 +254,8 @@ def start_dht(net: NetConfig, *, start_timeout: Optional[float] = None,
         identity = str(Path(net.identity_path).expanduser())
         ensure_identity(identity)
     timeout = start_timeout if start_timeout is not None else 2 * net.daemon_startup_timeout + 10
-    if net.relay:  # a reservation on a relay that p2pd's autorelay finds among the DHT's peers (docs/networking.md)
-        dht_kwargs = {"use_relay": True, "use_auto_relay": True, "force_reachability": "private", **dht_kwargs}
-        warning = relay_wait_warning(net.initial_peers)
-        if warning:
-            logger.warning(warning)
+    if net.relay:  # a reservation on each initial peer, a static relay of p2pd's autorelay (docs/networking.md)
+        dht_kwargs = {**relayed_peer_kwargs(net.initial_peers), **dht_kwargs}
     dht = hivemind.DHT(
         initial_peers=list(net.initial_peers) or None, start=False, host_maddrs=host,
         announce_maddrs=announce or None, identity_path=identity, client_mode=net.client_mode,
