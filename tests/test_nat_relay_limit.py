@@ -102,3 +102,36 @@ def test_bootstrap_relay_serves_relayed_connections_past_128_KiB(tmp_path):
         log = (tmp_path / "relay.log").read_text()
     assert probe.verdict is RelayVerdict.CARRIES and probe.moved_bytes == PROBE_BYTES, (probe, log[-2000:])
     assert "relay self-test: 524288 bytes through one relayed connection" in log, log[-2000:]
+
+
+def _start_bootstrap(run: PeerProcesses, name: str, *flags: str) -> list[str]:
+    """A ``bootstrap`` process on 127.0.0.1 with ``flags``; its addresses once it printed them."""
+    addr_file = run.workdir / f"{name}.addrs"
+    proc = run.start(name, ["bootstrap", "--run-id", "relaydoc", "--addr-file", str(addr_file), *flags])
+    deadline = time.monotonic() + 240
+    while not (addr_file.exists() and addr_file.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, (run.workdir / f"{name}.log").read_text()[-2000:]
+        time.sleep(0.2)
+    return addr_file.read_text().split()
+
+
+@pytest.mark.network
+@pytest.mark.timeout(300)
+def test_doctor_says_which_relay_among_the_initial_peers_carries_a_round_and_which_resets_at_128_KiB(tmp_path):
+    """``doctor --relay`` probes every initial peer as a relay: a ``bootstrap --relay`` carries
+    512 KiB (ok); a bootstrap without ``--relay`` serves only go-libp2p's default relay, which
+    resets the connection before 128 KiB crossed (FAIL, with the fix: restart it with --relay)."""
+    with PeerProcesses(tmp_path) as run:
+        relay = _start_bootstrap(run, "relay", "--relay")
+        plain = _start_bootstrap(run, "plain", "--initial-peers", *relay)
+        proc = run.start("doctor", ["doctor", "--relay", "--run-id", "relaydoc", "--timeout", "10",
+                                    "--initial-peers", *relay, *plain])
+        code = proc.wait(180)
+        out = (tmp_path / "doctor.log").read_text()
+    lines = [line for line in out.splitlines() if "] relay:" in line]
+    assert len(lines) == 2 and code == 1 and "1 check(s) failed: relay" in out, out
+    assert f"[ok] relay: {relay[0]} carried {PROBE_BYTES} bytes through one relayed connection" in lines[0], out
+    assert lines[1].startswith(f"[FAIL] relay: {plain[0]} reset a relayed connection after "), out
+    moved = int(lines[1].split(" reset a relayed connection after ")[1].split()[0])
+    assert moved <= DEFAULT_RELAY_DATA_LIMIT, out
+    assert "fix: restart that bootstrap with --relay" in out, out

@@ -14,9 +14,13 @@ In order, each check printed as it completes:
 5. ``nat``       the bootstrap says which address this machine's connections come from; when
                  it is none of this machine's own, the peer is behind NAT, and the check says
                  whether that is a problem (nobody can dial it and it is not a client) and what
-                 to do: client mode, a forwarded port with ``--public-ip``, or ``--relay``; with
-                 ``--relay`` it says whether enough relays are among the initial peers to
-                 reserve a slot at once (4; with fewer the p2p daemon waits ~3 minutes).
+                 to do: client mode, a forwarded port with ``--public-ip``, or ``--relay`` (the
+                 p2p daemon then reserves a slot on each initial peer at start).
+   ``relay``     with ``--relay``, one line per relay among the initial peers (every one): two
+                 throwaway p2p daemons here send 512 KiB through one connection relayed by it
+                 (:mod:`opendiloco_stream.net.relay_check`); ``FAIL`` when it resets the
+                 connection at go-libp2p's default 128 KiB (restart that ``bootstrap --relay``),
+                 ``warn`` when no relayed connection opens.
 6. ``punch``     which NAT this machine is behind, from the run's echo servers (every ``bootstrap
                  --relay`` runs one): no NAT, a home router (one public port for every
                  destination: groupmates behind NAT open direct connections to it by hole
@@ -60,13 +64,15 @@ from opendiloco_stream.compression import native
 from opendiloco_stream.config import NetConfig
 from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, ip4_of, listen_maddrs,
-                                       rank_maddrs, relay_wait_warning)
+                                       rank_maddrs, relay_nodes)
 from opendiloco_stream.net.distance import probe_peers
 from opendiloco_stream.net.keys import run_key
 from opendiloco_stream.net.metrics import metrics_validators
 from opendiloco_stream.net.reachability import (NatKind, echo_key, parse_echoes, probe_dial, probe_nat, probe_tcp,
                                                  request_dialback, request_observed, request_tcp_dialback,
                                                  reserve_ports, short_error)
+from opendiloco_stream.net.relay_check import (DEFAULT_RELAY_DATA_LIMIT, PROBE_BYTES, RelayProbe, RelayVerdict,
+                                                probe_relay)
 from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, slow_start_after_idle
 
 logger = logging.getLogger(__name__)
@@ -134,6 +140,24 @@ def _nat_fix(net: NetConfig, public: str) -> str:
             f"{port} --public-ip {public}; where no peer of the run can open a port: --relay here and on "
             f"4 relay bootstraps given as --initial-peers (bootstrap --relay; its rounds then cross a relay; "
             f"docs/networking.md, \"Behind NAT\")")
+
+
+def _relay_check(relay: str, probe: RelayProbe) -> Check:
+    """The ``relay`` line of one relay: its probe's verdict and what to do."""
+    if probe.verdict is RelayVerdict.CARRIES:
+        return Check("relay", "ok", f"{relay} carried {probe.moved_bytes} bytes through one relayed connection "
+                     f"({probe.seconds:.1f} s)")
+    if probe.verdict is RelayVerdict.LIMITED:
+        return Check("relay", "FAIL", f"{relay} reset a relayed connection after {probe.moved_bytes} of "
+                     f"{PROBE_BYTES} bytes (go-libp2p's default limit, {DEFAULT_RELAY_DATA_LIMIT} bytes per "
+                     f"connection): every exchange of a round relayed through it fails",
+                     "restart that bootstrap with --relay (`bootstrap --relay` tests its relay at start and "
+                     "restarts its p2p daemon until it carries); a bootstrap without --relay is no relay: "
+                     "drop it from the --initial-peers of --relay peers")
+    return Check("relay", "warn", f"{relay}: no relayed connection could be opened through it "
+                 f"({probe.detail or 'no detail'}); whether it carries a round is unknown",
+                 "check that it runs as `bootstrap --relay` (a bootstrap without --relay serves no reservation "
+                 "that carries a round) and that this machine reaches its port")
 
 
 def _probe_nat(echoes: list[tuple[str, int]]):
@@ -295,12 +319,32 @@ class _Doctor:
         return Check("nat", "FAIL", f"{detail}; nobody can open a connection to it", _nat_fix(self.net, seen[0]))
 
     def _relayed(self, detail: str) -> Check:
-        """Behind NAT with ``--relay``: fine, once enough relays are among the initial peers."""
-        relays = f"{detail}; --relay: reached through the relays among the initial peers"
-        wait = relay_wait_warning(self.net.initial_peers)
-        if wait:
-            return Check("nat", "warn", f"{relays}, after a wait", wait)
-        return Check("nat", "ok", f"{relays} (every byte of its rounds crosses one)")
+        """Behind NAT with ``--relay``: fine, its p2p daemon reserves a slot on each initial peer
+        at start (whether each relay carries a round: the ``relay`` check)."""
+        n = len(relay_nodes(self.net.initial_peers))
+        return Check("nat", "ok", f"{detail}; --relay: reached through the {n} relay(s) among the initial peers "
+                     f"(a slot on each, reserved at start)")
+
+    async def relays(self) -> list[Check]:
+        """With ``--relay``, one check per relay among the initial peers: whether it carries a
+        relayed connection past go-libp2p's default 128 KiB (``net.relay_check.probe_relay``)."""
+        if not self.net.relay:
+            return [Check("relay", "skip", "no --relay: the initial peers are not used as relays")]
+        if self.helper is None:
+            return [Check("relay", "skip", "no initial peer answered (see bootstrap)")]
+        nodes = relay_nodes(self.net.initial_peers)
+        loop = asyncio.get_running_loop()
+        probes = await asyncio.gather(*(loop.run_in_executor(None, self._probe_relay, maddrs)
+                                        for maddrs in nodes.values()))
+        return [_relay_check(maddrs[0], probe) for maddrs, probe in zip(nodes.values(), probes)]
+
+    def _probe_relay(self, maddrs: list[str]) -> RelayProbe:
+        """:func:`probe_relay` (blocking), once more if its helper daemons reached no relayed stream."""
+        probe = probe_relay(maddrs, timeout=2 * self.timeout)
+        if probe.verdict is RelayVerdict.UNKNOWN:
+            time.sleep(1.0)
+            probe = probe_relay(maddrs, timeout=2 * self.timeout)
+        return probe
 
     async def punch(self) -> Check:
         """Which NAT, from the run's echo servers: whether groupmates can punch to this peer."""
@@ -462,7 +506,7 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
 
     try:
         if add(await doctor.p2pd()).status == "FAIL":
-            for name in ("listen", "bootstrap", "dial-back", "nat", "punch", "data port", "link", "share"):
+            for name in ("listen", "bootstrap", "dial-back", "nat", "relay", "punch", "data port", "link", "share"):
                 add(Check(name, "skip", "needs p2pd"))
             add(doctor.kernels())
             return checks
@@ -470,6 +514,8 @@ async def run_checks(net: NetConfig, *, timeout: float = 15.0,
         add(await doctor.bootstrap())
         add(await doctor.dial_back())
         add(await doctor.nat())
+        for check in await doctor.relays():
+            add(check)
         add(await doctor.punch())
         add(await doctor.data_port())
         add(await doctor.link())
