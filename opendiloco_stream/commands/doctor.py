@@ -2,8 +2,9 @@
 
 Checks, in order: p2pd starts; a node listens where the peer would (--port / --host-maddrs); the
 initial peers answer and the DHT serves the run; the bootstrap can open a new connection back to
-the addresses this peer announces (--public-ip / --announce-maddrs); with --data-port, that it
-can also open a TCP connection to the data port; the address to share.
+the addresses this peer announces (--public-ip / --announce-maddrs); with --relay, that each
+initial peer is a relay whose relayed connections carry a round (past 128 KiB); with --data-port,
+that it can also open a TCP connection to the data port; the address to share.
 Exit code 0 when nothing failed, 1 when a check failed, 2 for bad input.
 
 Run it with the same network flags the peer will use, e.g.
@@ -21,7 +22,7 @@ from opendiloco_stream.net.lifecycle import daemons, kill_stray_daemons
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="preflight: p2pd, listen port, bootstrap, dial-back, data port, address to share",
+    p = sub.add_parser("doctor", help="preflight: p2pd, listen port, bootstrap, dial-back, relays, data port, address to share",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_network_flags(p, data=True)
     p.add_argument("--timeout", type=float, default=15.0, metavar="S", help="bound on each check (default 15 s)")

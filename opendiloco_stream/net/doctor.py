@@ -16,27 +16,27 @@ In order, each check printed as it completes:
                  whether that is a problem (nobody can dial it and it is not a client) and what
                  to do: client mode, a forwarded port with ``--public-ip``, or ``--relay`` (the
                  p2p daemon then reserves a slot on each initial peer at start).
-   ``relay``     with ``--relay``, one line per relay among the initial peers (every one): two
+6. ``relay``     with ``--relay``, one line per relay among the initial peers (every one): two
                  throwaway p2p daemons here send 512 KiB through one connection relayed by it
                  (:mod:`opendiloco_stream.net.relay_check`); ``FAIL`` when it resets the
                  connection at go-libp2p's default 128 KiB (restart that ``bootstrap --relay``),
                  ``warn`` when no relayed connection opens.
-6. ``punch``     which NAT this machine is behind, from the run's echo servers (every ``bootstrap
+7. ``punch``     which NAT this machine is behind, from the run's echo servers (every ``bootstrap
                  --relay`` runs one): no NAT, a home router (one public port for every
                  destination: groupmates behind NAT open direct connections to it by hole
                  punching) or a symmetric NAT (a new port per destination: no punch can work,
                  exchanges with groupmates behind NAT cross the relay); skipped without echoes
                  (a warning with ``--relay``), ``--no-direct`` or ``--no-punch``.
-7. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
+8. ``data port`` the direct data path of rounds (``--data-port D``): this machine can listen on
                  TCP D, and the bootstrap opens a TCP connection to D at each address that passed
                  check 4 (skipped for random data ports, ``--no-direct``, client mode and ``--relay``).
-8. ``link``      the round-trip time to each initial peer (TCP handshakes), and whether this
+9. ``link``      the round-trip time to each initial peer (TCP handshakes), and whether this
                  machine's TCP settings suit a link of that RTT at ``--link-mbit``: buffers that
                  grow to the bandwidth-delay product, and connections that keep their window
                  between rounds (``net.ipv4.tcp_slow_start_after_idle``); warn with the fix.
                  Whether a round of the run's H, P and codec fits that link: ``peer --dry-run``.
-9. ``share``     the address others should pass as ``--initial-peers``.
-10. ``kernels``   the native codec kernels build and load (``compression/native.py``); without
+10. ``share``    the address others should pass as ``--initial-peers``.
+11. ``kernels`` the native codec kernels build and load (``compression/native.py``); without
                  them the codecs run in torch, several times slower on the CPU (warn).
 
 Status: ``ok``, ``FAIL`` (the peer will not work as configured), ``warn`` (it may), ``skip``.
