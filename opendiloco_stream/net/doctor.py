@@ -137,9 +137,9 @@ def _nat_fix(net: NetConfig, public: str) -> str:
     port = net.port or 31337
     return (f"train as a client (--client-mode / net.client_mode = true: it connects out, others reduce "
             f"its parts); or forward TCP and UDP {port} on the router to this machine and run with --port "
-            f"{port} --public-ip {public}; where no peer of the run can open a port: --relay here and on "
-            f"4 relay bootstraps given as --initial-peers (bootstrap --relay; its rounds then cross a relay; "
-            f"docs/networking.md, \"Behind NAT\")")
+            f"{port} --public-ip {public}; where no peer of the run can open a port: --relay here, with "
+            f"a `bootstrap --relay` on a public machine as --initial-peers (one is enough; exchanges that "
+            f"cannot punch a direct connection then cross it; docs/networking.md, \"Behind NAT\")")
 
 
 def _relay_check(relay: str, probe: RelayProbe) -> Check:
