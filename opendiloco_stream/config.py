@@ -343,8 +343,9 @@ class NetConfig(_Strict):
     wait_for_peers: int = Field(1, ge=1, description="before its first step, wait until this many peers of the "
                                 "run (this one included) are ready to train, e.g. the swarm's size when its "
                                 "peers are started together: their first rounds then meet instead of going "
-                                "alone while a slower peer still starts up; a running swarm that has them "
-                                "already is joined at once", json_schema_extra=cli(metavar="N"))
+                                "alone while a slower peer still starts up, and they take their first step "
+                                "at the same instant (2 s after the last became ready, on the DHT's clock); "
+                                "a running swarm that has them already is joined at once", json_schema_extra=cli(metavar="N"))
     wait_for_peers_timeout: float = Field(600.0, gt=0, description="seconds --wait-for-peers waits at most; then "
                                           "the peer trains with the peers it has, and says so",
                                           json_schema_extra=cli(metavar="S"))

@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from benchmarks.harness.loopback import LoopbackSwarm, make_tensor
 from opendiloco_stream.config import ConfigError, NetConfig, RunConfig, load_config
 from opendiloco_stream.net.auth import Admission, RunAuth, RunKeyValidator, load_run_key, open_keys
-from opendiloco_stream.train.join import JoinRefused, RunGate, first_difference, fingerprint_fields
+from opendiloco_stream.train.join import JoinRefused, RunGate, common_start, first_difference, fingerprint_fields
 from opendiloco_stream.net.metrics import MetricsPublisher, install_validators, read_swarm_metrics
 
 KEY = "correct horse battery staple 42"
@@ -184,11 +184,21 @@ def test_join_checks_refuse_another_key_no_key_and_another_fingerprint(tmp_path)
             stop_dht(node)
 
 
+def test_peers_that_waited_for_each_other_agree_on_their_first_step():
+    """``common_start``: margin after the count-th earliest ready record, whatever the order each
+    peer reads them in; a swarm whose count peers were ready long ago gives a time in the past."""
+    assert common_start([10.0, 12.5], 2, 2.0) == common_start([12.5, 10.0], 2, 2.0) == 14.5
+    assert common_start([10.0, 11.0, 100.0], 2, 2.0) == 13.0  # a third peer joins a running pair: no hold
+    with pytest.raises(ValueError):
+        common_start([10.0], 2)
+
+
 @pytest.mark.network
 @pytest.mark.timeout(90)
 def test_wait_for_peers_counts_the_key_holders_ready_and_gives_up_at_its_timeout(tmp_path):
     """``--wait-for-peers``: a peer waits until N peers of the run said they are ready, reports its
-    progress while it waits, and trains with fewer after its timeout; an outsider's forged ``ready``
+    progress while it waits, starts at the same instant as the peers it waited for, and trains with
+    fewer after its timeout; an outsider's forged ``ready``
     record (another key) is not counted."""
     import threading
 
@@ -215,6 +225,8 @@ def test_wait_for_peers_counts_the_key_holders_ready_and_gives_up_at_its_timeout
         assert late.wait_for_peers(2, timeout=30) == 2  # the first peer is ready already: no wait
         thread.join(30)
         assert result == [2], result
+        # both start at the same instant, from the same two records: 2 s after the later one
+        assert waiter.start_at is not None and waiter.start_at == late.start_at, (waiter.start_at, late.start_at)
         alone = RunGate(second, "keyed-alone", RunAuth(KEY.encode()), timeout=10)
         gates.append(alone)
         start = time.monotonic()

@@ -77,6 +77,21 @@ def first_difference(mine: dict[str, str], run: dict[str, Any]) -> Optional[str]
     return None
 
 
+#: how long after the last awaited peer became ready peers started together take their first step:
+#: covers a poll (0.5 s) and a DHT read at a few hundred ms RTT, so every waiting peer has seen it
+START_MARGIN_S = 2.0
+
+
+def common_start(sinces: list[float], count: int, margin_s: float = START_MARGIN_S) -> float:
+    """When peers that waited for ``count`` ready peers take their first step (DHT time): ``margin_s``
+    after the ``count``-th earliest ``ready`` record. Every peer computes it from the same records,
+    so peers that waited for each other agree on it; one that joins a swarm whose ``count`` peers were
+    ready long ago gets a time in the past (no hold)."""
+    if len(sinces) < count or count < 1:
+        raise ValueError(f"{len(sinces)} ready records, {count} awaited")
+    return sorted(sinces)[count - 1] + margin_s
+
+
 class RunGate:
     """This peer's join checks and the records that let later joiners check against it."""
 
@@ -88,6 +103,7 @@ class RunGate:
         self._records: dict[str, Any] = {}  # part -> the value to keep alive
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.start_at: Optional[float] = None  # wait_for_peers: the common first step's DHT time
 
     # ------------------------------------------------------------------ reads
     def _others(self, part: str) -> list[tuple[Any, float]]:
@@ -133,16 +149,33 @@ class RunGate:
 
     def wait_for_peers(self, count: int, timeout: float, should_stop: Optional[Callable[[], bool]] = None,
                        progress: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.5,
-                       progress_every_s: float = 10.0) -> int:
+                       progress_every_s: float = 10.0, start_margin_s: float = START_MARGIN_S) -> int:
         """Say this peer is ready to train (a ``ready`` record), then wait until ``count`` peers of the
         run (this one included) are, at most ``timeout`` seconds or until ``should_stop()``. Returns
         the peers ready when it stopped waiting (less than ``count`` after a timeout or a stop).
-        ``progress(ready, waited_s)`` is called every ``progress_every_s`` while it waits."""
-        self._announce("ready", {"since": float(get_dht_time())})
+        ``progress(ready, waited_s)`` is called every ``progress_every_s`` while it waits.
+
+        Peers that were waiting for each other start together: each sees the others' ready records
+        at its own next poll (up to ``poll_s`` plus a DHT read apart, a second or more across
+        continents, which eager peers would carry as a step lag for the whole run), so all of them
+        hold until the same instant, :func:`common_start` of the records (``start_margin_s`` after
+        the ``count``-th peer became ready, on the DHT's clock), and ``start_at`` says which. A peer
+        that finds the ``count`` peers ready long ago (a running swarm) starts at once."""
+        since = float(get_dht_time())
+        self._announce("ready", {"since": since})
         start = last = time.monotonic()
         while True:
-            ready = 1 + len(self._others("ready"))
+            others = [v["since"] for v, _ in self._others("ready")
+                      if isinstance(v, dict) and isinstance(v.get("since"), float)]
+            ready = 1 + len(others)
             waited = time.monotonic() - start
+            if ready >= count and count > 1:
+                self.start_at = common_start([since, *others], count, start_margin_s)
+                hold = min(start_margin_s, self.start_at - float(get_dht_time()))
+                while hold > 0 and not (should_stop is not None and should_stop()):
+                    time.sleep(min(hold, poll_s))
+                    hold = min(start_margin_s, self.start_at - float(get_dht_time()))
+                return ready
             if ready >= count or waited >= timeout or (should_stop is not None and should_stop()):
                 return ready
             if progress is not None and time.monotonic() - last >= progress_every_s:
