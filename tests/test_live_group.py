@@ -13,6 +13,7 @@ import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from benchmarks.harness.loopback import LoopbackSwarm
+from opendiloco_stream.transport.hivemind import presence as presence_module
 from opendiloco_stream.transport.hivemind.presence import Presence
 
 NUMEL = 1000
@@ -78,6 +79,38 @@ def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apa
     finally:
         for p in peers.values():
             p.close()
+
+
+def test_a_donor_reserves_its_joiner_in_the_next_rounds_which_wait_for_it_and_no_longer(monkeypatch):
+    """A donor serving its state stores the joiner's announcement of the rounds after it
+    (``reserve``) before launching them: its plan of such a round counts the joiner and says so
+    (``joiner``: the lane then waits ``joiner_wait`` for it). The joiner, whose own announcement
+    names that reservation's time (``since``), has not missed the round while it still waits
+    (and is late for it at once: its first step joins it), and has once the wait is nearly over.
+    A controlled clock (presence's ``get_dht_time``) stands for the download's seconds."""
+    now = [get_dht_time()]
+    monkeypatch.setattr(presence_module, "get_dht_time", lambda: now[0])
+    dht = FakeDHT()
+    donor = Presence(dht, "run", "donor", ttl=60, late_after=0, poll_s=1000, window=5, joiner_wait=20)
+    joiner = Presence(dht, "run", "joiner", ttl=60, late_after=0, poll_s=1000, window=5, joiner_wait=20)
+    try:
+        donor.before_round(0, 0)  # the run is going: round 1 announced ahead
+        reserved = donor.reserve("joiner", [(0, 1)])  # serving the state of a step before round 1
+        assert reserved == now[0]
+        plan = donor.before_round(0, 1)  # launched after the reservation
+        assert (plan.target, plan.joiner) == (2, True)
+        now[0] += 2.0  # the joiner's manifest arrived: it announces the round itself
+        joiner.expect(0, 1, since=reserved)
+        now[0] += 8.0  # its download done, 10 s after the launch: the round still waits for it
+        assert not joiner.launched_by_others(0, 1)
+        assert joiner.is_late(0, 1)  # without a beat: its first step catches up and joins the round
+        now[0] += 8.0  # a download of 18 s: within 20 s of the launch, but too late to get there
+        assert joiner.launched_by_others(0, 1)
+        plan = donor.before_round(0, 2)  # the joiner launched nothing: the donor is alone in round 2's count
+        assert (plan.target, plan.joiner) == (None, False)
+    finally:
+        donor.close()
+        joiner.close()
 
 
 def test_a_fixed_group_size_announces_rounds_without_waiting_for_the_dht_and_plans_nothing():

@@ -134,11 +134,12 @@ class FragmentEndpoint:
         """Run ``coroutine`` (one of this endpoint's) on the service's loop."""
         return self.service.submit(coroutine)
 
-    def set_target(self, round_index: int, target: int) -> None:
-        """Hand a round already matching its group the size to wait for (``Matchmaker.set_target``,
-        on the loop); nothing once the loop is closed (the round then fails as closed)."""
+    def set_target(self, round_index: int, target: int, wait_s: Optional[float] = None) -> None:
+        """Hand a round already matching its group the size to wait for, and how long from its
+        start (``Matchmaker.set_target``, on the loop); nothing once the loop is closed (the round
+        then fails as closed)."""
         try:
-            self.service.loop.call_soon_threadsafe(self.matchmaker.set_target, round_index, target)
+            self.service.loop.call_soon_threadsafe(self.matchmaker.set_target, round_index, target, wait_s)
         except RuntimeError:  # the loop is closed
             pass
 

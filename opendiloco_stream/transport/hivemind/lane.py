@@ -114,6 +114,7 @@ class _Current:
 
     def __init__(self, handle: HivemindSyncHandle, expected: Optional[int] = None, window: float = 0.0):
         self.handle, self.future, self.expected = handle, None, expected  # expected: the group's target
+        self.window = window  # how long its group may take to form
         self.match_deadline = time.monotonic() + window  # when its matchmaking window ends
         self.formed = threading.Event()
 
@@ -280,7 +281,7 @@ class _Lane:
         # trips at a distance) is made while the group forms, and its target reaches the
         # matchmaking when it is known (``_plan_later``); a first round is planned before it starts.
         later = early is None and self.live_target and self.presence.announced(fragment)
-        expected = None
+        expected, window = None, self.timeouts.matchmaking
         if not later:
             plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
             if plan is not None and plan.skip:
@@ -289,7 +290,9 @@ class _Lane:
                                                    f"count it)")
                 return
             expected = self.target if plan is None else plan.target
-        current = _Current(handle, expected, self.timeouts.matchmaking)
+            if plan is not None and plan.joiner:  # a joiner still downloading is counted: wait for it
+                window = self.timeouts.joiner_wait
+        current = _Current(handle, expected, window)
         with self._lock:
             if handle.done():  # abandoned (or closed) while it was prepared
                 if early is not None:
@@ -310,7 +313,7 @@ class _Lane:
         if plan is None or plan.skip:  # (a later round is never skipped)
             return
         current.expected = plan.target
-        self.endpoint.set_target(round_index, plan.target)
+        self.endpoint.set_target(round_index, plan.target, self.timeouts.joiner_wait if plan.joiner else None)
 
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
                      early: Optional[_Early], current: _Current) -> RoundSummary:
@@ -318,7 +321,7 @@ class _Lane:
         # the buffers the round decodes into, faulted in on an executor thread while the group forms
         buffers = asyncio.get_event_loop().run_in_executor(None, self.endpoint.round_buffers, flat.numel())
         try:
-            group = await self.endpoint.group_for(key, weight, target, self.timeouts.matchmaking,
+            group = await self.endpoint.group_for(key, weight, target, current.window,
                                                   None if early is None else early.future)
         finally:
             result, sent = await buffers  # (also on failure: the executor thread is not left behind)

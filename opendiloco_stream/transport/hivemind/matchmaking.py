@@ -87,6 +87,7 @@ class _Round:
     gathered: bytes
     target: Optional[int]
     deadline: float  # event-loop time the window ends
+    started: float = 0.0  # event-loop time it began forming
     leading: bool = False
     following: Optional[PeerID] = None  # the leader this peer last chose, if not itself
     decided: asyncio.Event = field(default_factory=asyncio.Event)  # it has chosen once
@@ -120,7 +121,8 @@ class Matchmaker:
         self.rounds: dict[int, _Round] = {}
         self.handler_name = f"{prefix}::join"
         self._background: set = set()  # announcements sent without waiting (held: asyncio holds tasks weakly)
-        self._targets: dict[int, Optional[int]] = {}  # targets set before their round began forming
+        # (target, wait_s) set before their round began forming
+        self._targets: dict[int, tuple[Optional[int], Optional[float]]] = {}
 
     # ------------------------------------------------------------------ DHT
     async def _announce(self, r: _Round, grouped: bool) -> None:
@@ -165,10 +167,14 @@ class Matchmaker:
         ``window_s`` seconds; ``MatchmakingFailed`` if none formed. ``target``: start as soon as
         that many peers are in (``None``: at the window's end with whoever joined)."""
         loop = asyncio.get_event_loop()
+        early_target, wait_s = self._targets.pop(round_index, (None, None))
         if target is None:
-            target = self._targets.pop(round_index, None)
-        r = _Round(round_index, pack_meta(meta), target, loop.time() + window_s, outcome=loop.create_future())
+            target = early_target
+        r = _Round(round_index, pack_meta(meta), target, loop.time() + window_s, started=loop.time(),
+                   outcome=loop.create_future())
         self.rounds[round_index] = r
+        if wait_s is not None:
+            r.deadline = max(r.deadline, r.started + wait_s)
         # The announcement and the first read of the others' go out together: a DHT store is a
         # round trip or two at a distance, and waiting for it before reading would add them to
         # every round (the others read ours at their next poll, as they would anyway).
@@ -187,16 +193,24 @@ class Matchmaker:
         await asyncio.gather(first, return_exceptions=True)
         await self._announce(r, grouped=True)
 
-    def set_target(self, round_index: int, target: Optional[int]) -> None:
+    def set_target(self, round_index: int, target: Optional[int], wait_s: Optional[float] = None) -> None:
         """The group size round ``round_index`` waits for, known after it began forming (the lane
-        plans a fragment's later rounds meanwhile): a leader with that many members starts now."""
+        plans a fragment's later rounds meanwhile): a leader with that many members starts now.
+        ``wait_s``: the round waits that long from its start for them, if longer than its window
+        (a joiner still downloading is among them: ``presence.py``)."""
         r = self.rounds.get(round_index)
         if r is None:  # its forming has not begun yet (or is over): kept for it, a few at most
-            self._targets[round_index] = target
+            self._targets[round_index] = (target, wait_s)
             for old in sorted(self._targets)[:-4]:
                 del self._targets[old]
             return
         r.target = target
+        if wait_s is not None and r.started + wait_s > r.deadline:
+            r.deadline = r.started + wait_s
+            # its announcement must live as long as the window now does, for the joiner to find it
+            task = asyncio.ensure_future(self._announce(r, grouped=False))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         r.changed.set()
 
     def _end(self, r: _Round) -> None:
