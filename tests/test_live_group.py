@@ -14,7 +14,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from benchmarks.harness.loopback import LoopbackSwarm
 from opendiloco_stream.transport.hivemind import presence as presence_module
-from opendiloco_stream.transport.hivemind.presence import Presence
+from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
 
 NUMEL = 1000
 LIVE_AHEAD = "benchmarks.harness.loopback:live_ahead"  # run inside a peer: its count of a round
@@ -76,6 +76,27 @@ def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apa
         assert peers["a"].before_round(0, 2).target == 2  # a and the fresh peer launched round 1
         peers["joiner"].expect(0, 2)  # a joiner that downloaded again moves its announcement on
         assert peers["c"].before_round(0, 2).target == 4  # ... and counted there: a, fresh, joiner, c
+    finally:
+        for p in peers.values():
+            p.close()
+
+
+def test_peers_that_joined_with_the_initial_model_marker_plan_a_cold_starts_first_round_without_a_target():
+    """Two peers joined a cold start with the initial-model marker (``expect`` of round 0, as
+    ``load_state_dict`` does) beside a fresh peer (announced, not ahead): nobody launched a round
+    before, so their plan has no target either, and the group forms at the deadline with everyone.
+    A count of the two marker joiners (what it was) left the fresh peer out: the leader started
+    its group of two as soon as one other came, without the second joiner on its way (the eager
+    third peer's test, tests/test_meeting_peers.py). The round after counts all three."""
+    dht = FakeDHT()
+    peers = {name: Presence(dht, "run", name, ttl=60, late_after=0, poll_s=1000) for name in ("fresh", "j1", "j2")}
+    try:
+        assert peers["fresh"].before_round(0, 0) == RoundPlan(target=None)
+        peers["j1"].expect(0, 0)
+        peers["j2"].expect(0, 0)
+        assert peers["j1"].before_round(0, 0) == RoundPlan(target=None)
+        assert peers["j2"].before_round(0, 0) == RoundPlan(target=None)
+        assert [peers[n].before_round(0, 1).target for n in ("fresh", "j1", "j2")] == [3, 3, 3]
     finally:
         for p in peers.values():
             p.close()

@@ -30,7 +30,11 @@ average). With it the target of every round is the number of live peers of the r
   also announces round k itself (``ahead=False``). If others announced k ahead (the run is going),
   it sits round k out (``SyncFailed`` reason "joining") and is counted from k+1 on: the others did
   not count it, so it could take the place of one they did. If nobody did (every peer is new: a
-  cold start), round k has no target and forms at ``matchmaking_time`` with everyone there.
+  cold start), round k has no target and forms at ``matchmaking_time`` with everyone there. A
+  peer that joined such a swarm with the initial-model marker announced its first rounds
+  ahead (``expect``, ``launched_at`` = 0) but plans them as a cold start too: a count of the
+  marker joiners alone would leave out the fresh peers, whose group would then start without a
+  joiner still on its way (and from the initial model it would stay that round apart for good).
 - *Late.* Ahead announcements say when their peer launched the round before, so a slower peer
   learns that the others launched round k ``late_after`` seconds ago while it has not reached
   that round's sync step: ``is_late`` tells the algorithm, which syncs at once (catch-up) and
@@ -206,6 +210,10 @@ class Presence:
             if {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t > 0} - {self.peer_id}:
                 return RoundPlan(target=None, skip=True)
             return RoundPlan(target=None)  # a cold start: nobody knows the size yet
+        if not any(t > 0 for is_ahead, t in entries.values() if is_ahead):
+            # nobody launched the round before: a cold start's first round, "announced" here only
+            # by marker joiners (module docstring, "First round"): at its deadline, as the fresh do
+            return RoundPlan(target=None)
         count = len(ahead | {self.peer_id})
         # a peer ahead at t = 0 launched nothing yet: a joiner that announced itself while downloading
         joiners = {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t == 0 and peer != self.peer_id}
