@@ -821,6 +821,27 @@ def test_a_donor_reserves_its_joiner_in_the_rounds_after_its_state_and_the_joine
     assert all(torch.equal(a, b) for f, g in zip(donor.frags, joiner.frags) for a, b in zip(f.outer, g.outer))
 
 
+def test_a_donor_handing_out_the_initial_model_marker_reserves_its_joiner_in_the_first_rounds():
+    """The marker comes with the joiner reserved in the first round of every fragment (the
+    rounds a joiner from the initial model takes, whatever step the donor is at), so that the one
+    forming waits for it; the joiner announces them with that reservation's time."""
+    config = DiLoCoConfig(inner_steps=10, num_fragments=2, mode="eager")
+    donor_link = _ReservingTransport()
+    donor_model = make_mlp()
+    donor = StreamingDiLoCo(donor_model, torch.optim.SGD(donor_model.parameters(), lr=0.05),
+                            transport=donor_link, config=config, blocks=list(donor_model))
+    for _ in range(3):
+        donor.step(tokens=1)
+    assert donor._shared_state() == {"step": 0, "initial": True, "reserved_at": 123.0}
+    assert donor_link.reserved == [[(0, 0), (1, 0)]]
+    link = _SwarmAheadTransport()
+    model = make_mlp(1)
+    joiner = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
+                             blocks=list(model))
+    joiner.load_state_dict({"step": 0, "initial": True, "reserved_at": 123.0}, joiner=True)
+    assert link.expected == [[(0, 0), (1, 0)]] and link.since == 123.0 and joiner.at_initial_model()
+
+
 def test_a_donor_at_the_initial_model_hands_out_the_marker_only_while_its_rounds_take_newcomers():
     """Eager trains on while its first round runs: a donor still at the initial model whose round
     is closed to newcomers (it has its group, or waits only for the peers it counted) serves its

@@ -84,7 +84,8 @@ def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apa
 def test_peers_that_joined_with_the_initial_model_marker_plan_a_cold_starts_first_round_without_a_target():
     """Two peers joined a cold start with the initial-model marker (``expect`` of round 0, as
     ``load_state_dict`` does) beside a fresh peer (announced, not ahead): nobody launched a round
-    before, so their plan has no target either, and the group forms at the deadline with everyone.
+    before, so their plan has no target either, and the group forms at the deadline with everyone
+    (and with the joiners announced there: ``awaited``).
     A count of the two marker joiners (what it was) left the fresh peer out: the leader started
     its group of two as soon as one other came, without the second joiner on its way (the eager
     third peer's test, tests/test_meeting_peers.py). The round after counts all three."""
@@ -94,8 +95,9 @@ def test_peers_that_joined_with_the_initial_model_marker_plan_a_cold_starts_firs
         assert peers["fresh"].before_round(0, 0) == RoundPlan(target=None)
         peers["j1"].expect(0, 0)
         peers["j2"].expect(0, 0)
-        assert peers["j1"].before_round(0, 0) == RoundPlan(target=None)
-        assert peers["j2"].before_round(0, 0) == RoundPlan(target=None)
+        # no target; each waits for the other joiner, still on its way, past its window
+        assert peers["j1"].before_round(0, 0) == RoundPlan(target=None, joiner=True, awaited=frozenset({"j2"}))
+        assert peers["j2"].before_round(0, 0) == RoundPlan(target=None, joiner=True, awaited=frozenset({"j1"}))
         assert [peers[n].before_round(0, 1).target for n in ("fresh", "j1", "j2")] == [3, 3, 3]
     finally:
         for p in peers.values():
@@ -132,6 +134,39 @@ def test_a_donor_reserves_its_joiner_in_the_next_rounds_which_wait_for_it_and_no
     finally:
         donor.close()
         joiner.close()
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_a_round_forming_when_its_peer_hands_out_the_initial_model_marker_waits_for_that_joiner_past_its_window():
+    """A peer alone in a cold start's first round (no target, a 2 s window) serves a joiner the
+    initial-model marker over the real state download, reserving it in that round, and the
+    joiner gets there only 3.5 s after the round began (what a joiner across a long link does:
+    its step, lookups and join request take round trips). The round waits for it past its window
+    (``Matchmaker.await_peers``, up to ``joiner_wait``) and both average it together. Before, the
+    round failed alone at its window's end, the joiner's too, and each stepped with its own outer
+    gradient: their theta_bar stayed apart for good (docs/benchmarks-wan.md, "The join at distance")."""
+    swarm = LoopbackSwarm(2, run_id="marker", transport_kwargs=dict(
+        codec="fp32", matchmaking_time=2.0, request_timeout=1.0, presence_ttl=10.0))
+    try:
+        swarm.start()
+        donor, joiner = swarm.peers
+        swarm.call_all("prepare", {0: NUMEL}, timeout=120)
+        donor.call("call", "benchmarks.harness.loopback:serve_initial_marker", rounds=[(0, 0)])
+        t0 = time.monotonic()
+        donor.send("all_reduce", (0, 0), seed=1, numel=NUMEL, return_tensors=False)
+        time.sleep(0.5)
+        state = joiner.call("load_state", 30.0, timeout=60)["state"]
+        assert state["initial"] and state["reserved_at"] is not None, state
+        joiner.call("call", "benchmarks.harness.loopback:expect_since", fragment=0, round_index=0,
+                    since=state["reserved_at"])
+        time.sleep(max(0.0, t0 + 3.5 - time.monotonic()))  # past the donor's window
+        joiner.send("all_reduce", (0, 0), seed=2, numel=NUMEL, return_tensors=False)
+        results = [donor.recv(60), joiner.recv(60)]
+        assert [(r["ok"], r.get("group_size")) for r in results] == [(True, 2)] * 2, results
+        assert results[0]["sha256"] == results[1]["sha256"]
+    finally:
+        swarm.close()
 
 
 def test_a_fixed_group_size_announces_rounds_without_waiting_for_the_dht_and_plans_nothing():

@@ -260,9 +260,16 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         non-blocking rule trains on while its first rounds run; a round that has its group, or
         waits only for the peers it counted): the joiner could not be in it, and from the
         initial model it would stay that round's outer step behind everyone. It gets the state
-        after the round landed instead, as any late joiner."""
+        after the round landed instead, as any late joiner. With the marker the joiner is
+        reserved in the first rounds (``reserve_rounds``): the one forming waits for it past its
+        window, which a joiner across a long link needs (its step, lookups and join request take
+        round trips)."""
         if self.at_initial_model() and not self._rounds_closed():
-            return {"step": 0, "initial": True}
+            marker: dict[str, Any] = {"step": 0, "initial": True}
+            reserved_at = self.transport.reserve_rounds(self._rounds_after(0))  # the joiner's first ones
+            if reserved_at is not None:
+                marker["reserved_at"] = reserved_at
+            return marker
         t0 = time.monotonic()
         with self._lock:
             state = self.state_dict()  # waits for a step in progress, then for the rounds in flight
@@ -287,7 +294,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
             if joiner:
                 # but this peer takes part in the first rounds: counted there, it does not sit them
                 # out as a fresh peer in a running swarm would (the donor waits for it in them)
-                self.transport.expect_rounds(self.next_rounds())
+                self.transport.expect_rounds(self.next_rounds(), since=state.get("reserved_at"))
             return
         with self._lock:
             self._loaded = True
@@ -305,8 +312,11 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
 
     def next_rounds(self) -> list[tuple[int, int]]:
         """(fragment, round) of the next round of every fragment from the current step."""
-        t, H = self.step_count, self.config.inner_steps
-        return [(f.index, fr.round_index(fr.next_sync(t, f.offset, H), f.offset, H)) for f in self.frags]
+        return self._rounds_after(self.step_count)
+
+    def _rounds_after(self, step: int) -> list[tuple[int, int]]:
+        H = self.config.inner_steps
+        return [(f.index, fr.round_index(fr.next_sync(int(step), f.offset, H), f.offset, H)) for f in self.frags]
 
     def expect_rounds_after(self, step: int, since: Optional[float] = None) -> None:
         """A joiner that learned the step of the state it is downloading (before its tensors
@@ -314,9 +324,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         next rounds count this peer and wait for it instead of going on without it
         (``Transport.expect_rounds``; ``since``: when the donor reserved them, if it did: this
         keeps them alive). ``load_state_dict`` announces the same rounds again."""
-        H = self.config.inner_steps
-        self.transport.expect_rounds([(f.index, fr.round_index(fr.next_sync(int(step), f.offset, H), f.offset, H))
-                                      for f in self.frags], since=since)
+        self.transport.expect_rounds(self._rounds_after(step), since=since)
 
     def missed_rounds(self) -> list[tuple[int, int]]:
         """After a join: those of this peer's next rounds that the swarm launched already. A joiner

@@ -177,7 +177,8 @@ class SwarmView(Protocol):
 
     def reserve_rounds(self, keys: list[tuple[int, int]]) -> Optional[float]:
         """Called by the state provider, in its thread, with its state's lock held: the joiner
-        it serves takes part in these rounds (the next ones after the state). A networked
+        it serves takes part in these rounds (the next ones after the state; with the
+        initial-model marker, the first ones, which may be forming already). A networked
         transport announces the joiner there now, before this peer trains on and launches them,
         so that they wait for it; it returns the time it did (carried to the joiner in the state:
         ``expect_rounds``'s ``since``). None: nothing reserved."""

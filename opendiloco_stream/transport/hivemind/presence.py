@@ -71,7 +71,10 @@ class RoundPlan:
 
     target: Optional[int]   # start as soon as this many peers are in the group (None: at the deadline)
     skip: bool = False      # first round of this fragment in a running swarm: sit it out
-    joiner: bool = False    # the target counts a joiner still downloading: wait ``joiner_wait`` for it
+    joiner: bool = False    # a joiner still on its way is counted or awaited: wait ``joiner_wait`` for it
+    # without a target: the joiners announced there (peer ids), whom the group waits for past its
+    # window (up to ``joiner_wait``) before it forms with everyone there
+    awaited: frozenset = frozenset()
 
 
 async def prune_pending_gets(_dht: DHT, node: Any) -> int:
@@ -204,19 +207,21 @@ class Presence:
     def _plan(self, fragment: int, round_index: int, new: bool) -> RoundPlan:
         entries = self._entries(fragment, round_index)
         ahead = {peer for peer, (is_ahead, _) in entries.items() if is_ahead}
+        # a peer ahead at t = 0 launched nothing yet: a joiner announced by its donor or by itself
+        joiners = frozenset(peer for peer, (is_ahead, t) in entries.items()
+                            if is_ahead and t == 0 and peer != self.peer_id)
         if new:
             # the run is going if others launched the round before (a joiner's t = 0 says only
-            # that it will be there: with joiners alone, the round still forms at its deadline)
+            # that it will be there: with joiners alone, the round still forms at its deadline,
+            # once they are in)
             if {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t > 0} - {self.peer_id}:
                 return RoundPlan(target=None, skip=True)
-            return RoundPlan(target=None)  # a cold start: nobody knows the size yet
+            return RoundPlan(target=None, joiner=bool(joiners), awaited=joiners)  # a cold start: no size known
         if not any(t > 0 for is_ahead, t in entries.values() if is_ahead):
             # nobody launched the round before: a cold start's first round, "announced" here only
             # by marker joiners (module docstring, "First round"): at its deadline, as the fresh do
-            return RoundPlan(target=None)
+            return RoundPlan(target=None, joiner=bool(joiners), awaited=joiners)
         count = len(ahead | {self.peer_id})
-        # a peer ahead at t = 0 launched nothing yet: a joiner that announced itself while downloading
-        joiners = {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t == 0 and peer != self.peer_id}
         return RoundPlan(target=count if count >= 2 else None, joiner=count >= 2 and bool(joiners))
 
     def reserve(self, joiner: str, keys: list[tuple[int, int]]) -> Optional[float]:

@@ -242,7 +242,12 @@ class HivemindTransport(Transport):
         joiner = self._state.serving() if self._state is not None else None
         if joiner is None or self._presence is None or self._closed:
             return None
-        return self._presence.reserve(joiner, keys)
+        reserved_at = self._presence.reserve(joiner, keys)
+        for fragment, round_index in keys:  # a round forming already planned without the joiner
+            lane = self._lanes.get(fragment)
+            if lane is not None:
+                lane.await_joiner(round_index, joiner)
+        return reserved_at
 
     def rounds_launched(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if self._presence is None or self._closed:
