@@ -103,8 +103,8 @@ def test_a_late_joiner_at_300_ms_with_loss_takes_part_in_the_swarms_rounds(tmp_p
 
     Blocking starts it 15 s late: a blocking donor alone waits out a window in each round, and a
     joiner arriving in its first one gets the initial-model marker instead of a state, which this
-    test is not about (that round then fails for both, and fragment 0's theta_bar differs from
-    then on: docs/benchmarks-wan.md, "The join at distance")."""
+    test is not about (that round now waits for it past its window: tests/test_live_group.py;
+    docs/benchmarks-wan.md, "The join at distance")."""
     res = run_once(tmp_path, rtt_ms=300.0, loss=0.01, mode=mode, late_s=late_s, code=None, timeout=240.0)
     assert res["error"] is None, res["error"]
     first, joiner = res["peers"]
