@@ -169,6 +169,43 @@ def test_a_round_forming_when_its_peer_hands_out_the_initial_model_marker_waits_
         swarm.close()
 
 
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_a_follower_that_did_not_count_the_joiner_waits_for_its_leader_holding_the_round_for_it():
+    """Three peers: the leader of a cold start's first round (the smallest peer id) serves the
+    third the initial-model marker while the round forms; the other peer planned it before and
+    knows nothing of the joiner. The leader holds the round past its 2 s window for the joiner
+    (3.5 s in); its follower waits for the leader's group that long too (``hold_s``: up to
+    ``joiner_wait``) instead of giving up at its own window, and all three average together."""
+    from hivemind.p2p import PeerID
+
+    swarm = LoopbackSwarm(3, run_id="hold", transport_kwargs=dict(
+        codec="fp32", matchmaking_time=2.0, request_timeout=1.0, presence_ttl=10.0))
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: NUMEL}, timeout=120)
+        ids = [p.call("call", "benchmarks.harness.loopback:peer_id") for p in swarm.peers]
+        order = sorted(range(3), key=lambda i: PeerID.from_base58(ids[i]).to_bytes())
+        leader, follower, joiner = (swarm.peers[i] for i in order)
+        leader.call("call", "benchmarks.harness.loopback:serve_initial_marker", rounds=[(0, 0)])
+        t0 = time.monotonic()
+        for peer, seed in ((leader, 1), (follower, 2)):
+            peer.send("all_reduce", (0, 0), seed=seed, numel=NUMEL, return_tensors=False)
+        time.sleep(0.5)
+        state = joiner.call("load_state", 30.0, timeout=60)["state"]
+        assert state["initial"] and state["reserved_at"] is not None, state
+        joiner.call("call", "benchmarks.harness.loopback:expect_since", fragment=0, round_index=0,
+                    since=state["reserved_at"])
+        time.sleep(max(0.0, t0 + 3.5 - time.monotonic()))  # past both windows
+        joiner.send("all_reduce", (0, 0), seed=3, numel=NUMEL, return_tensors=False)
+        results = [leader.recv(60), follower.recv(60), joiner.recv(60)]
+        assert [(r["ok"], r.get("group_size")) for r in results] == [(True, 3)] * 3, [
+            {k: r.get(k) for k in ("ok", "group_size", "reason", "message", "elapsed_s")} for r in results]
+        assert len({r["sha256"] for r in results}) == 1
+    finally:
+        swarm.close()
+
+
 def test_a_fixed_group_size_announces_rounds_without_waiting_for_the_dht_and_plans_nothing():
     """``before_round(plan=False)`` (``--target-group-size`` given): no plan and no DHT lookup in
     the round's path, yet the announcements land, so a peer behind still learns it is late."""

@@ -178,14 +178,16 @@ class FragmentEndpoint:
         return meta if self.admission is None else self.admission.seal(meta, self.service.peer_id.to_bytes())
 
     async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float,
-                         awaited: frozenset = frozenset(), open_s: Optional[float] = None) -> Group:
+                         awaited: frozenset = frozenset(), open_s: Optional[float] = None,
+                         hold_s: Optional[float] = None) -> Group:
         """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed
-        (``awaited``, ``open_s``: ``Matchmaker.form``)."""
-        return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target, awaited, open_s)
+        (``awaited``, ``open_s``, ``hold_s``: ``Matchmaker.form``)."""
+        return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target, awaited, open_s,
+                                          hold_s)
 
     async def group_for(self, key: tuple, weight: float, target: Optional[int], window_s: float,
                         early: Optional[concurrent.futures.Future] = None, awaited: frozenset = frozenset(),
-                        open_s: Optional[float] = None) -> Group:
+                        open_s: Optional[float] = None, hold_s: Optional[float] = None) -> Group:
         """Round ``key``'s group: the one ``early`` formed ahead (a :meth:`form_group` submitted
         before the round) if it did, else one formed now (:meth:`form_group`)."""
         if early is not None:
@@ -193,7 +195,7 @@ class FragmentEndpoint:
                 return await asyncio.wrap_future(early)
             except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
                 logger.info("%s: no group formed ahead for round %s: matching now", self.prefix, key)
-        return await self.form_group(key, weight, target, window_s, awaited, open_s)
+        return await self.form_group(key, weight, target, window_s, awaited, open_s, hold_s)
 
     def refresh_timeouts(self) -> RoundTimeouts:
         """The next rounds' bounds from the worst link measured to the groupmates (``link_timeouts``);

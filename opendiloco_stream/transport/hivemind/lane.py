@@ -332,9 +332,11 @@ class _Lane:
         # the buffers the round decodes into, faulted in on an executor thread while the group forms
         buffers = asyncio.get_event_loop().run_in_executor(None, self.endpoint.round_buffers, flat.numel())
         try:
+            # live group sizes: a leader may hold the round for a joiner this peer did not count
+            hold = self.timeouts.joiner_wait if self.live_target else None
             group = await self.endpoint.group_for(key, weight, target, current.window,
                                                   None if early is None else early.future, current.awaited,
-                                                  self.timeouts.matchmaking)
+                                                  self.timeouts.matchmaking, hold)
         finally:
             result, sent = await buffers  # (also on failure: the executor thread is not left behind)
         return await self.endpoint.run_round(group, flat, formed=current.formed, result=result, sent=sent)

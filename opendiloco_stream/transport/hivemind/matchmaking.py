@@ -92,6 +92,9 @@ class _Round:
     # window (``open_until``, the window's end without them) up to ``deadline``
     awaited: frozenset = frozenset()
     open_until: float = 0.0
+    # as a follower accepted by a leader: how long to wait for its group (a leader may hold the
+    # round for a joiner this peer was not told of, up to then)
+    hold_until: float = 0.0
     leading: bool = False
     following: Optional[PeerID] = None  # the leader this peer last chose, if not itself
     decided: asyncio.Event = field(default_factory=asyncio.Event)  # it has chosen once
@@ -168,19 +171,23 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ forming a group
     async def form(self, round_index: int, meta: dict, window_s: float, target: Optional[int],
-                   awaited: frozenset = frozenset(), open_s: Optional[float] = None) -> Group:
+                   awaited: frozenset = frozenset(), open_s: Optional[float] = None,
+                   hold_s: Optional[float] = None) -> Group:
         """This peer's group for ``round_index`` (``meta``: its sealed metadata), formed within
         ``window_s`` seconds; ``MatchmakingFailed`` if none formed. ``target``: start as soon as
         that many peers are in (``None``: at the window's end with whoever joined). ``awaited``
         (without a target): joiners still on their way; as a leader, past ``open_s`` (the window
-        without them) it starts once they are all in, or at ``window_s`` with whoever is there."""
+        without them) it starts once they are all in, or at ``window_s`` with whoever is there.
+        ``hold_s``: as a follower, how long from the start it waits for the group of a leader that
+        accepted it (at least its own window): other peers' leaders may wait for joiners too."""
         loop = asyncio.get_event_loop()
         early_target, wait_s = self._targets.pop(round_index, (None, None))
         if target is None:
             target = early_target
         now = loop.time()
         r = _Round(round_index, pack_meta(meta), target, now + window_s, started=now, outcome=loop.create_future(),
-                   awaited=frozenset(awaited), open_until=now + (window_s if open_s is None else min(open_s, window_s)))
+                   awaited=frozenset(awaited), open_until=now + (window_s if open_s is None else min(open_s, window_s)),
+                   hold_until=now + max(window_s, hold_s or 0.0))
         self.rounds[round_index] = r
         if wait_s is not None:
             r.deadline = max(r.deadline, r.started + wait_s)
@@ -345,7 +352,7 @@ class Matchmaker:
             first = await asyncio.wait_for(stream.__anext__(), self.request_timeout)
             if first.code != averaging_pb2.ACCEPTED:
                 return self._suggested(first)
-            wait = max(0.0, r.deadline - loop.time()) + self.request_timeout
+            wait = max(0.0, max(r.deadline, r.hold_until) - loop.time()) + self.request_timeout
             second = await asyncio.wait_for(stream.__anext__(), wait)
             if second.code != averaging_pb2.BEGIN_ALLREDUCE:
                 return self._suggested(second)
@@ -415,10 +422,15 @@ class Matchmaker:
 
     async def _answer(self, outcome: asyncio.Future, r: _Round) -> averaging_pb2.MessageFromLeader:
         loop = asyncio.get_event_loop()
-        try:
-            result = await asyncio.wait_for(asyncio.shield(outcome), max(0.0, r.deadline - loop.time()) + 1.0)
-        except Exception:
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED)
+        while True:  # until the window's end, read again: a joiner awaited or counted may extend it
+            try:
+                result = await asyncio.wait_for(asyncio.shield(outcome), max(0.0, r.deadline - loop.time()) + 1.0)
+                break
+            except asyncio.TimeoutError:
+                if loop.time() >= r.deadline + 1.0:
+                    return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED)
+            except Exception:
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED)
         if isinstance(result, Group):
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=result.group_id,
                                                    ordered_peer_ids=[p.to_bytes() for p in result.peer_ids],
