@@ -10,6 +10,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from benchmarks.harness.loopback import LoopbackSwarm
@@ -177,8 +178,6 @@ def test_a_follower_that_did_not_count_the_joiner_waits_for_its_leader_holding_t
     knows nothing of the joiner. The leader holds the round past its 2 s window for the joiner
     (3.5 s in); its follower waits for the leader's group that long too (``hold_s``: up to
     ``joiner_wait``) instead of giving up at its own window, and all three average together."""
-    from hivemind.p2p import PeerID
-
     swarm = LoopbackSwarm(3, run_id="hold", transport_kwargs=dict(
         codec="fp32", matchmaking_time=2.0, request_timeout=1.0, presence_ttl=10.0))
     try:
