@@ -55,6 +55,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 line = "; ".join(f"peer {j}: {p['averaged']}/{p['rounds']} averaged, failed {p['failed']}, "
                                  f"wait {p['wait_s_median']}, steps {p['steps_trained']}, join {p['join']}"
                                  for j, p in enumerate(res["peers"]))
+                d = res["outer_digests"]
+                line += f"; theta_bar equal from the first averaged round: {d['equal']} ({d['compared']} compared)"
                 print(f"RTT {rtt:g} ms loss {args.loss:g} {mode} late {args.late_s:g}s: {line}"
                       + (f" ERROR {res['error'][-200:]}" if res["error"] else ""), flush=True)
     if args.out:

@@ -651,8 +651,9 @@ class _SwarmAheadTransport(_SlowLinkTransport):
     def round_late(self, key):
         return key in self.late
 
-    def expect_rounds(self, keys):
+    def expect_rounds(self, keys, since=None):
         self.expected.append(list(keys))
+        self.since = since
 
 
 def _eager_h10_p2(link, **config):
@@ -777,6 +778,68 @@ def test_a_joiner_announces_its_next_round_of_every_fragment():
                             config=config, blocks=list(fresh_model))
     fresh.load_state_dict({"step": 0, "initial": True}, joiner=True)
     assert fresh_link.expected == [[(0, 0), (1, 0)]] and fresh.step_count == 0 and fresh.at_initial_model()
+
+
+class _ReservingTransport(_SwarmAheadTransport):
+    """A donor's transport that reserves its joiner's rounds (``reserve_rounds``), at a fixed time."""
+
+    def __init__(self):
+        super().__init__()
+        self.reserved = []
+
+    def reserve_rounds(self, keys):
+        self.reserved.append(list(keys))
+        return 123.0
+
+
+def test_a_donor_reserves_its_joiner_in_the_rounds_after_its_state_and_the_joiner_knows_since_when():
+    """The state a donor serves comes with its joiner reserved in the next round of every fragment
+    (asked of the transport while the state is taken, before the donor trains on) and the time of
+    that (``reserved_at``); the joiner announces the same rounds with that time, from the step in
+    the download's first message (``expect_rounds_after``) and again once the state is loaded.
+    With ``record_digests`` every round consumed adds theta_bar's digest (``outer_digest``), and the
+    joiner's after loading equals the donor's."""
+    config = DiLoCoConfig(inner_steps=10, num_fragments=2, mode="eager", record_digests=True)
+    donor_link = _ReservingTransport()
+    donor_model = make_mlp()
+    donor = StreamingDiLoCo(donor_model, torch.optim.SGD(donor_model.parameters(), lr=0.05),
+                            transport=donor_link, config=config, blocks=list(donor_model))
+    for _ in range(12):
+        donor.step(tokens=1)
+    digests = [e for e in donor.events if e["event"] == "outer_digest"]
+    assert [(e["fragment"], e["round"]) for e in digests] == [(0, 0), (1, 0)]  # fragment 0 at 5, fragment 1 at 10
+    state = donor._shared_state()
+    assert donor_link.reserved == [[(0, 1), (1, 1)]] and state["reserved_at"] == 123.0
+    link = _SwarmAheadTransport()
+    model = make_mlp(1)
+    joiner = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
+                             blocks=list(model))
+    joiner.expect_rounds_after(state["step"], since=state["reserved_at"])  # the manifest's step, before the tensors
+    assert link.expected == [[(0, 1), (1, 1)]] and link.since == 123.0
+    joiner.load_state_dict(state, joiner=True)
+    assert link.expected[-1] == [(0, 1), (1, 1)] and link.since == 123.0
+    assert all(torch.equal(a, b) for f, g in zip(donor.frags, joiner.frags) for a, b in zip(f.outer, g.outer))
+
+
+def test_a_donor_handing_out_the_initial_model_marker_reserves_its_joiner_in_the_first_rounds():
+    """The marker comes with the joiner reserved in the first round of every fragment (the
+    rounds a joiner from the initial model takes, whatever step the donor is at), so that the one
+    forming waits for it; the joiner announces them with that reservation's time."""
+    config = DiLoCoConfig(inner_steps=10, num_fragments=2, mode="eager")
+    donor_link = _ReservingTransport()
+    donor_model = make_mlp()
+    donor = StreamingDiLoCo(donor_model, torch.optim.SGD(donor_model.parameters(), lr=0.05),
+                            transport=donor_link, config=config, blocks=list(donor_model))
+    for _ in range(3):
+        donor.step(tokens=1)
+    assert donor._shared_state() == {"step": 0, "initial": True, "reserved_at": 123.0}
+    assert donor_link.reserved == [[(0, 0), (1, 0)]]
+    link = _SwarmAheadTransport()
+    model = make_mlp(1)
+    joiner = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
+                             blocks=list(model))
+    joiner.load_state_dict({"step": 0, "initial": True, "reserved_at": 123.0}, joiner=True)
+    assert link.expected == [[(0, 0), (1, 0)]] and link.since == 123.0 and joiner.at_initial_model()
 
 
 def test_a_donor_at_the_initial_model_hands_out_the_marker_only_while_its_rounds_take_newcomers():

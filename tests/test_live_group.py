@@ -10,10 +10,12 @@ import time
 from concurrent.futures import Future
 
 import pytest
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from benchmarks.harness.loopback import LoopbackSwarm
-from opendiloco_stream.transport.hivemind.presence import Presence
+from opendiloco_stream.transport.hivemind import presence as presence_module
+from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
 
 NUMEL = 1000
 LIVE_AHEAD = "benchmarks.harness.loopback:live_ahead"  # run inside a peer: its count of a round
@@ -78,6 +80,129 @@ def test_presence_counts_the_peers_of_the_previous_round_and_tells_newcomers_apa
     finally:
         for p in peers.values():
             p.close()
+
+
+def test_peers_that_joined_with_the_initial_model_marker_plan_a_cold_starts_first_round_without_a_target():
+    """Two peers joined a cold start with the initial-model marker (``expect`` of round 0, as
+    ``load_state_dict`` does) beside a fresh peer (announced, not ahead): nobody launched a round
+    before, so their plan has no target either, and the group forms at the deadline with everyone
+    (and with the joiners announced there: ``awaited``).
+    A count of the two marker joiners (what it was) left the fresh peer out: the leader started
+    its group of two as soon as one other came, without the second joiner on its way (the eager
+    third peer's test, tests/test_meeting_peers.py). The round after counts all three."""
+    dht = FakeDHT()
+    peers = {name: Presence(dht, "run", name, ttl=60, late_after=0, poll_s=1000) for name in ("fresh", "j1", "j2")}
+    try:
+        assert peers["fresh"].before_round(0, 0) == RoundPlan(target=None)
+        peers["j1"].expect(0, 0)
+        peers["j2"].expect(0, 0)
+        # no target; each waits for the other joiner, still on its way, past its window
+        assert peers["j1"].before_round(0, 0) == RoundPlan(target=None, joiner=True, awaited=frozenset({"j2"}))
+        assert peers["j2"].before_round(0, 0) == RoundPlan(target=None, joiner=True, awaited=frozenset({"j1"}))
+        assert [peers[n].before_round(0, 1).target for n in ("fresh", "j1", "j2")] == [3, 3, 3]
+    finally:
+        for p in peers.values():
+            p.close()
+
+
+def test_a_donor_reserves_its_joiner_in_the_next_rounds_which_wait_for_it_and_no_longer(monkeypatch):
+    """A donor serving its state stores the joiner's announcement of the rounds after it
+    (``reserve``) before launching them: its plan of such a round counts the joiner and says so
+    (``joiner``: the lane then waits ``joiner_wait`` for it). The joiner, whose own announcement
+    names that reservation's time (``since``), has not missed the round while it still waits
+    (and is late for it at once: its first step joins it), and has once the wait is nearly over.
+    A controlled clock (presence's ``get_dht_time``) stands for the download's seconds."""
+    now = [get_dht_time()]
+    monkeypatch.setattr(presence_module, "get_dht_time", lambda: now[0])
+    dht = FakeDHT()
+    donor = Presence(dht, "run", "donor", ttl=60, late_after=0, poll_s=1000, window=5, joiner_wait=20)
+    joiner = Presence(dht, "run", "joiner", ttl=60, late_after=0, poll_s=1000, window=5, joiner_wait=20)
+    try:
+        donor.before_round(0, 0)  # the run is going: round 1 announced ahead
+        reserved = donor.reserve("joiner", [(0, 1)])  # serving the state of a step before round 1
+        assert reserved == now[0]
+        plan = donor.before_round(0, 1)  # launched after the reservation
+        assert (plan.target, plan.joiner) == (2, True)
+        now[0] += 2.0  # the joiner's manifest arrived: it announces the round itself
+        joiner.expect(0, 1, since=reserved)
+        now[0] += 8.0  # its download done, 10 s after the launch: the round still waits for it
+        assert not joiner.launched_by_others(0, 1)
+        assert joiner.is_late(0, 1)  # without a beat: its first step catches up and joins the round
+        now[0] += 8.0  # a download of 18 s: within 20 s of the launch, but too late to get there
+        assert joiner.launched_by_others(0, 1)
+        plan = donor.before_round(0, 2)  # the joiner launched nothing: the donor is alone in round 2's count
+        assert (plan.target, plan.joiner) == (None, False)
+    finally:
+        donor.close()
+        joiner.close()
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_a_round_forming_when_its_peer_hands_out_the_initial_model_marker_waits_for_that_joiner_past_its_window():
+    """A peer alone in a cold start's first round (no target, a 2 s window) serves a joiner the
+    initial-model marker over the real state download, reserving it in that round, and the
+    joiner gets there only 3.5 s after the round began (what a joiner across a long link does:
+    its step, lookups and join request take round trips). The round waits for it past its window
+    (``Matchmaker.await_peers``, up to ``joiner_wait``) and both average it together. Before, the
+    round failed alone at its window's end, the joiner's too, and each stepped with its own outer
+    gradient: their theta_bar stayed apart for good (docs/benchmarks-wan.md, "The join at distance")."""
+    swarm = LoopbackSwarm(2, run_id="marker", transport_kwargs=dict(
+        codec="fp32", matchmaking_time=2.0, request_timeout=1.0, presence_ttl=10.0))
+    try:
+        swarm.start()
+        donor, joiner = swarm.peers
+        swarm.call_all("prepare", {0: NUMEL}, timeout=120)
+        donor.call("call", "benchmarks.harness.loopback:serve_initial_marker", rounds=[(0, 0)])
+        t0 = time.monotonic()
+        donor.send("all_reduce", (0, 0), seed=1, numel=NUMEL, return_tensors=False)
+        time.sleep(0.5)
+        state = joiner.call("load_state", 30.0, timeout=60)["state"]
+        assert state["initial"] and state["reserved_at"] is not None, state
+        joiner.call("call", "benchmarks.harness.loopback:expect_since", fragment=0, round_index=0,
+                    since=state["reserved_at"])
+        time.sleep(max(0.0, t0 + 3.5 - time.monotonic()))  # past the donor's window
+        joiner.send("all_reduce", (0, 0), seed=2, numel=NUMEL, return_tensors=False)
+        results = [donor.recv(60), joiner.recv(60)]
+        assert [(r["ok"], r.get("group_size")) for r in results] == [(True, 2)] * 2, results
+        assert results[0]["sha256"] == results[1]["sha256"]
+    finally:
+        swarm.close()
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+def test_a_follower_that_did_not_count_the_joiner_waits_for_its_leader_holding_the_round_for_it():
+    """Three peers: the leader of a cold start's first round (the smallest peer id) serves the
+    third the initial-model marker while the round forms; the other peer planned it before and
+    knows nothing of the joiner. The leader holds the round past its 2 s window for the joiner
+    (3.5 s in); its follower waits for the leader's group that long too (``hold_s``: up to
+    ``joiner_wait``) instead of giving up at its own window, and all three average together."""
+    swarm = LoopbackSwarm(3, run_id="hold", transport_kwargs=dict(
+        codec="fp32", matchmaking_time=2.0, request_timeout=1.0, presence_ttl=10.0))
+    try:
+        swarm.start()
+        swarm.call_all("prepare", {0: NUMEL}, timeout=120)
+        ids = [p.call("call", "benchmarks.harness.loopback:peer_id") for p in swarm.peers]
+        order = sorted(range(3), key=lambda i: PeerID.from_base58(ids[i]).to_bytes())
+        leader, follower, joiner = (swarm.peers[i] for i in order)
+        leader.call("call", "benchmarks.harness.loopback:serve_initial_marker", rounds=[(0, 0)])
+        t0 = time.monotonic()
+        for peer, seed in ((leader, 1), (follower, 2)):
+            peer.send("all_reduce", (0, 0), seed=seed, numel=NUMEL, return_tensors=False)
+        time.sleep(0.5)
+        state = joiner.call("load_state", 30.0, timeout=60)["state"]
+        assert state["initial"] and state["reserved_at"] is not None, state
+        joiner.call("call", "benchmarks.harness.loopback:expect_since", fragment=0, round_index=0,
+                    since=state["reserved_at"])
+        time.sleep(max(0.0, t0 + 3.5 - time.monotonic()))  # past both windows
+        joiner.send("all_reduce", (0, 0), seed=3, numel=NUMEL, return_tensors=False)
+        results = [leader.recv(60), follower.recv(60), joiner.recv(60)]
+        assert [(r["ok"], r.get("group_size")) for r in results] == [(True, 3)] * 3, [
+            {k: r.get(k) for k in ("ok", "group_size", "reason", "message", "elapsed_s")} for r in results]
+        assert len({r["sha256"] for r in results}) == 1
+    finally:
+        swarm.close()
 
 
 def test_a_fixed_group_size_announces_rounds_without_waiting_for_the_dht_and_plans_nothing():

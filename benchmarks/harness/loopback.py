@@ -67,6 +67,24 @@ def expect(peer, fragment: int, round_index: int) -> None:
     peer.transport.expect_rounds([(fragment, round_index)])
 
 
+def peer_id(peer) -> str:
+    """Inside a peer: its peer id (the subkey of its presence announcements)."""
+    return peer.transport.peer_id
+
+
+def serve_initial_marker(peer, rounds: list) -> None:
+    """Inside a peer: serve joiners what a donor still at the initial model does
+    (``StreamingDiLoCo._shared_state``): the marker, with the joiner reserved in ``rounds``."""
+    keys = [tuple(k) for k in rounds]
+    peer.transport.set_state_provider(lambda: {"step": 0, "initial": True,
+                                               "reserved_at": peer.transport.reserve_rounds(keys)})
+
+
+def expect_since(peer, fragment: int, round_index: int, since: float) -> None:
+    """Inside a peer: a joiner that took the initial-model marker (``load_state_dict``)."""
+    peer.transport.expect_rounds([(fragment, round_index)], since=since)
+
+
 class _Peer:
     """The command loop inside a peer process."""
 

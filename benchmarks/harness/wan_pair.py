@@ -14,6 +14,7 @@ from benchmarks.harness import netns
 from benchmarks.harness.peers import PeerProcesses
 from benchmarks.harness.wan_emulator import Regions
 
+DIGESTS = {"ODS_DILOCO__RECORD_DIGESTS": "true"}  # sync records carry the average's digest, outer_digest theta_bar's
 COMMON = ["--codec", "fp4-e3m0", "--fragments", "2", "--inner-steps", "10", "--model", "tiny", "--threads", "1",
           "--no-progress"]
 
@@ -46,12 +47,31 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
                                                  "mib_per_s")} for r in downloads]}
 
 
+def outer_digests(recs: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
+    """(fragment, round) -> digest of theta_bar after that round (``outer_digest`` records)."""
+    return {(r["fragment"], r["round"]): r["digest"] for r in recs if r.get("event") == "outer_digest"}
+
+
+def digest_check(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the two peers' theta_bar agree after the rounds both consumed, from the second
+    peer's first round averaged with the first peer (per fragment) on: the rounds compared
+    there, those that differ, and the first averaged round of each fragment."""
+    a, b = outer_digests(first), outer_digests(second)
+    together = {(r["fragment"], r["round"]) for r in second if r.get("event") == "sync" and r.get("ok")
+                and r.get("group_size", 0) >= 2}
+    start = {f: min(k for g, k in together if g == f) for f, _ in together}
+    after = sorted(k for k in set(a) & set(b) if k[0] in start and k[1] >= start[k[0]])
+    return {"first_averaged": [list(k) for k in sorted(start.items())], "compared": len(after),
+            "differ": [list(k) for k in after if a[k] != b[k]],
+            "equal": bool(after) and all(a[k] == b[k] for k in after)}
+
+
 def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float, code: Optional[str],
              timeout: float, steps: int = 60, keep_window: bool = False, extra: tuple = ()) -> dict[str, Any]:
     regions = Regions.pair(rtt_ms, loss=loss)
     # PYTHONSAFEPATH: ``python -m`` would put the working directory (this checkout) ahead of
     # PYTHONPATH, and the peers would run this checkout's code instead of ``code``'s
-    env = {"PYTHONPATH": code, "PYTHONSAFEPATH": "1"} if code else None
+    env = {**DIGESTS, **({"PYTHONPATH": code, "PYTHONSAFEPATH": "1"} if code else {})}
     with netns.Topology(2, regions=regions, place={"boot": "a", "p0": "a", "p1": "b"}) as topo:
         if keep_window:  # what doctor advises at a distance: kept-open connections keep their window
             for node in topo.nodes:
@@ -72,10 +92,12 @@ def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float
                 run.wait([p0, p1], timeout)
             except Exception as e:  # a peer that failed or ran out of time: its records still count
                 error = str(e)[-600:]
-            rows = [peer_row(run.records(f"peer-{i}")) for i in range(2)]
+            recs = [run.records(f"peer-{i}") for i in range(2)]
+            rows = [peer_row(r) for r in recs]
             stats = topo.emulator_stats()
     return {"rtt_ms": rtt_ms, "loss": loss, "mode": mode, "late_s": late_s, "code": code or "this checkout",
             "keep_window": keep_window, "extra_flags": list(extra),
             "seconds": round(time.monotonic() - t0, 1), "peers": rows, "error": error,
+            "outer_digests": digest_check(*recs),
             "emulator": {k: stats.get(k) for k in ("frames", "dropped_loss", "late_ms_mean", "late_ms_max")
                          if k in stats}}

@@ -22,6 +22,7 @@ No networking here: everything goes through a Transport. docs/algorithm.md state
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -79,7 +80,8 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                              "opendiloco_stream.algorithm.wrap(...)")
         self.model, self.optimizer, self.transport, self.config = model, optimizer, transport, config
         self.step_count = 0  # t: inner steps taken
-        self.log = SyncLog(on_event, config.record_digests)
+        # with digests, theta_bar's after each round consumed (``_digest_outer``)
+        self.log = SyncLog(on_event, config.record_digests, keep_consumed=config.record_digests)
         self._closed = False
         self._catching_up = False  # inside step()'s jump to the swarm's round
         self._loaded = False  # a state was loaded (resume or join): theta_bar is not the initial model
@@ -169,6 +171,21 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                     self._catching_up = False
                 self.log.stats.caught_up_steps += target - start
                 self.log.emit({"event": "catch_up", "from_step": start, "to_step": target})
+            self._digest_outer()
+
+    def _digest_outer(self) -> None:
+        """``record_digests``: an ``outer_digest`` record (blake2b of theta_bar) for every fragment
+        that consumed a round since the last call. Peers with equal digests hold the same global
+        parameters bit for bit (what a joiner must reach: ``benchmarks/harness/wan_pair.py``)."""
+        consumed, self.log.consumed = self.log.consumed, []
+        if not self.config.record_digests:
+            return
+        for p, k in consumed:
+            h = hashlib.blake2b(digest_size=16)
+            for t in self.frags[p].outer:
+                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+            self.log.emit({"event": "outer_digest", "fragment": p, "round": k, "step": self.step_count,
+                           "digest": h.hexdigest()})
 
     def _late_sync_step(self) -> Optional[int]:
         """The latest sync step among fragments whose next round the swarm launched already: that
@@ -243,11 +260,24 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         non-blocking rule trains on while its first rounds run; a round that has its group, or
         waits only for the peers it counted): the joiner could not be in it, and from the
         initial model it would stay that round's outer step behind everyone. It gets the state
-        after the round landed instead, as any late joiner."""
+        after the round landed instead, as any late joiner. With the marker the joiner is
+        reserved in the first rounds (``reserve_rounds``): the one forming waits for it past its
+        window, which a joiner across a long link needs (its step, lookups and join request take
+        round trips)."""
         if self.at_initial_model() and not self._rounds_closed():
-            return {"step": 0, "initial": True}
+            marker: dict[str, Any] = {"step": 0, "initial": True}
+            reserved_at = self.transport.reserve_rounds(self._rounds_after(0))  # the joiner's first ones
+            if reserved_at is not None:
+                marker["reserved_at"] = reserved_at
+            return marker
         t0 = time.monotonic()
-        state = self.state_dict()  # waits for a step in progress, then for the rounds in flight
+        with self._lock:
+            state = self.state_dict()  # waits for a step in progress, then for the rounds in flight
+            # the joiner takes part in the rounds after this state: reserved for it before this
+            # peer trains on and launches them, so they wait for it however long its download takes
+            reserved_at = self.transport.reserve_rounds(self.next_rounds())
+        if reserved_at is not None:
+            state["reserved_at"] = reserved_at
         logger.info("state of step %d for a joiner in %.2fs (a step in progress and the rounds in flight "
                     "land first)", state["step"], time.monotonic() - t0)
         return state
@@ -264,7 +294,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
             if joiner:
                 # but this peer takes part in the first rounds: counted there, it does not sit them
                 # out as a fresh peer in a running swarm would (the donor waits for it in them)
-                self.transport.expect_rounds(self.next_rounds())
+                self.transport.expect_rounds(self.next_rounds(), since=state.get("reserved_at"))
             return
         with self._lock:
             self._loaded = True
@@ -278,12 +308,23 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                 if not joiner and state.get("error_feedback") is not None:
                     self.rounds.error_feedback.load_state_dict(state["error_feedback"])
             if joiner:  # so that the others count this peer in them
-                self.transport.expect_rounds(self.next_rounds())
+                self.transport.expect_rounds(self.next_rounds(), since=state.get("reserved_at"))
 
     def next_rounds(self) -> list[tuple[int, int]]:
         """(fragment, round) of the next round of every fragment from the current step."""
-        t, H = self.step_count, self.config.inner_steps
-        return [(f.index, fr.round_index(fr.next_sync(t, f.offset, H), f.offset, H)) for f in self.frags]
+        return self._rounds_after(self.step_count)
+
+    def _rounds_after(self, step: int) -> list[tuple[int, int]]:
+        H = self.config.inner_steps
+        return [(f.index, fr.round_index(fr.next_sync(int(step), f.offset, H), f.offset, H)) for f in self.frags]
+
+    def expect_rounds_after(self, step: int, since: Optional[float] = None) -> None:
+        """A joiner that learned the step of the state it is downloading (before its tensors
+        arrive): take part in the rounds that follow that step, announced now, so that the swarm's
+        next rounds count this peer and wait for it instead of going on without it
+        (``Transport.expect_rounds``; ``since``: when the donor reserved them, if it did: this
+        keeps them alive). ``load_state_dict`` announces the same rounds again."""
+        self.transport.expect_rounds(self._rounds_after(step), since=since)
 
     def missed_rounds(self) -> list[tuple[int, int]]:
         """After a join: those of this peer's next rounds that the swarm launched already. A joiner
@@ -308,6 +349,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         with self._lock:
             for s in self.syncs:
                 s.finish()
+            self._digest_outer()
 
     @contextlib.contextmanager
     def global_params(self) -> Iterator[None]:

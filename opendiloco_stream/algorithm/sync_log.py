@@ -21,12 +21,15 @@ ALONE_WARN_AFTER = 3  # rounds in a row without another peer before a run says i
 class SyncLog:
     """Counts syncs in a :class:`SyncStats` and emits one ``{"event": "sync"}`` record per round."""
 
-    def __init__(self, on_event: Optional[Callable[[dict[str, Any]], None]] = None, record_digests: bool = False):
+    def __init__(self, on_event: Optional[Callable[[dict[str, Any]], None]] = None, record_digests: bool = False,
+                 keep_consumed: bool = False):
         self.on_event = on_event
         self.record_digests = record_digests
+        self.keep_consumed = keep_consumed  # collect ``consumed`` (its owner takes them after each step)
         self.stats = SyncStats()
         self.events: list[dict[str, Any]] = []
         self._messages: dict[Any, str] = {}  # round key -> why it failed, until its record is emitted
+        self.consumed: list[tuple[int, int]] = []  # (fragment, round) recorded since the owner took them
         self.alone = AloneWatch(self.emit)
 
     def wait(self, handle: SyncHandle, timeout: float, give_up: Optional[Callable[[], bool]] = None
@@ -57,6 +60,8 @@ class SyncLog:
         rule's fields, e.g. ``land_steps``)."""
         s = self.stats
         s.syncs += 1
+        if self.keep_consumed:
+            self.consumed.append((p, k))
         rec: dict[str, Any] = {"event": "sync", "fragment": p, "round": k, "step": step,
                                "ok": result is not None, "wait_s": round(waited, 6)}
         if result is not None:

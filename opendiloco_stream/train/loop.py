@@ -257,7 +257,12 @@ def _join(w: _Worker, transport: Transport, start_step: int) -> int:
     our next rounds went without us, the state is a round old (we would run that round alone), so
     download again, up to ``JOIN_ATTEMPTS`` times: each time only what changed since the state
     before (``since``: the fragments that synced meanwhile), so an attempt is shorter than the
-    one before and catches up with a swarm that moves faster than a whole download."""
+    one before and catches up with a swarm that moves faster than a whole download.
+
+    The donor reserved this peer in the rounds after the state it serves, and as soon as the
+    download's first message says which step that is, this peer announces them too
+    (``expect_rounds_after``): the swarm's next rounds count it and wait for it (``presence.py``,
+    "Joiners"), so a download slower than the gap between two rounds still lands in time."""
     previous = None
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         state = transport.load_state_from_peers(
@@ -286,7 +291,12 @@ def _join(w: _Worker, transport: Transport, start_step: int) -> int:
 
 
 def _download_progress(w: _Worker, attempt: int, rec: dict) -> None:
-    """A state download's progress: a ``state_download`` record and one log line (shown as it goes)."""
+    """A state download's progress: a ``state_download`` record and one log line (shown as it goes).
+    The first record names the state's step (``state_step``): the rounds after it are announced
+    then, off the download's thread (a DHT store, one or two round trips at a distance)."""
+    if rec.get("state_step") is not None:
+        threading.Thread(target=w.diloco.expect_rounds_after, args=(int(rec["state_step"]), rec.get("reserved_at")),
+                         name="join-expect", daemon=True).start()
     w.emit({"event": "state_download", "rank": w.rank, "attempt": attempt, **rec})
     total = max(1, int(rec.get("total_bytes", 0)))
     logger.info("joining: state %s %.1f/%.1f MB (%.0f%%, %.1f MiB/s, %.1f MB reused)%s",

@@ -210,6 +210,10 @@ class LeaderMirror:
     def missed_rounds(self) -> list[tuple[int, int]]:
         return self._inner.missed_rounds() if self._inner is not None else []
 
+    def expect_rounds_after(self, step: int, since: Optional[float] = None) -> None:
+        if self._inner is not None:
+            self._inner.expect_rounds_after(step, since)
+
     def global_params(self) -> Optional[ContextManager[None]]:
         """Rank 0's consensus block; the other ranks evaluate nothing, so they keep none."""
         return self._inner.global_params() if self._inner is not None else None

@@ -45,6 +45,11 @@ class Wrapper(Protocol):
         """Rounds a joiner's downloaded state is already behind (empty: none, or no rounds)."""
         ...
 
+    def expect_rounds_after(self, step: int, since: Optional[float] = None) -> None:
+        """A joiner downloading a state of ``step``: announce now that it takes part in the rounds
+        after that step, so the swarm waits for it there (no-op where there are no rounds)."""
+        ...
+
     def global_params(self) -> Optional[ContextManager[None]]:
         """A block in which the model holds the run's consensus parameters, or None where the model
         is that consensus already (data-parallel) or this rank keeps none (a mirror rank)."""
@@ -57,6 +62,9 @@ class LoopDataParallel(DataParallel):
 
     def missed_rounds(self) -> list[tuple[int, int]]:
         return []
+
+    def expect_rounds_after(self, step: int, since: Optional[float] = None) -> None:
+        return None
 
     def global_params(self) -> None:
         return None

@@ -169,9 +169,20 @@ class SwarmView(Protocol):
         a view of the swarm say none."""
         return []
 
-    def expect_rounds(self, keys: list[tuple[int, int]]) -> None:
-        """This peer just loaded a running swarm's state and takes part in these rounds (its next
-        round of every fragment): a networked transport announces it now, so the others wait for it."""
+    def expect_rounds(self, keys: list[tuple[int, int]], since: Optional[float] = None) -> None:
+        """This peer is loading a running swarm's state and takes part in these rounds (its next
+        round of every fragment): a networked transport announces it now, so the others wait for it.
+        ``since``: when its donor reserved them for it (``reserve_rounds``), if it did: the rounds
+        launched after that waited for it."""
+
+    def reserve_rounds(self, keys: list[tuple[int, int]]) -> Optional[float]:
+        """Called by the state provider, in its thread, with its state's lock held: the joiner
+        it serves takes part in these rounds (the next ones after the state; with the
+        initial-model marker, the first ones, which may be forming already). A networked
+        transport announces the joiner there now, before this peer trains on and launches them,
+        so that they wait for it; it returns the time it did (carried to the joiner in the state:
+        ``expect_rounds``'s ``since``). None: nothing reserved."""
+        return None
 
     def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
         """Round ``key`` comes soon, in about ``lead_s`` seconds: a transport with matchmaking may

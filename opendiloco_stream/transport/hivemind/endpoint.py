@@ -134,11 +134,20 @@ class FragmentEndpoint:
         """Run ``coroutine`` (one of this endpoint's) on the service's loop."""
         return self.service.submit(coroutine)
 
-    def set_target(self, round_index: int, target: int) -> None:
-        """Hand a round already matching its group the size to wait for (``Matchmaker.set_target``,
-        on the loop); nothing once the loop is closed (the round then fails as closed)."""
+    def set_target(self, round_index: int, target: int, wait_s: Optional[float] = None) -> None:
+        """Hand a round already matching its group the size to wait for, and how long from its
+        start (``Matchmaker.set_target``, on the loop); nothing once the loop is closed (the round
+        then fails as closed)."""
         try:
-            self.service.loop.call_soon_threadsafe(self.matchmaker.set_target, round_index, target)
+            self.service.loop.call_soon_threadsafe(self.matchmaker.set_target, round_index, target, wait_s)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def await_peers(self, round_index: int, peers: frozenset, wait_s: float) -> None:
+        """Joiners round ``round_index`` waits for past its window, up to ``wait_s`` from its start
+        (``Matchmaker.await_peers``, on the loop); nothing once the loop is closed."""
+        try:
+            self.service.loop.call_soon_threadsafe(self.matchmaker.await_peers, round_index, frozenset(peers), wait_s)
         except RuntimeError:  # the loop is closed
             pass
 
@@ -168,12 +177,17 @@ class FragmentEndpoint:
             meta["relayed"] = True
         return meta if self.admission is None else self.admission.seal(meta, self.service.peer_id.to_bytes())
 
-    async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float) -> Group:
-        """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed."""
-        return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target)
+    async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float,
+                         awaited: frozenset = frozenset(), open_s: Optional[float] = None,
+                         hold_s: Optional[float] = None) -> Group:
+        """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed
+        (``awaited``, ``open_s``, ``hold_s``: ``Matchmaker.form``)."""
+        return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target, awaited, open_s,
+                                          hold_s)
 
     async def group_for(self, key: tuple, weight: float, target: Optional[int], window_s: float,
-                        early: Optional[concurrent.futures.Future] = None) -> Group:
+                        early: Optional[concurrent.futures.Future] = None, awaited: frozenset = frozenset(),
+                        open_s: Optional[float] = None, hold_s: Optional[float] = None) -> Group:
         """Round ``key``'s group: the one ``early`` formed ahead (a :meth:`form_group` submitted
         before the round) if it did, else one formed now (:meth:`form_group`)."""
         if early is not None:
@@ -181,7 +195,7 @@ class FragmentEndpoint:
                 return await asyncio.wrap_future(early)
             except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
                 logger.info("%s: no group formed ahead for round %s: matching now", self.prefix, key)
-        return await self.form_group(key, weight, target, window_s)
+        return await self.form_group(key, weight, target, window_s, awaited, open_s, hold_s)
 
     def refresh_timeouts(self) -> RoundTimeouts:
         """The next rounds' bounds from the worst link measured to the groupmates (``link_timeouts``);

@@ -112,8 +112,11 @@ class _Prematch:
 class _Current:
     """The round the worker runs now: its coroutine's future and whether its group formed."""
 
-    def __init__(self, handle: HivemindSyncHandle, expected: Optional[int] = None, window: float = 0.0):
+    def __init__(self, handle: HivemindSyncHandle, expected: Optional[int] = None, window: float = 0.0,
+                 awaited: frozenset = frozenset()):
         self.handle, self.future, self.expected = handle, None, expected  # expected: the group's target
+        self.window = window  # how long its group may take to form
+        self.awaited = awaited  # joiners on their way it waits for (``RoundPlan.awaited``)
         self.match_deadline = time.monotonic() + window  # when its matchmaking window ends
         self.formed = threading.Event()
 
@@ -280,7 +283,7 @@ class _Lane:
         # trips at a distance) is made while the group forms, and its target reaches the
         # matchmaking when it is known (``_plan_later``); a first round is planned before it starts.
         later = early is None and self.live_target and self.presence.announced(fragment)
-        expected = None
+        expected, window, awaited = None, self.timeouts.matchmaking, frozenset()
         if not later:
             plan = self._announce(int(round_index), plan=early is None)  # a group formed ahead needs no plan
             if plan is not None and plan.skip:
@@ -289,7 +292,9 @@ class _Lane:
                                                    f"count it)")
                 return
             expected = self.target if plan is None else plan.target
-        current = _Current(handle, expected, self.timeouts.matchmaking)
+            if plan is not None and plan.joiner:  # a joiner still on its way is counted or awaited: wait for it
+                window, awaited = self.timeouts.joiner_wait, plan.awaited
+        current = _Current(handle, expected, window, awaited)
         with self._lock:
             if handle.done():  # abandoned (or closed) while it was prepared
                 if early is not None:
@@ -310,7 +315,16 @@ class _Lane:
         if plan is None or plan.skip:  # (a later round is never skipped)
             return
         current.expected = plan.target
-        self.endpoint.set_target(round_index, plan.target)
+        counted = plan.joiner and plan.target is not None
+        self.endpoint.set_target(round_index, plan.target, self.timeouts.joiner_wait if counted else None)
+        if plan.awaited:
+            self.endpoint.await_peers(round_index, plan.awaited, self.timeouts.joiner_wait)
+
+    def await_joiner(self, round_index: int, joiner: str) -> None:
+        """A donor served ``joiner`` for round ``round_index`` (the initial-model marker while the
+        round forms, or its state before it): the round, forming or not yet, waits for it past
+        its window (``Matchmaker.await_peers``)."""
+        self.endpoint.await_peers(round_index, frozenset([joiner]), self.timeouts.joiner_wait)
 
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
                      early: Optional[_Early], current: _Current) -> RoundSummary:
@@ -318,8 +332,11 @@ class _Lane:
         # the buffers the round decodes into, faulted in on an executor thread while the group forms
         buffers = asyncio.get_event_loop().run_in_executor(None, self.endpoint.round_buffers, flat.numel())
         try:
-            group = await self.endpoint.group_for(key, weight, target, self.timeouts.matchmaking,
-                                                  None if early is None else early.future)
+            # live group sizes: a leader may hold the round for a joiner this peer did not count
+            hold = self.timeouts.joiner_wait if self.live_target else None
+            group = await self.endpoint.group_for(key, weight, target, current.window,
+                                                  None if early is None else early.future, current.awaited,
+                                                  self.timeouts.matchmaking, hold)
         finally:
             result, sent = await buffers  # (also on failure: the executor thread is not left behind)
         return await self.endpoint.run_round(group, flat, formed=current.formed, result=result, sent=sent)

@@ -87,6 +87,14 @@ class _Round:
     gathered: bytes
     target: Optional[int]
     deadline: float  # event-loop time the window ends
+    started: float = 0.0  # event-loop time it began forming
+    # without a target: joiners on their way (peer ids, base58) that a leader waits for past the
+    # window (``open_until``, the window's end without them) up to ``deadline``
+    awaited: frozenset = frozenset()
+    open_until: float = 0.0
+    # as a follower accepted by a leader: how long to wait for its group (a leader may hold the
+    # round for a joiner this peer was not told of, up to then)
+    hold_until: float = 0.0
     leading: bool = False
     following: Optional[PeerID] = None  # the leader this peer last chose, if not itself
     decided: asyncio.Event = field(default_factory=asyncio.Event)  # it has chosen once
@@ -120,7 +128,9 @@ class Matchmaker:
         self.rounds: dict[int, _Round] = {}
         self.handler_name = f"{prefix}::join"
         self._background: set = set()  # announcements sent without waiting (held: asyncio holds tasks weakly)
-        self._targets: dict[int, Optional[int]] = {}  # targets set before their round began forming
+        # (target, wait_s) set before their round began forming
+        self._targets: dict[int, tuple[Optional[int], Optional[float]]] = {}
+        self._awaits: dict[int, tuple[frozenset, float]] = {}  # ``await_peers`` before their round began forming
 
     # ------------------------------------------------------------------ DHT
     async def _announce(self, r: _Round, grouped: bool) -> None:
@@ -160,15 +170,31 @@ class Matchmaker:
         return sorted(out, key=lambda p: p.to_bytes())
 
     # ------------------------------------------------------------------ forming a group
-    async def form(self, round_index: int, meta: dict, window_s: float, target: Optional[int]) -> Group:
+    async def form(self, round_index: int, meta: dict, window_s: float, target: Optional[int],
+                   awaited: frozenset = frozenset(), open_s: Optional[float] = None,
+                   hold_s: Optional[float] = None) -> Group:
         """This peer's group for ``round_index`` (``meta``: its sealed metadata), formed within
         ``window_s`` seconds; ``MatchmakingFailed`` if none formed. ``target``: start as soon as
-        that many peers are in (``None``: at the window's end with whoever joined)."""
+        that many peers are in (``None``: at the window's end with whoever joined). ``awaited``
+        (without a target): joiners still on their way; as a leader, past ``open_s`` (the window
+        without them) it starts once they are all in, or at ``window_s`` with whoever is there.
+        ``hold_s``: as a follower, how long from the start it waits for the group of a leader that
+        accepted it (at least its own window): other peers' leaders may wait for joiners too."""
         loop = asyncio.get_event_loop()
+        early_target, wait_s = self._targets.pop(round_index, (None, None))
         if target is None:
-            target = self._targets.pop(round_index, None)
-        r = _Round(round_index, pack_meta(meta), target, loop.time() + window_s, outcome=loop.create_future())
+            target = early_target
+        now = loop.time()
+        r = _Round(round_index, pack_meta(meta), target, now + window_s, started=now, outcome=loop.create_future(),
+                   awaited=frozenset(awaited), open_until=now + (window_s if open_s is None else min(open_s, window_s)),
+                   hold_until=now + max(window_s, hold_s or 0.0))
         self.rounds[round_index] = r
+        if wait_s is not None:
+            r.deadline = max(r.deadline, r.started + wait_s)
+        more, more_wait_s = self._awaits.pop(round_index, (frozenset(), 0.0))
+        if more:
+            r.awaited |= more
+            r.deadline = max(r.deadline, r.started + more_wait_s)
         # The announcement and the first read of the others' go out together: a DHT store is a
         # round trip or two at a distance, and waiting for it before reading would add them to
         # every round (the others read ours at their next poll, as they would anyway).
@@ -187,17 +213,49 @@ class Matchmaker:
         await asyncio.gather(first, return_exceptions=True)
         await self._announce(r, grouped=True)
 
-    def set_target(self, round_index: int, target: Optional[int]) -> None:
+    def set_target(self, round_index: int, target: Optional[int], wait_s: Optional[float] = None) -> None:
         """The group size round ``round_index`` waits for, known after it began forming (the lane
-        plans a fragment's later rounds meanwhile): a leader with that many members starts now."""
+        plans a fragment's later rounds meanwhile): a leader with that many members starts now.
+        ``wait_s``: the round waits that long from its start for them, if longer than its window
+        (a joiner still downloading is among them: ``presence.py``)."""
         r = self.rounds.get(round_index)
         if r is None:  # its forming has not begun yet (or is over): kept for it, a few at most
-            self._targets[round_index] = target
+            self._targets[round_index] = (target, wait_s)
             for old in sorted(self._targets)[:-4]:
                 del self._targets[old]
             return
         r.target = target
+        if wait_s is not None and r.started + wait_s > r.deadline:
+            r.deadline = r.started + wait_s
+            # its announcement must live as long as the window now does, for the joiner to find it
+            task = asyncio.ensure_future(self._announce(r, grouped=False))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         r.changed.set()
+
+    def await_peers(self, round_index: int, peers: frozenset, wait_s: float) -> None:
+        """Joiners that round ``round_index`` waits for, learned after it was planned (a donor
+        that handed out the initial-model marker while its first round formed): as a leader, past
+        its window it starts once they are all in, and it waits up to ``wait_s`` from its start."""
+        r = self.rounds.get(round_index)
+        if r is None:  # its forming has not begun yet (or is over): kept for it, a few at most
+            old, old_wait = self._awaits.get(round_index, (frozenset(), 0.0))
+            self._awaits[round_index] = (old | frozenset(peers), max(old_wait, wait_s))
+            for stale in sorted(self._awaits)[:-4]:
+                del self._awaits[stale]
+            return
+        r.awaited |= frozenset(peers)
+        if r.started + wait_s > r.deadline:
+            r.deadline = r.started + wait_s
+            task = asyncio.ensure_future(self._announce(r, grouped=False))  # as in set_target
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        r.changed.set()
+
+    def _awaited_in(self, r: _Round) -> bool:
+        """Whether the leader may close the round at its window's end: no target, and every
+        awaited joiner is among its members."""
+        return r.target is None and r.awaited <= {p.to_base58() for p in r.members}
 
     def _end(self, r: _Round) -> None:
         if self.rounds.get(r.index) is r:
@@ -212,7 +270,7 @@ class Matchmaker:
         while True:
             if r.outcome.done():
                 return r.outcome.result()
-            if loop.time() >= r.deadline:
+            if loop.time() >= r.deadline or (r.leading and loop.time() >= r.open_until and self._awaited_in(r)):
                 return self._finish(r, at_deadline=True)
             candidates = await self._candidates(r, excluded)
             leader = hint if hint is not None and hint in candidates else (candidates[0] if candidates else None)
@@ -223,6 +281,8 @@ class Matchmaker:
                 self._lead(r)
                 if r.target is not None and 1 + len(r.members) >= r.target:
                     return self._finish(r, at_deadline=False)
+                if loop.time() >= r.open_until and self._awaited_in(r):
+                    return self._finish(r, at_deadline=True)
                 await self._wait_changed(r, min(self.poll_s, r.deadline - loop.time()))
                 continue
             if r.leading:
@@ -292,7 +352,7 @@ class Matchmaker:
             first = await asyncio.wait_for(stream.__anext__(), self.request_timeout)
             if first.code != averaging_pb2.ACCEPTED:
                 return self._suggested(first)
-            wait = max(0.0, r.deadline - loop.time()) + self.request_timeout
+            wait = max(0.0, max(r.deadline, r.hold_until) - loop.time()) + self.request_timeout
             second = await asyncio.wait_for(stream.__anext__(), wait)
             if second.code != averaging_pb2.BEGIN_ALLREDUCE:
                 return self._suggested(second)
@@ -362,10 +422,15 @@ class Matchmaker:
 
     async def _answer(self, outcome: asyncio.Future, r: _Round) -> averaging_pb2.MessageFromLeader:
         loop = asyncio.get_event_loop()
-        try:
-            result = await asyncio.wait_for(asyncio.shield(outcome), max(0.0, r.deadline - loop.time()) + 1.0)
-        except Exception:
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED)
+        while True:  # until the window's end, read again: a joiner awaited or counted may extend it
+            try:
+                result = await asyncio.wait_for(asyncio.shield(outcome), max(0.0, r.deadline - loop.time()) + 1.0)
+                break
+            except asyncio.TimeoutError:
+                if loop.time() >= r.deadline + 1.0:
+                    return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED)
+            except Exception:
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED)
         if isinstance(result, Group):
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=result.group_id,
                                                    ordered_peer_ids=[p.to_bytes() for p in result.peer_ids],

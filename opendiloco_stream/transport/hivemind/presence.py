@@ -16,14 +16,25 @@ average). With it the target of every round is the number of live peers of the r
 - *Death.* A peer that dies stops refreshing: its announcement expires ``ttl`` later and it is not
   counted in any round the others launch after that. A peer that closes marks its announcements
   as left at once.
-- *Joiners.* A peer that downloaded the run's state announces its next round of every fragment
-  ahead at once (``expect``, with ``launched_at`` = 0: it launched nothing), so the others count
-  it in the round after its download.
+- *Joiners.* A donor serving its state announces the joiner ahead in the round after the
+  state's step of every fragment (``reserve``, with ``launched_at`` = 0: it launched nothing),
+  under its state's lock, before it launches them; the joiner announces itself there too as soon
+  as its download's first message names that step (``expect``, which its heartbeat refreshes), so
+  the others count it in the rounds right after the state it gets. Such a round (its plan says
+  ``joiner``) waits for its group longer than a window (``RoundTimeouts.joiner_wait``): long
+  enough for a download across a long link, and the group starts as soon as the joiner is in. A
+  joiner whose download outlasted that wait missed the round (``launched_by_others``) and
+  downloads what changed again; one that died costs the round that wait once (its announcements
+  expire ``ttl`` later).
 - *First round* of a fragment without that (a fresh start, a restart from a checkpoint): the peer
   also announces round k itself (``ahead=False``). If others announced k ahead (the run is going),
   it sits round k out (``SyncFailed`` reason "joining") and is counted from k+1 on: the others did
   not count it, so it could take the place of one they did. If nobody did (every peer is new: a
-  cold start), round k has no target and forms at ``matchmaking_time`` with everyone there.
+  cold start), round k has no target and forms at ``matchmaking_time`` with everyone there. A
+  peer that joined such a swarm with the initial-model marker announced its first rounds
+  ahead (``expect``, ``launched_at`` = 0) but plans them as a cold start too: a count of the
+  marker joiners alone would leave out the fresh peers, whose group would then start without a
+  joiner still on its way (and from the initial model it would stay that round apart for good).
 - *Late.* Ahead announcements say when their peer launched the round before, so a slower peer
   learns that the others launched round k ``late_after`` seconds ago while it has not reached
   that round's sync step: ``is_late`` tells the algorithm, which syncs at once (catch-up) and
@@ -60,6 +71,10 @@ class RoundPlan:
 
     target: Optional[int]   # start as soon as this many peers are in the group (None: at the deadline)
     skip: bool = False      # first round of this fragment in a running swarm: sit it out
+    joiner: bool = False    # a joiner still on its way is counted or awaited: wait ``joiner_wait`` for it
+    # without a target: the joiners announced there (peer ids), whom the group waits for past its
+    # window (up to ``joiner_wait``) before it forms with everyone there
+    awaited: frozenset = frozenset()
 
 
 async def prune_pending_gets(_dht: DHT, node: Any) -> int:
@@ -90,6 +105,7 @@ class Presence:
         ttl: seconds an announcement outlives the last refresh (how long a dead peer stays counted).
         late_after: a round the others launched this long ago is late for a peer that has not.
         window: the matchmaking window of a round (``matchmaking_time``).
+        joiner_wait: how long a round that counts an expected joiner waits for it (``RoundTimeouts.joiner_wait``).
         poll_s: refresh and poll period (default ``min(1, ttl / 4)``).
         dht_timeout: bound on one DHT store or lookup (a stuck DHT costs a refresh, never a hang).
         dht_lock: held around every call down the DHT's pipe (the transport shares one with its service).
@@ -97,12 +113,13 @@ class Presence:
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, *, ttl: float = DEFAULT_TTL_S, late_after: float = 1.0,
                  poll_s: Optional[float] = None, dht_timeout: float = 3.0, window: float = 5.0,
-                 dht_lock: Optional[threading.Lock] = None):
+                 joiner_wait: Optional[float] = None, dht_lock: Optional[threading.Lock] = None):
         if not ttl > 0 or not late_after >= 0:
             raise ValueError(f"presence ttl must be > 0 and late_after >= 0, got {ttl}, {late_after}")
         self.dht, self.run_id, self.peer_id = dht, run_id, peer_id
         self.ttl, self.late_after = float(ttl), float(late_after)
         self.window = float(window)  # a round's matchmaking window: how long an open round forms
+        self.joiner_wait = max(self.window, float(joiner_wait if joiner_wait is not None else window))
         self.poll_s = min(1.0, self.ttl / 4) if poll_s is None else float(poll_s)
         self.dht_timeout = float(dht_timeout)
         self._lock = threading.Lock()
@@ -190,41 +207,80 @@ class Presence:
     def _plan(self, fragment: int, round_index: int, new: bool) -> RoundPlan:
         entries = self._entries(fragment, round_index)
         ahead = {peer for peer, (is_ahead, _) in entries.items() if is_ahead}
+        # a peer ahead at t = 0 launched nothing yet: a joiner announced by its donor or by itself
+        joiners = frozenset(peer for peer, (is_ahead, t) in entries.items()
+                            if is_ahead and t == 0 and peer != self.peer_id)
         if new:
             # the run is going if others launched the round before (a joiner's t = 0 says only
-            # that it will be there: with joiners alone, the round still forms at its deadline)
+            # that it will be there: with joiners alone, the round still forms at its deadline,
+            # once they are in)
             if {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t > 0} - {self.peer_id}:
                 return RoundPlan(target=None, skip=True)
-            return RoundPlan(target=None)  # a cold start: nobody knows the size yet
+            return RoundPlan(target=None, joiner=bool(joiners), awaited=joiners)  # a cold start: no size known
+        if not any(t > 0 for is_ahead, t in entries.values() if is_ahead):
+            # nobody launched the round before: a cold start's first round, "announced" here only
+            # by marker joiners (module docstring, "First round"): at its deadline, as the fresh do
+            return RoundPlan(target=None, joiner=bool(joiners), awaited=joiners)
         count = len(ahead | {self.peer_id})
-        return RoundPlan(target=count if count >= 2 else None)
+        return RoundPlan(target=count if count >= 2 else None, joiner=count >= 2 and bool(joiners))
 
-    def expect(self, fragment: int, round_index: int) -> None:
-        """A joiner: announce this peer ahead for ``round_index``, its first round of ``fragment``."""
+    def reserve(self, joiner: str, keys: list[tuple[int, int]]) -> Optional[float]:
+        """A donor serving ``joiner`` its state: announce the joiner ahead for these rounds (the
+        next ones after that state) as its own ``expect`` will, before this peer launches them;
+        the DHT time they were stored, None if a store failed (the joiner's own ``expect`` counts then)."""
+        expiration = get_dht_time() + self.ttl  # the joiner's own announcement takes over within it
+        try:
+            with self._dht_lock:
+                futures = [self.dht.store(live_key(self.run_id, f, k), subkey=joiner, value=[True, 0.0],
+                                          expiration_time=expiration, return_future=True) for f, k in keys]
+            stored = [future.result(timeout=self.dht_timeout) for future in futures]
+        except Exception as e:
+            logger.info("presence: could not reserve rounds %s for joiner %s: %r", keys, joiner, e)
+            return None
+        return get_dht_time() if all(stored) else None
+
+    def expect(self, fragment: int, round_index: int, since: Optional[float] = None) -> None:
+        """A joiner: announce this peer ahead for ``round_index``, its first round of ``fragment``
+        (``since``: its donor announced it there already, at that DHT time)."""
         with self._lock:
             if fragment in self._ahead and self._ahead[fragment][1] != 0.0:
                 return  # it launched a round of this fragment already: its own announcements count
             self._ahead[fragment] = (round_index, 0.0)  # a joiner that downloaded again moves on
         if self._store(fragment, round_index, [True, 0.0]) is not None:
-            with self._lock:
-                self._expected_at[(fragment, round_index)] = get_dht_time()
+            with self._lock:  # the first store counts: the rounds launched after it waited for this peer
+                first = min(t for t in (since, get_dht_time(), self._expected_at.get((fragment, round_index)))
+                            if t is not None)
+                self._expected_at[(fragment, round_index)] = first
 
     def launched_by_others(self, fragment: int, round_index: int) -> bool:
         """Whether another peer launched this round without counting this peer, so that its group
         may form without it (a blocking DHT lookup: for a joiner checking, once, that the state it
         downloaded is not a round behind the swarm). Not missed: a round launched after this
-        peer's ``expect`` was stored (planned with this peer in it: it waits for it there), and
-        an open round, one that nobody else was counted in (it forms at the end of its window
-        with whoever is there) launched less than ``window`` seconds ago."""
+        peer's ``expect`` was stored (planned with this peer in it: it waits for it there, for
+        ``joiner_wait`` seconds, less the few this peer needs to get to the round after this
+        check), and an open round, one that nobody else was counted in (it forms at the end of
+        its window with whoever is there) launched less than ``window`` seconds ago."""
         with self._lock:
             expected_at = self._expected_at.get((fragment, round_index), float("inf"))
-        launches = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
-                    if is_ahead and 0 < t < expected_at and peer != self.peer_id]
+        launched = [t for peer, (is_ahead, t) in self._entries(fragment, round_index + 1).items()
+                    if is_ahead and t > 0 and peer != self.peer_id]
+        now = get_dht_time()
+        waited = [t for t in launched if t >= expected_at]
+        if waited:
+            # the time to reach the round after this check (is_late knows it now, below), launch it
+            # and join the group: a beat and the round's own lookups, a few round trips
+            reach_s = min(self.late_after + 2 * self.poll_s, self.joiner_wait / 4)
+            if now - min(waited) > self.joiner_wait - reach_s:
+                return True  # it waited for this peer, but will have formed without it by the time it gets there
+            with self._lock:  # the first step's is_late knows it at once, without waiting for a beat
+                self._watch[fragment] = round_index
+                self._launched[(fragment, round_index)] = min(waited)
+        launches = [t for t in launched if t < expected_at]
         if not launches:
             return False
         counted = {peer for peer, (is_ahead, t) in self._entries(fragment, round_index).items()
                    if is_ahead and peer != self.peer_id}
-        still_open = len(counted) <= 1 and get_dht_time() - min(launches) < self.window
+        still_open = len(counted) <= 1 and now - min(launches) < self.window
         return not still_open
 
     def is_late(self, fragment: int, round_index: int) -> bool:

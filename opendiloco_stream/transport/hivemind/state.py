@@ -49,6 +49,7 @@ import asyncio
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
@@ -143,7 +144,8 @@ class _StateServicer:
             return
         loop = asyncio.get_event_loop()
         try:
-            manifest, tensors = await loop.run_in_executor(None, lambda: flatten_state(provider()))
+            manifest, tensors = await loop.run_in_executor(
+                None, lambda: flatten_state(self._sharing.provide(provider, context.remote_id.to_base58())))
         except Exception as e:
             logger.warning("state provider failed, not serving %s: %r", context.remote_id, e)
             return
@@ -235,13 +237,30 @@ class _Filling:
         return True
 
 
+def _state_step(manifest: dict) -> tuple[Optional[int], Optional[float]]:
+    """The step of the state a manifest describes (a streaming state's ``step``), if it says one,
+    and when the donor reserved the rounds after it for this joiner (``reserved_at``, DHT time);
+    (None, None) for a donor still at the initial model (nothing to wait for: the first rounds form anyway)."""
+    structure = manifest.get("structure")
+    if not isinstance(structure, dict) or structure.get("initial") or isinstance(structure.get("step"), bool):
+        return None, None
+    step, reserved_at = structure.get("step"), structure.get("reserved_at")
+    return (step if isinstance(step, int) else None,
+            float(reserved_at) if isinstance(reserved_at, (int, float)) and not isinstance(reserved_at, bool) else None)
+
+
 class _Progress:
     """A download's progress records, every ``PROGRESS_EVERY_S`` and once at the end."""
 
-    def __init__(self, sink: Optional[Callable[[dict], None]], donor: str, total: int, last_load: dict):
+    def __init__(self, sink: Optional[Callable[[dict], None]], donor: str, total: int, last_load: dict,
+                 state_step: tuple[Optional[int], Optional[float]] = (None, None)):
         self.sink, self.donor, self.total, self.last_load = sink, donor, total, last_load
         self.done_bytes, self.t0 = 0, time.monotonic()
         self.next_at = self.t0 + PROGRESS_EVERY_S
+        step, reserved_at = state_step
+        if step is not None and sink is not None:  # the manifest's: before any tensor arrives
+            sink({"donor": donor, "bytes": 0, "total_bytes": total, "received_bytes": 0, "reused_bytes": 0,
+                  "seconds": 0.0, "mib_per_s": 0.0, "done": False, "state_step": step, "reserved_at": reserved_at})
 
     def add(self, nbytes: int) -> None:
         self.done_bytes += nbytes
@@ -271,6 +290,7 @@ class StateSharing:
         self.lanes = LANES  # streams a download asks a donor for (joiner side)
         self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
         self._servicer = _StateServicer(self)
+        self._serving = threading.local()  # .joiner: the peer the provider in this thread serves
         self._declare_task: Optional[asyncio.Task] = None
         self._expiration = 0.0
         self._p2p: P2P = service.p2p
@@ -280,6 +300,19 @@ class StateSharing:
         return self.service.call(coro, timeout)
 
     # ------------------------------------------------------------------ donor
+    def provide(self, provider: Callable[[], dict], joiner: str) -> dict:
+        """``provider()`` for ``joiner`` (its peer id), which the provider's thread can ask for
+        (:meth:`serving`): the donor reserves the joiner's rounds from inside it."""
+        self._serving.joiner = joiner
+        try:
+            return provider()
+        finally:
+            self._serving.joiner = None
+
+    def serving(self) -> Optional[str]:
+        """The joiner the state provider running in this thread serves, if any."""
+        return getattr(self._serving, "joiner", None)
+
     def set_provider(self, provider: Callable[[], dict]) -> None:
         self.provider = provider
         if self.can_serve and self._declare_task is None:
@@ -386,7 +419,8 @@ class StateSharing:
         try:
             it = stream.__aiter__()
             manifest = await self._manifest(it, theirs, me)
-            report = _Progress(progress, str(donor), int(manifest.get("bytes", 0)), self.last_load)
+            report = _Progress(progress, str(donor), int(manifest.get("bytes", 0)), self.last_load,
+                               _state_step(manifest))
             if isinstance(manifest.get("lanes"), int) and manifest["lanes"] > 1:
                 tensors = await self._receive_lanes(donor, it, manifest, held, have, report)
             else:

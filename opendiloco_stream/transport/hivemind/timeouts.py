@@ -78,6 +78,13 @@ class RoundTimeouts:
         return self.matchmaking + self.request
 
     @property
+    def joiner_wait(self) -> float:
+        """From the start of a round that counts an expected joiner (a peer still downloading the
+        run's state, ``presence.py``): how long its group waits for it. Three quarters of the
+        all-reduce bound past the window: the exchange after it still fits in ``round_bound``."""
+        return self.matchmaking + 0.75 * self.allreduce
+
+    @property
     def round_bound(self) -> float:
         """From ``all_reduce``: the longest a handle can stay pending."""
         return self.matchmaking + self.request + self.allreduce + BACKSTOP_S + GRACE_S

@@ -164,6 +164,8 @@ class HivemindTransport(Transport):
         self._presence = Presence(self.dht, self.run_id, self.peer_id, ttl=self.presence_ttl,
                                   late_after=self.timeout_args["matchmaking_time"] / 4,
                                   window=self.timeout_args["matchmaking_time"],
+                                  # the shortest of the fragments' (a joiner's check must not count on more)
+                                  joiner_wait=min(e.timeouts.joiner_wait for e in endpoints.values()),
                                   dht_timeout=self.timeout_args["request_timeout"], dht_lock=self._dht_lock)
         self._lanes = {p: _Lane(p, endpoint, endpoint.timeouts, self._presence, self.target_group_size)
                        for p, endpoint in endpoints.items()}
@@ -231,10 +233,21 @@ class HivemindTransport(Transport):
         presence = self._presence
         return presence is not None and not self._closed and presence.is_late(*key)
 
-    def expect_rounds(self, keys: list[tuple[int, int]]) -> None:
+    def expect_rounds(self, keys: list[tuple[int, int]], since: Optional[float] = None) -> None:
         if self._presence is not None and not self._closed:
             for fragment, round_index in keys:
-                self._presence.expect(fragment, round_index)
+                self._presence.expect(fragment, round_index, since=since)
+
+    def reserve_rounds(self, keys: list[tuple[int, int]]) -> Optional[float]:
+        joiner = self._state.serving() if self._state is not None else None
+        if joiner is None or self._presence is None or self._closed:
+            return None
+        reserved_at = self._presence.reserve(joiner, keys)
+        for fragment, round_index in keys:  # a round forming already planned without the joiner
+            lane = self._lanes.get(fragment)
+            if lane is not None:
+                lane.await_joiner(round_index, joiner)
+        return reserved_at
 
     def rounds_launched(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if self._presence is None or self._closed:
