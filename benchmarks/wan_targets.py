@@ -36,6 +36,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--keep-window", action="store_true",
                     help="sysctl net.ipv4.tcp_slow_start_after_idle=0 in every namespace (what doctor advises)")
     ap.add_argument("--prematch-steps", type=int, default=0, help="peer --prematch-steps N (groups formed ahead)")
+    ap.add_argument("--wait-for-peers", action="store_true",
+                    help="peer --wait-for-peers 2: the two take their first step together (peers started together)")
     ap.add_argument("--code", help="run the peers from this checkout (a directory holding opendiloco_stream/)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--workdir", default="/tmp/wan_targets")
@@ -50,7 +52,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             for i in range(args.runs):
                 res = run_once(Path(args.workdir) / f"{rtt:g}-{mode}-{i}", rtt, args.loss, mode, args.late_s,
                                args.code, args.timeout, args.steps, args.keep_window,
-                               ("--prematch-steps", str(args.prematch_steps)) if args.prematch_steps else ())
+                               (("--prematch-steps", str(args.prematch_steps)) if args.prematch_steps else ())
+                               + (("--wait-for-peers", "2") if args.wait_for_peers else ()))
                 results.append(res)
                 line = "; ".join(f"peer {j}: {p['averaged']}/{p['rounds']} averaged, failed {p['failed']}, "
                                  f"wait {p['wait_s_median']}, steps {p['steps_trained']}, join {p['join']}"
