@@ -752,20 +752,23 @@ def test_a_peer_rounds_behind_jumps_to_the_swarms_round_and_abandons_the_rounds_
     assert all(not syncs[(0, k)]["ok"] and syncs[(0, k)]["reason"] == "matchmaking" for k in range(3))
 
 
+def _mlp_diloco(link, config, seed=0):
+    """StreamingDiLoCo over ``link`` with ``config`` on a fresh MLP (seed ``seed``) trained by SGD."""
+    model = make_mlp(seed)
+    return StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
+                           blocks=list(model))
+
+
 def test_a_joiner_announces_its_next_round_of_every_fragment():
     """After loading a running swarm's state (joiner=True), the transport hears which rounds this peer
     takes part in next, so the others count it there; a checkpoint restore announces nothing."""
     config = DiLoCoConfig(inner_steps=10, num_fragments=2, mode="eager")
-    donor_model = make_mlp()
-    donor = StreamingDiLoCo(donor_model, torch.optim.SGD(donor_model.parameters(), lr=0.05),
-                            transport=_SwarmAheadTransport(), config=config, blocks=list(donor_model))
+    donor = _mlp_diloco(_SwarmAheadTransport(), config)
     for _ in range(12):
         donor.step(tokens=1)
     state = donor.state_dict()
     link = _SwarmAheadTransport()
-    model = make_mlp(1)
-    joiner = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
-                             blocks=list(model))
+    joiner = _mlp_diloco(link, config, seed=1)
     joiner.load_state_dict(state)
     assert link.expected == []
     joiner.load_state_dict(state, joiner=True)
@@ -773,9 +776,7 @@ def test_a_joiner_announces_its_next_round_of_every_fragment():
     # a donor still at the initial model hands out a marker: the joiner keeps its own (identical)
     # initial model and is counted in the first round of every fragment, not sat out as a newcomer
     fresh_link = _SwarmAheadTransport()
-    fresh_model = make_mlp(2)
-    fresh = StreamingDiLoCo(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.05), transport=fresh_link,
-                            config=config, blocks=list(fresh_model))
+    fresh = _mlp_diloco(fresh_link, config, seed=2)
     fresh.load_state_dict({"step": 0, "initial": True}, joiner=True)
     assert fresh_link.expected == [[(0, 0), (1, 0)]] and fresh.step_count == 0 and fresh.at_initial_model()
 
@@ -801,9 +802,7 @@ def test_a_donor_reserves_its_joiner_in_the_rounds_after_its_state_and_the_joine
     joiner's after loading equals the donor's."""
     config = DiLoCoConfig(inner_steps=10, num_fragments=2, mode="eager", record_digests=True)
     donor_link = _ReservingTransport()
-    donor_model = make_mlp()
-    donor = StreamingDiLoCo(donor_model, torch.optim.SGD(donor_model.parameters(), lr=0.05),
-                            transport=donor_link, config=config, blocks=list(donor_model))
+    donor = _mlp_diloco(donor_link, config)
     for _ in range(12):
         donor.step(tokens=1)
     digests = [e for e in donor.events if e["event"] == "outer_digest"]
@@ -811,9 +810,7 @@ def test_a_donor_reserves_its_joiner_in_the_rounds_after_its_state_and_the_joine
     state = donor._shared_state()
     assert donor_link.reserved == [[(0, 1), (1, 1)]] and state["reserved_at"] == 123.0
     link = _SwarmAheadTransport()
-    model = make_mlp(1)
-    joiner = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
-                             blocks=list(model))
+    joiner = _mlp_diloco(link, config, seed=1)
     joiner.expect_rounds_after(state["step"], since=state["reserved_at"])  # the manifest's step, before the tensors
     assert link.expected == [[(0, 1), (1, 1)]] and link.since == 123.0
     joiner.load_state_dict(state, joiner=True)
@@ -827,17 +824,13 @@ def test_a_donor_handing_out_the_initial_model_marker_reserves_its_joiner_in_the
     forming waits for it; the joiner announces them with that reservation's time."""
     config = DiLoCoConfig(inner_steps=10, num_fragments=2, mode="eager")
     donor_link = _ReservingTransport()
-    donor_model = make_mlp()
-    donor = StreamingDiLoCo(donor_model, torch.optim.SGD(donor_model.parameters(), lr=0.05),
-                            transport=donor_link, config=config, blocks=list(donor_model))
+    donor = _mlp_diloco(donor_link, config)
     for _ in range(3):
         donor.step(tokens=1)
     assert donor._shared_state() == {"step": 0, "initial": True, "reserved_at": 123.0}
     assert donor_link.reserved == [[(0, 0), (1, 0)]]
     link = _SwarmAheadTransport()
-    model = make_mlp(1)
-    joiner = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport=link, config=config,
-                             blocks=list(model))
+    joiner = _mlp_diloco(link, config, seed=1)
     joiner.load_state_dict({"step": 0, "initial": True, "reserved_at": 123.0}, joiner=True)
     assert link.expected == [[(0, 0), (1, 0)]] and link.since == 123.0 and joiner.at_initial_model()
 
