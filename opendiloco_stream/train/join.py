@@ -169,14 +169,16 @@ class RunGate:
                       if isinstance(v, dict) and isinstance(v.get("since"), float)]
             ready = 1 + len(others)
             waited = time.monotonic() - start
-            if ready >= count and count > 1:
+            stopped = should_stop is not None and should_stop()
+            if ready >= count and count > 1 and not stopped:
                 self.start_at = common_start([since, *others], count, start_margin_s)
-                hold = min(start_margin_s, self.start_at - float(get_dht_time()))
-                while hold > 0 and not (should_stop is not None and should_stop()):
-                    time.sleep(min(hold, poll_s))
+                while not (should_stop is not None and should_stop()):
                     hold = min(start_margin_s, self.start_at - float(get_dht_time()))
+                    if hold <= 0:
+                        break
+                    time.sleep(min(hold, poll_s))
                 return ready
-            if ready >= count or waited >= timeout or (should_stop is not None and should_stop()):
+            if ready >= count or waited >= timeout or stopped:
                 return ready
             if progress is not None and time.monotonic() - last >= progress_every_s:
                 last = time.monotonic()

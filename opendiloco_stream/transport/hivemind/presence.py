@@ -210,16 +210,15 @@ class Presence:
         # a peer ahead at t = 0 launched nothing yet: a joiner announced by its donor or by itself
         joiners = frozenset(peer for peer, (is_ahead, t) in entries.items()
                             if is_ahead and t == 0 and peer != self.peer_id)
-        if new:
-            # the run is going if others launched the round before (a joiner's t = 0 says only
-            # that it will be there: with joiners alone, the round still forms at its deadline,
-            # once they are in)
-            if {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t > 0} - {self.peer_id}:
-                return RoundPlan(target=None, skip=True)
-            return RoundPlan(target=None, joiner=bool(joiners), awaited=joiners)  # a cold start: no size known
-        if not any(t > 0 for is_ahead, t in entries.values() if is_ahead):
-            # nobody launched the round before: a cold start's first round, "announced" here only
-            # by marker joiners (module docstring, "First round"): at its deadline, as the fresh do
+        launched = {peer for peer, (is_ahead, t) in entries.items() if is_ahead and t > 0}
+        # a new peer: the run is going if others launched the round before (a joiner's t = 0 says
+        # only that it will be there: with joiners alone, the round still forms at its deadline,
+        # once they are in)
+        if new and launched - {self.peer_id}:
+            return RoundPlan(target=None, skip=True)
+        if new or not launched:
+            # a cold start (no size known), or its first round "announced" here only by marker
+            # joiners (module docstring, "First round"): at its deadline, as the fresh do
             return RoundPlan(target=None, joiner=bool(joiners), awaited=joiners)
         count = len(ahead | {self.peer_id})
         return RoundPlan(target=count if count >= 2 else None, joiner=count >= 2 and bool(joiners))
