@@ -592,9 +592,11 @@ def test_a_download_cut_mid_way_resumes_from_another_donor_with_what_it_has(tmp_
         assert last["lanes"] == 8, last  # the survivor served its parts on 8 streams (state.py, "Lanes")
         reused = last["reused_tensors"]
         assert 1 <= reused <= 8 and last["reused_bytes"] == reused * numel * 4, last
-        # over the wire: the whole tensors from the first donor once, the others from the second, and
-        # at most one tensor's parts that the first donor's stream cut short
-        assert 12 * numel * 4 <= last["received_bytes"] < 13 * numel * 4, last
+        # over the wire: the tensors the second donor sent (all but those reused), and what the first
+        # sent before it died: at most its die_after = 8 tensors, whole or cut short. It serves on 8
+        # streams at once, so several tensors can be in flight when it dies, not one (a fresh-clone
+        # suite saw 2 tensors' worth received and not kept: 14 MB with 2 reused)
+        assert 12 * numel * 4 <= last["received_bytes"] <= (8 + 12 - reused) * numel * 4, last
         final = out["progress"][-1]
         assert final["done"] and final["bytes"] == final["total_bytes"] == 12 * numel * 4, out["progress"]
         assert final["reused_bytes"] == reused * numel * 4
