@@ -130,7 +130,10 @@ def test_a_tamperer_on_the_punched_path_fails_the_rounds_it_touches_and_corrupts
         _wait_for(run, procs, lambda: all(len(_syncs(run.records(n))) >= start[n] + 5 for n in NODES))
         altered = topo.untamper("r0")
         end = {n: len(_syncs(run.records(n))) for n in NODES}
-        run.wait(procs, 400)
+        # once each peer averaged 2 rounds with the other after the tamperer left, the rest of the
+        # 200 steps would only repeat that: stop them (SIGTERM, a safe point) instead of waiting
+        _wait_for(run, procs, lambda: all(len(_averaged(_syncs(run.records(n))[end[n] + 1:])) >= 2 for n in NODES))
+        run.stop(procs)
         records = {n: run.records(n) for n in NODES}
     assert altered > 0
     # the round in flight when the tamperer came may have finished; none later averaged over the punched path
