@@ -171,8 +171,9 @@ class Overlap(SyncRule):
         parameter's temporaries at a time."""
         f = self.f
         grads = f.split(result.average if result is not None else pending.outer_grad)
-        fields = None if result is None else _Fields()
-        if fields is not None:
+        fields = None
+        if result is not None:
+            fields = _Fields()
             fields.compare(pending.outer_grad, result.average)
         outgrads = f.split(pending.outer_grad)
 
