@@ -7,7 +7,7 @@ gradients, ``q`` deQ(Q(d)) exactly as this peer sent it, ``share`` this peer's w
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -145,6 +145,19 @@ def eager_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Ten
     return prev_avg + (d - prev_sent) * prev_share
 
 
+def eager_estimate_each(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Tensor, prev_share: float,
+                        pieces: Callable[[torch.Tensor], Iterable[torch.Tensor]],
+                        out: Optional[list[torch.Tensor]] = None) -> Iterator[torch.Tensor]:
+    """:func:`eager_estimate` one parameter at a time (``pieces`` splits a flat fragment tensor
+    into per-parameter views): each made in ``out[i]``, or in a new temporary, when it is asked
+    for. The same ops; the addition of ``avg`` in place (IEEE addition is commutative): the same
+    bits."""
+    for i, (d_, avg, sent) in enumerate(zip(pieces(d), pieces(prev_avg), pieces(prev_sent))):
+        t = torch.sub(d_, sent) if out is None else torch.sub(d_, sent, out=out[i])
+        t.mul_(prev_share)
+        yield t.add_(avg)
+
+
 def projected_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Tensor) -> torch.Tensor:
     """``c * d_k`` with ``c = <q_{k-1}, avg_{k-1}> / |q_{k-1}|^2`` clipped to [0, 1].
 
@@ -169,6 +182,16 @@ def joiner_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_group_size: in
     ``avg + (d - avg) / (M + 1)``.
     """
     return prev_avg + (d - prev_avg) / (prev_group_size + 1)
+
+
+def joiner_estimate_each(d: torch.Tensor, prev_avg: torch.Tensor, prev_group_size: int,
+                         pieces: Callable[[torch.Tensor], Iterable[torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """:func:`joiner_estimate` one parameter at a time, each in a new temporary (as
+    :func:`eager_estimate_each`)."""
+    for d_, avg in zip(pieces(d), pieces(prev_avg)):
+        t = torch.sub(d_, avg)
+        t.div_(prev_group_size + 1)
+        yield t.add_(avg)
 
 
 def overlap_merge(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:

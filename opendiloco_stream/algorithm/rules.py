@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending
-from opendiloco_stream.algorithm.outer import projection_coefficient
+from opendiloco_stream.algorithm.outer import eager_estimate_each, joiner_estimate_each, projection_coefficient
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncResult
 
@@ -295,14 +295,9 @@ class EagerCorrected(SyncRule):
         return kind
 
     def _mixed_into_start(self, d: torch.Tensor, prev: _Last) -> Iterator[torch.Tensor]:
-        """``eager_estimate(d, avg, sent, share)`` per parameter, each made in ``start[i]``
-        (``avg + (d - sent) * share``, the addition in place: IEEE addition is commutative)."""
+        """``eager_estimate(d, avg, sent, share)`` per parameter, each made in ``start[i]``."""
         assert prev.average is not None and prev.sent is not None
-        split = self.f.split
-        for s_, d_, sent, avg in zip(self.start, split(d), split(prev.sent), split(prev.average)):
-            torch.sub(d_, sent, out=s_)
-            s_.mul_(prev.share)
-            yield s_.add_(avg)
+        return eager_estimate_each(d, prev.average, prev.sent, prev.share, self.f.split, out=self.start)
 
     def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
         """Round k's average lands: theta_bar <- OuterOpt(theta_bar, avg_k) (a failed round: this
@@ -347,15 +342,11 @@ class EagerCorrected(SyncRule):
         """Per parameter, the estimate round ``pending`` was given at its sync (up to the 'scaled'
         coefficient, which a cosine does not see): views of its outer gradient, or each 'mixed'
         estimate made in a temporary when it is asked for."""
-        prev, split = self.last, self.f.split
+        prev = self.last
         if (self.config.eager_estimate == "mixed" and prev is not None and prev.average is not None
                 and prev.sent is not None):
-            for d_, sent, avg in zip(split(pending.outer_grad), split(prev.sent), split(prev.average)):
-                t = torch.sub(d_, sent)
-                t.mul_(prev.share)
-                yield t.add_(avg)
-        else:
-            yield from split(pending.outer_grad)
+            return eager_estimate_each(pending.outer_grad, prev.average, prev.sent, prev.share, self.f.split)
+        return iter(self.f.split(pending.outer_grad))
 
     def keep_last(self, result: Optional[SyncResult]) -> None:
         self.last = None if result is None or not result.included_self else _Last.of(
@@ -422,29 +413,13 @@ class Delayed(SyncRule):
         elif self.naive:
             grads, kind, owned = iter(split(prev.average)), "delayed", False
         elif prev.included_self and prev.sent is not None:
-            grads, kind = self._each(d, prev.average, prev.sent, prev.share), "eager"
+            grads, kind = eager_estimate_each(d, prev.average, prev.sent, prev.share, split), "eager"
         else:
-            grads, kind = self._each(d, prev.average, None, prev.group_size), "eager-joiner"
+            grads, kind = joiner_estimate_each(d, prev.average, prev.group_size, split), "eager-joiner"
         self.previous = None  # each round's result is used exactly once
         self.f.opt.step_each(grads, owned=owned)
         self.restart_from(self.f.outer)
         return kind
-
-    def _each(self, d: torch.Tensor, avg: torch.Tensor, sent: Optional[torch.Tensor], share_or_size: float
-              ) -> Iterator[torch.Tensor]:
-        """Per parameter, in a new temporary: ``eager_estimate`` (``avg + (d - sent) * share``), or
-        without ``sent`` ``joiner_estimate`` (``avg + (d - avg) / (M + 1)``); the addition of
-        ``avg`` in place (IEEE addition is commutative: the same bits)."""
-        split = self.f.split
-        for d_, avg_, sent_ in zip(split(d), split(avg), split(sent) if sent is not None else split(avg)):
-            if sent is not None:
-                t = torch.sub(d_, sent_)
-                t.mul_(share_or_size)
-            else:
-                t = torch.sub(d_, avg_)
-                t.div_(int(share_or_size) + 1)
-            yield t.add_(avg_)
-            del t
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),
