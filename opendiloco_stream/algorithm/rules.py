@@ -170,21 +170,22 @@ class Overlap(SyncRule):
         and for 'merge'), then merge it into the local parameter in place. At most two of one
         parameter's temporaries at a time."""
         f = self.f
-        grads = f.split(result.average if result is not None else pending.outer_grad)
+        # per-parameter pieces, each made (if it must be converted) when it is reached
+        grads = f.opt.pieces(result.average if result is not None else pending.outer_grad)
+        outgrads = f.opt.pieces(pending.outer_grad)
         fields = None
         if result is not None:
             fields = _Fields()
             fields.compare(pending.outer_grad, result.average)
-        outgrads = f.split(pending.outer_grad)
 
         def land_one(i: int, q: torch.Tensor) -> torch.Tensor:
             before = f.outer[i].clone()
-            f.opt.step_param(i, grads[i])
+            f.opt.step_param(i, next(grads))
             if fields is not None:
                 change = torch.sub(before, f.outer[i])
                 fields.sq_step += _sq(change)
                 del change
-            return self.merge_into(q, before, f.outer[i], outgrads[i], fields)
+            return self.merge_into(q, before, f.outer[i], next(outgrads), fields)
 
         f.update_local(land_one)
         f.opt.count_step()
@@ -297,7 +298,7 @@ class EagerCorrected(SyncRule):
     def _mixed_into_start(self, d: torch.Tensor, prev: _Last) -> Iterator[torch.Tensor]:
         """``eager_estimate(d, avg, sent, share)`` per parameter, each made in ``start[i]``."""
         assert prev.average is not None and prev.sent is not None
-        return eager_estimate_each(d, prev.average, prev.sent, prev.share, self.f.split, out=self.start)
+        return eager_estimate_each(d, prev.average, prev.sent, prev.share, self.f.opt.pieces, out=self.start)
 
     def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
         """Round k's average lands: theta_bar <- OuterOpt(theta_bar, avg_k) (a failed round: this
@@ -306,17 +307,17 @@ class EagerCorrected(SyncRule):
         theta_bar - start, keeping the local progress made since the restart. Parameter by
         parameter: at most two of one parameter's temporaries at a time."""
         f = self.f
-        grads = f.split(result.average if result is not None else pending.outer_grad)
+        grads = f.opt.pieces(result.average if result is not None else pending.outer_grad)
         fields = None
         if result is not None:
             fields = _Fields()
-            for est, avg in zip(self._estimates_of(pending), f.split(result.average)):
+            for est, avg in zip(self._estimates_of(pending), f.opt.pieces(result.average)):
                 fields.compare(est, avg)
                 del est
 
         def step_one(i: int) -> None:
             before = f.outer[i].clone() if fields is not None else None
-            f.opt.step_param(i, grads[i])
+            f.opt.step_param(i, next(grads))
             if fields is not None and before is not None:
                 # the correction: the true step minus the estimate's look-ahead step
                 fields.sq_step += _sq(torch.sub(f.outer[i], before, out=before))
@@ -345,8 +346,8 @@ class EagerCorrected(SyncRule):
         prev = self.last
         if (self.config.eager_estimate == "mixed" and prev is not None and prev.average is not None
                 and prev.sent is not None):
-            return eager_estimate_each(pending.outer_grad, prev.average, prev.sent, prev.share, self.f.split)
-        return iter(self.f.split(pending.outer_grad))
+            return eager_estimate_each(pending.outer_grad, prev.average, prev.sent, prev.share, self.f.opt.pieces)
+        return self.f.opt.pieces(pending.outer_grad)
 
     def keep_last(self, result: Optional[SyncResult]) -> None:
         self.last = None if result is None or not result.included_self else _Last.of(
@@ -406,12 +407,12 @@ class Delayed(SyncRule):
     def after_launch(self, k: int, d: torch.Tensor) -> Optional[str]:
         """theta_bar steps with the estimate, parameter by parameter: each parameter's estimate is
         made in one temporary that the step then overwrites in place."""
-        prev, split = self.previous, self.f.split
+        prev, split = self.previous, self.f.opt.pieces
         owned = True
         if prev is None:
-            grads, kind, owned = iter(split(d)), "local-only", False
+            grads, kind, owned = split(d), "local-only", False
         elif self.naive:
-            grads, kind, owned = iter(split(prev.average)), "delayed", False
+            grads, kind, owned = split(prev.average), "delayed", False
         elif prev.included_self and prev.sent is not None:
             grads, kind = eager_estimate_each(d, prev.average, prev.sent, prev.share, split), "eager"
         else:
