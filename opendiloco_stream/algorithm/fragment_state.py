@@ -8,6 +8,12 @@ it fits there, or the CPU, in pinned memory when the model is on CUDA (copies to
 are then DMA transfers). Outer gradients leave it and transport results come back to it through
 ``staging.py``; the local parameters are written back with ``copy_``, which casts and moves.
 
+The outer gradient and every update of the local parameters go one parameter at a time
+(:meth:`FragmentState.outer_grad`, :meth:`FragmentState.update_local`): besides the flat outer
+gradient (the fragment in flight) they hold at most one parameter converted to fp32 on the outer
+device, never a fragment-sized copy of the local parameters (a sharded peer's access reads and
+writes whole fragments: :meth:`ParamAccess.update`).
+
 The local parameters are read and written through a :class:`ParamAccess`: the fragment's own
 parameters by default (:class:`DirectAccess`), or, on a sharded peer (FSDP2, ``train/sharded.py``),
 full tensors gathered from and scattered to the peer's ranks.
@@ -135,10 +141,6 @@ class FragmentState:
         if not self._pin:
             return t.detach().to(self.device, torch.float32, copy=True)
         return torch.empty(t.shape, dtype=torch.float32, pin_memory=True).copy_(t.detach())
-
-    def local(self) -> list[torch.Tensor]:
-        """The local parameters as fp32 tensors on the outer device (themselves if they already are)."""
-        return [q.to(self.device, torch.float32) for q in self.access.read(self.fragment)]
 
     @overload
     def to_outer_device(self, t: torch.Tensor) -> torch.Tensor: ...
