@@ -19,8 +19,11 @@ class OuterOptimizer:
     works one parameter at a time (:meth:`step_each`), in place: besides the momentum buffers (outer
     state, made at the first step) it holds at most one parameter's temporary, never a
     fragment-sized one. Its arithmetic is torch's SGD (``torch.optim.sgd``'s single-tensor form),
-    op for op, so the values are those ``torch.optim.SGD.step`` gives, bit for bit; the state lives
-    in ``self.opt`` (a ``torch.optim.SGD``: its ``state_dict`` is the checkpoint's).
+    op for op, so the values are those ``torch.optim.SGD.step`` gives on the CPU, bit for bit; the
+    state lives in ``self.opt`` (a ``torch.optim.SGD``: its ``state_dict`` is the checkpoint's).
+    It never writes into a gradient it was lent: torch's foreach form (its default on CUDA) adds
+    the momentum into the gradients in place, so stepping with views of a landed average, as
+    ``SGD.step`` was used before, overwrote that average on a GPU.
     """
 
     def __init__(self, outer_params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool = True):
