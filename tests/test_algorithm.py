@@ -16,7 +16,9 @@ from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo, wrap
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm import rules
 from opendiloco_stream.algorithm.rules import Landing, SyncRule
-from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge
+from opendiloco_stream.algorithm.outer import (
+    OuterOptimizer, eager_estimate, eager_estimate_each, joiner_estimate, joiner_estimate_each, overlap_merge,
+)
 from opendiloco_stream.transport.base import SyncHandle, SyncResult, Transport
 from opendiloco_stream.transport.local import INSTANT_LINK, LinkModel, LocalSwarm
 
@@ -138,6 +140,41 @@ def run_scripted(mode: str, displacement: list[list[float]], steps: int, **cfg) 
 
     swarm.run(worker)
     return out
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, True), (0.9, False), (0.0, False)])
+def test_the_outer_step_one_parameter_at_a_time_is_torch_sgd_bit_for_bit_and_leaves_its_gradient_alone(
+        momentum, nesterov):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4)]
+    ours = [torch.randn(s, generator=g) for s in shapes]
+    theirs = [t.clone() for t in ours]
+    opt = OuterOptimizer(ours, lr=0.7, momentum=momentum, nesterov=nesterov)
+    sgd = torch.optim.SGD(theirs, lr=0.7, momentum=momentum, nesterov=nesterov)
+    for _ in range(3):
+        flat = torch.randn(sum(t.numel() for t in ours), generator=g)
+        lent = flat.clone()
+        ahead = opt.lookahead(flat, scale=0.5, out=[torch.empty_like(t) for t in ours])
+        opt.step(flat)
+        assert torch.equal(flat, lent)  # a lent gradient is never written into
+        # the look-ahead as it was written with whole temporaries: the same bits
+        for p, v, a in zip(theirs, opt.split(flat), ahead):
+            v = v * 0.5
+            if momentum > 0:
+                buf = sgd.state.get(p, {}).get("momentum_buffer")
+                buf = v.clone() if buf is None else buf * momentum + v
+                v = v + buf * momentum if nesterov else buf
+            assert torch.equal(a, p - v * 0.7)
+        for t, v in zip(theirs, opt.split(flat)):
+            t.grad = v.clone()
+        sgd.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    # the estimates one parameter at a time: the same bits as the whole-fragment formulas
+    d, avg, sent = (torch.randn(sum(t.numel() for t in ours), generator=g) for _ in range(3))
+    each = torch.cat([t.reshape(-1) for t in eager_estimate_each(d, avg, sent, 0.3, opt.pieces)])
+    assert torch.equal(each, eager_estimate(d, avg, sent, 0.3))
+    each = torch.cat([t.reshape(-1) for t in joiner_estimate_each(d, avg, 2, opt.pieces)])
+    assert torch.equal(each, joiner_estimate(d, avg, 2))
 
 
 # worker r's displacement per inner step; H = 2 so rounds are steps (1,2), (3,4), (5,6)

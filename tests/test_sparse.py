@@ -12,6 +12,7 @@ from torch import nn
 
 from opendiloco_stream import DiLoCoConfig, StreamingDiLoCo
 from opendiloco_stream.algorithm import rules as rules_module
+from opendiloco_stream.algorithm.outer import eager_estimate
 from opendiloco_stream.compression import HEADER_SIZE, ErrorFeedback, NonFiniteError, decode, get_codec, read_header
 from opendiloco_stream.compression.sparse import pack_bits, unpack_bits
 from opendiloco_stream.compression.wire import index_bits
@@ -338,13 +339,13 @@ def test_eager_with_a_sparse_codec_swaps_exactly_what_this_peer_sent(monkeypatch
     codec = get_codec("topk-int2", block_size=64, density=0.05)
     swarm = LocalSwarm(num_workers=2, codec="topk-int2", block_size=64, density=0.05)
     calls = []
-    real = rules_module.eager_estimate
+    real = rules_module.eager_estimate_each  # the estimate, made one parameter at a time
 
-    def spy(d, prev_avg, prev_sent, prev_share):
+    def spy(d, prev_avg, prev_sent, prev_share, pieces, out=None):
         calls.append((d.clone(), prev_avg.clone(), prev_sent.clone(), prev_share))
-        return real(d, prev_avg, prev_sent, prev_share)
+        return real(d, prev_avg, prev_sent, prev_share, pieces, out)
 
-    monkeypatch.setattr(rules_module, "eager_estimate", spy)
+    monkeypatch.setattr(rules_module, "eager_estimate_each", spy)
     recorders = [_Recorder(swarm.transport(r)) for r in range(2)]
     residuals = [[] for _ in range(2)]
     torch.manual_seed(0)
@@ -385,7 +386,7 @@ def test_eager_with_a_sparse_codec_swaps_exactly_what_this_peer_sent(monkeypatch
         # the average holds this peer's stale contribution exactly as sent (no re-quantization), so
         # the estimate minus this peer's fresh part is exactly what the others sent, weighted
         others = [s for s in sents if s.shape == prev_sent.shape and not torch.equal(s, prev_sent)]
-        estimate = real(d, prev_avg, prev_sent, share)
+        estimate = eager_estimate(d, prev_avg, prev_sent, share)
         assert any(torch.allclose(estimate - d * share, o * (1 - share), atol=1e-6) for o in others)
 
 

@@ -8,6 +8,12 @@ it fits there, or the CPU, in pinned memory when the model is on CUDA (copies to
 are then DMA transfers). Outer gradients leave it and transport results come back to it through
 ``staging.py``; the local parameters are written back with ``copy_``, which casts and moves.
 
+The outer gradient and every update of the local parameters go one parameter at a time
+(:meth:`FragmentState.outer_grad`, :meth:`FragmentState.update_local`): besides the flat outer
+gradient (the fragment in flight) they hold at most one parameter converted to fp32 on the outer
+device, never a fragment-sized copy of the local parameters (a sharded peer's access reads and
+writes whole fragments: :meth:`ParamAccess.update`).
+
 The local parameters are read and written through a :class:`ParamAccess`: the fragment's own
 parameters by default (:class:`DirectAccess`), or, on a sharded peer (FSDP2, ``train/sharded.py``),
 full tensors gathered from and scattered to the peer's ranks.
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional, overload
+from typing import Any, Callable, Optional, overload
 
 import torch
 
@@ -40,6 +46,17 @@ class _Pending:
     sent_input: torch.Tensor  # what was handed to the transport (d_k + residual under EF)
 
 
+@dataclass
+class Unsent:
+    """What a consumed round did not send, ``(sent_input - sent) * decay``, kept as its two
+    tensors (the round's, already held) and made one parameter at a time when the local
+    parameters take it (:meth:`FragmentState.take_unsent`), not as a fragment-sized tensor."""
+
+    sent_input: torch.Tensor
+    sent: torch.Tensor
+    decay: float
+
+
 class ParamAccess:
     """How the outer logic reads and writes a fragment's local parameters (full tensors, in the
     order of ``fragment.params``)."""
@@ -49,6 +66,12 @@ class ParamAccess:
 
     def write(self, fragment: fr.Fragment, values: list[torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def update(self, fragment: fr.Fragment, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """Parameter i <- ``fn(i, its value)``; ``fn`` may work in place on the value it is given and
+        return it. This form reads every parameter, then writes every one (one read, one write);
+        :class:`DirectAccess` goes one parameter at a time."""
+        self.write(fragment, [fn(i, q) for i, q in enumerate(self.read(fragment))])
 
 
 class DirectAccess(ParamAccess):
@@ -61,6 +84,16 @@ class DirectAccess(ParamAccess):
         with torch.no_grad():
             for q, v in zip(fragment.params, values):
                 q.copy_(v)
+
+    def update(self, fragment: fr.Fragment, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """One parameter at a time: ``fn`` gets the parameter itself (detached), so in-place work
+        on it needs no copy; a new value returned is copied in."""
+        with torch.no_grad():
+            for i, p in enumerate(fragment.params):
+                q = p.detach()
+                v = fn(i, q)
+                if v.data_ptr() != q.data_ptr():
+                    q.copy_(v)
 
 
 class _ResolvedHandle(SyncHandle):
@@ -101,17 +134,13 @@ class FragmentState:
         self.tokens = 0
         # error feedback in the parameters: what the last consumed round did not send, until the
         # local parameters take it (within the same step, so never part of a checkpoint)
-        self.unsent: Optional[torch.Tensor] = None
+        self.unsent: Optional[Unsent] = None
 
     def fp32_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A new fp32 copy of ``t`` on the outer device (pinned if the outer state is pinned)."""
         if not self._pin:
             return t.detach().to(self.device, torch.float32, copy=True)
         return torch.empty(t.shape, dtype=torch.float32, pin_memory=True).copy_(t.detach())
-
-    def local(self) -> list[torch.Tensor]:
-        """The local parameters as fp32 tensors on the outer device (themselves if they already are)."""
-        return [q.to(self.device, torch.float32) for q in self.access.read(self.fragment)]
 
     @overload
     def to_outer_device(self, t: torch.Tensor) -> torch.Tensor: ...
@@ -125,8 +154,40 @@ class FragmentState:
         return None if t is None else t.to(self.device)
 
     def outer_grad(self, reference: list[torch.Tensor]) -> torch.Tensor:
-        """d = reference - theta_local, flat fp32 (old minus new); the reference is the rule's."""
-        return torch.cat([(r - q).reshape(-1) for r, q in zip(reference, self.local())])
+        """d = reference - theta_local, flat fp32 (old minus new); the reference is the rule's.
+
+        Written one parameter at a time into the flat tensor: it holds the fragment (the round's
+        outer gradient, in flight from now) and at most one parameter converted to fp32 on the
+        outer device (none when the parameters already are)."""
+        d = torch.empty(sum(r.numel() for r in reference), dtype=torch.float32, device=self.device)
+        offset = 0
+        for r, q in zip(reference, self.access.read(self.fragment)):
+            torch.sub(r, q.to(self.device, torch.float32), out=d[offset:offset + r.numel()].view_as(r))
+            offset += r.numel()
+        return d
+
+    def update_local(self, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """Local parameter i <- ``fn(i, q)``, ``q`` its value as fp32 on the outer device (the
+        parameter itself when it already is: ``fn`` may work on it in place and return it). One
+        parameter at a time with :class:`DirectAccess`: at most one converted parameter exists."""
+        self.access.update(self.fragment, lambda i, q: fn(i, q.to(self.device, torch.float32)))
+
+    def take_unsent(self, scale: float) -> None:
+        """Error feedback in the parameters: the local parameters move by ``-scale`` times what the
+        last consumed round did not send (``Rounds.keep_unsent`` says why), one parameter at a
+        time: ``q - scale * ((sent_input - sent) * decay)``, made in one parameter's temporary."""
+        u, self.unsent = self.unsent, None
+        if u is None:
+            return
+        pieces = zip(self.opt.pieces(u.sent_input), self.opt.pieces(u.sent))
+
+        def move(i: int, q: torch.Tensor) -> torch.Tensor:
+            meant, sent = next(pieces)
+            t = torch.sub(meant, sent)
+            t.mul_(u.decay).mul_(scale)
+            return q.sub_(t)
+
+        self.update_local(move)
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat fp32 fragment vector as one view per parameter (the outer optimizer's layout)."""

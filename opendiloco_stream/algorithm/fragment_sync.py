@@ -14,7 +14,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending, pending_from_state, pending_state
+from opendiloco_stream.algorithm.fragment_state import (
+    FragmentState, Unsent, _Pending, pending_from_state, pending_state,
+)
 from opendiloco_stream.algorithm.rules import Landing, SyncRule
 from opendiloco_stream.algorithm.staging import Staging
 from opendiloco_stream.algorithm.sync_log import SyncLog
@@ -81,7 +83,7 @@ class Rounds:
                 self.error_feedback.reset(f.index)
         elif self.unsent_in_params and result is not None:
             # a failed round leaves nothing unsent: theta_bar steps with the whole d (local-only)
-            f.unsent = (pending.sent_input - result.sent) * self.config.error_feedback_decay
+            f.unsent = Unsent(pending.sent_input, result.sent, self.config.error_feedback_decay)
         return result, reason, waited
 
     def consume(self, f: FragmentState, pending: _Pending, applied: bool,
@@ -113,9 +115,7 @@ class Rounds:
         ``1 - alpha``, so the unsent part is carried exactly once (moving all of it carried
         ``1 + alpha`` of it into the next outer gradient: a part never sent grew by that factor
         every round until the run diverged)."""
-        if f.unsent is not None:
-            f.set_local([q - scale * u for q, u in zip(f.local(), f.split(f.unsent))])
-            f.unsent = None
+        f.take_unsent(scale)
 
     def log_outer_step(self, f: FragmentState, k: int, kind: str) -> None:
         """Record an outer step taken at a sync with an estimate ``kind``."""

@@ -17,33 +17,69 @@ rule
 
 ``rule_class(config)`` picks the class; a new rule is one class here plus its config choice.
 docs/algorithm.md states each rule's formulas.
+
+Memory: a rule applies a landed round one parameter at a time, in place where it can (the outer
+step: ``OuterOptimizer.step_param``; the merges and restarts: ``FragmentState.update_local``), and
+reads the average as per-parameter views of the transport's result. Besides the state it keeps,
+a landing holds at most two temporaries shaped like one parameter (e.g. theta_bar before its step
+and the merge's term), never one shaped like the fragment (tests/test_landing_memory.py). The one
+exception is eager 'corrected' with the 'scaled' estimate: its coefficient is two reductions over
+the whole fragment (``projection_coefficient``), kept as they are because the coefficient's bits
+decide the next estimate's; each makes one fragment-sized temporary, one after the other.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from opendiloco_stream.algorithm.fragment_state import FragmentState, _Pending
-from opendiloco_stream.algorithm.outer import eager_estimate, joiner_estimate, overlap_merge, projection_coefficient
+from opendiloco_stream.algorithm.outer import eager_estimate_each, joiner_estimate_each, projection_coefficient
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.transport.base import SyncResult
 
 
-def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in ts])
+def _sq(t: torch.Tensor) -> float:
+    """The squared norm of ``t`` (no temporary: a reduction to one number)."""
+    return float(torch.linalg.vector_norm(t)) ** 2
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    na, nb = float(a.norm()), float(b.norm())
-    return 0.0 if na == 0.0 or nb == 0.0 else float((a * b).sum()) / (na * nb)
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a.reshape(-1), b.reshape(-1)))
 
 
-def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    nb = float(b.norm())
-    return 0.0 if nb == 0.0 else float(a.norm()) / nb
+def _cos(dot: float, sq_a: float, sq_b: float) -> float:
+    return 0.0 if sq_a == 0.0 or sq_b == 0.0 else dot / math.sqrt(sq_a * sq_b)
+
+
+def _ratio(sq_a: float, sq_b: float) -> float:
+    return 0.0 if sq_b == 0.0 else math.sqrt(sq_a / sq_b)
+
+
+@dataclass
+class _Fields:
+    """A landed round's record fields, summed parameter by parameter: how the outer gradient's
+    estimate compared with the average (``estimate_cos``), and the size of the local parameters'
+    correction against the outer step's (``correction_ratio``). Reductions only: no temporary
+    larger than one parameter is made for them."""
+
+    dot: float = 0.0
+    sq_estimate: float = 0.0
+    sq_average: float = 0.0
+    sq_correction: float = 0.0
+    sq_step: float = 0.0
+
+    def compare(self, estimate: torch.Tensor, average: torch.Tensor) -> None:
+        self.dot += _dot(estimate, average)
+        self.sq_estimate += _sq(estimate)
+        self.sq_average += _sq(average)
+
+    def record(self) -> dict[str, Any]:
+        return {"estimate_cos": round(_cos(self.dot, self.sq_estimate, self.sq_average), 6),
+                "correction_ratio": round(_ratio(self.sq_correction, self.sq_step), 6)}
 
 
 @dataclass
@@ -130,21 +166,45 @@ class Overlap(SyncRule):
         return pending.apply_at == t
 
     def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
+        """Parameter by parameter: step theta_bar_i (keeping a copy of it before, for the record
+        and for 'merge'), then merge it into the local parameter in place. At most two of one
+        parameter's temporaries at a time."""
         f = self.f
-        before = [t.clone() for t in f.outer]
-        f.opt.step(result.average if result is not None else pending.outer_grad)
-        local = f.local()
-        merged = self.merged(local, before, pending)
-        fields = {} if result is None else {
-            "estimate_cos": round(_cos(pending.outer_grad, result.average), 6),
-            "correction_ratio": round(_ratio(_flat(merged) - _flat(local), _flat(before) - _flat(f.outer)), 6)}
-        f.set_local(merged)
-        # the merge kept alpha of the unsent part (it is in the local deviation): the rest moves
-        return Landing(fields, unsent_scale=1.0 - self.config.alpha, local_only=True)
+        # per-parameter pieces, each made (if it must be converted) when it is reached
+        grads = f.opt.pieces(result.average if result is not None else pending.outer_grad)
+        outgrads = f.opt.pieces(pending.outer_grad)
+        fields = None
+        if result is not None:
+            fields = _Fields()
+            fields.compare(pending.outer_grad, result.average)
 
-    def merged(self, local: list[torch.Tensor], before: list[torch.Tensor], pending: _Pending) -> list[torch.Tensor]:
-        """The local parameters after the merge (``before``: theta_bar before the round's step)."""
-        return [overlap_merge(q, tb, self.config.alpha) for q, tb in zip(local, self.f.outer)]
+        def land_one(i: int, q: torch.Tensor) -> torch.Tensor:
+            before = f.outer[i].clone()
+            f.opt.step_param(i, next(grads))
+            if fields is not None:
+                change = torch.sub(before, f.outer[i])
+                fields.sq_step += _sq(change)
+                del change
+            return self.merge_into(q, before, f.outer[i], next(outgrads), fields)
+
+        f.update_local(land_one)
+        f.opt.count_step()
+        # the merge kept alpha of the unsent part (it is in the local deviation): the rest moves
+        return Landing({} if fields is None else fields.record(), unsent_scale=1.0 - self.config.alpha,
+                       local_only=True)
+
+    def merge_into(self, q: torch.Tensor, before: torch.Tensor, outer: torch.Tensor, d: torch.Tensor,
+                   fields: Optional[_Fields]) -> torch.Tensor:
+        """One local parameter ``q`` after the merge, written into ``q`` (``before``: theta_bar_i
+        before the round's step, a scratch copy the merge may overwrite; ``outer``: after it; ``d``:
+        the round's outer gradient): ``q * alpha + theta_bar * (1 - alpha)`` (``overlap_merge``)."""
+        a = self.config.alpha
+        term = torch.mul(outer, 1.0 - a, out=before)
+        merged = torch.mul(q, a)
+        merged.add_(term)
+        if fields is not None:
+            fields.sq_correction += _sq(q.sub_(merged))
+        return q.copy_(merged)
 
 
 class EagerOverlap(Overlap):
@@ -162,10 +222,17 @@ class EagerMerge(EagerOverlap):
     with ``theta_k = theta_bar_old - d_k`` the local parameters at the launch. The progress made
     while the round was in flight is kept whole, whenever it lands."""
 
-    def merged(self, local: list[torch.Tensor], before: list[torch.Tensor], pending: _Pending) -> list[torch.Tensor]:
-        a = self.config.alpha
-        return [q + (tb - (old - d)) * (1.0 - a)
-                for q, tb, old, d in zip(local, self.f.outer, before, self.f.split(pending.outer_grad))]
+    def merge_into(self, q: torch.Tensor, before: torch.Tensor, outer: torch.Tensor, d: torch.Tensor,
+                   fields: Optional[_Fields]) -> torch.Tensor:
+        """``q + (theta_bar - (theta_bar_before - d)) * (1 - alpha)``, the term made in ``before``."""
+        term = before.sub_(d)  # theta_k, the local parameters at the launch
+        torch.sub(outer, term, out=term)
+        term.mul_(1.0 - self.config.alpha)
+        if fields is None:
+            return q.add_(term)
+        merged = torch.add(q, term)
+        fields.sq_correction += _sq(torch.sub(merged, q, out=term))
+        return q.copy_(merged)
 
 
 @dataclass
@@ -213,48 +280,74 @@ class EagerCorrected(SyncRule):
         return self.on_arrival and pending.launched_at < t and pending.handle.done()  # a non-blocking look
 
     def after_launch(self, k: int, d: torch.Tensor) -> Optional[str]:
+        """The look-ahead, written into ``start`` parameter by parameter (the 'mixed' estimate made
+        in ``start[i]`` itself first): one parameter's temporary at a time."""
         prev, scale = self.last, None
+        grads = self.f.opt.pieces(d)
         if prev is None:
-            estimate, kind = d, "local-only"
+            kind = "local-only"
         elif self.config.eager_estimate == "mixed" and prev.average is not None and prev.sent is not None:
-            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
+            grads, kind = self._mixed_into_start(d, prev), "eager"
         elif self.config.eager_estimate == "scaled" and prev.coef is not None:
-            estimate, scale, kind = d, prev.coef, "eager"  # projected_estimate: d * its coefficient kept at landing
+            scale, kind = prev.coef, "eager"  # projected_estimate: d * its coefficient kept at landing
         else:
-            estimate, kind = d, "eager"
-        # the look-ahead is written straight into ``start``, param by param
-        self.restart_from(self.f.opt.lookahead(estimate, scale=scale, out=self.start))
+            kind = "eager"
+        self.restart_from(self.f.opt.lookahead_each(grads, scale=scale, out=self.start))
         return kind
+
+    def _mixed_into_start(self, d: torch.Tensor, prev: _Last) -> Iterator[torch.Tensor]:
+        """``eager_estimate(d, avg, sent, share)`` per parameter, each made in ``start[i]``."""
+        assert prev.average is not None and prev.sent is not None
+        return eager_estimate_each(d, prev.average, prev.sent, prev.share, self.f.opt.pieces, out=self.start)
 
     def land(self, pending: _Pending, result: Optional[SyncResult], at_sync: bool) -> Landing:
         """Round k's average lands: theta_bar <- OuterOpt(theta_bar, avg_k) (a failed round: this
         peer's own outer gradient). Mid-round (on arrival, or at the end of training) the estimate
         step is swapped for the true one at once: local parameters and ``start`` move by
-        theta_bar - start, keeping the local progress made since the restart."""
+        theta_bar - start, keeping the local progress made since the restart. Parameter by
+        parameter: at most two of one parameter's temporaries at a time."""
         f = self.f
-        before = _flat(f.outer)
-        f.opt.step(result.average if result is not None else pending.outer_grad)
-        fields: dict[str, Any] = {}
+        grads = f.opt.pieces(result.average if result is not None else pending.outer_grad)
+        fields = None
         if result is not None:
-            after = _flat(f.outer)  # the correction: the true step minus the estimate's look-ahead step
-            fields = {"estimate_cos": round(_cos(self._estimate_of(pending), result.average), 6),
-                      "correction_ratio": round(_ratio(after - _flat(self.start), after - before), 6)}
-        self.keep_last(result)
-        if at_sync:
-            return Landing(fields, unsent_scale=None)
-        local = [q + o - s_ for q, o, s_ in zip(f.local(), f.outer, self.start)]
-        self.restart_from(f.outer)
-        f.set_local(local)
-        return Landing(fields)
+            fields = _Fields()
+            for est, avg in zip(self._estimates_of(pending), f.opt.pieces(result.average)):
+                fields.compare(est, avg)
+                del est
 
-    def _estimate_of(self, pending: _Pending) -> torch.Tensor:
-        """The estimate round ``pending`` was given at its sync (up to the 'scaled' coefficient,
-        which a cosine does not see)."""
+        def step_one(i: int) -> None:
+            before = f.outer[i].clone() if fields is not None else None
+            f.opt.step_param(i, next(grads))
+            if fields is not None and before is not None:
+                # the correction: the true step minus the estimate's look-ahead step
+                fields.sq_step += _sq(torch.sub(f.outer[i], before, out=before))
+                fields.sq_correction += _sq(torch.sub(f.outer[i], self.start[i], out=before))
+
+        def land_one(i: int, q: torch.Tensor) -> torch.Tensor:
+            step_one(i)
+            local = torch.add(q, f.outer[i])
+            local.sub_(self.start[i])
+            self.start[i].copy_(f.outer[i])
+            return q.copy_(local)
+
+        if at_sync:
+            for i in range(len(f.outer)):
+                step_one(i)
+        else:
+            f.update_local(land_one)
+        f.opt.count_step()
+        self.keep_last(result)
+        return Landing({} if fields is None else fields.record(), unsent_scale=None if at_sync else 1.0)
+
+    def _estimates_of(self, pending: _Pending) -> Iterator[torch.Tensor]:
+        """Per parameter, the estimate round ``pending`` was given at its sync (up to the 'scaled'
+        coefficient, which a cosine does not see): views of its outer gradient, or each 'mixed'
+        estimate made in a temporary when it is asked for."""
         prev = self.last
         if (self.config.eager_estimate == "mixed" and prev is not None and prev.average is not None
                 and prev.sent is not None):
-            return eager_estimate(pending.outer_grad, prev.average, prev.sent, prev.share)
-        return pending.outer_grad
+            return eager_estimate_each(pending.outer_grad, prev.average, prev.sent, prev.share, self.f.opt.pieces)
+        return self.f.opt.pieces(pending.outer_grad)
 
     def keep_last(self, result: Optional[SyncResult]) -> None:
         self.last = None if result is None or not result.included_self else _Last.of(
@@ -312,17 +405,20 @@ class Delayed(SyncRule):
         return super().land(pending, result, at_sync)
 
     def after_launch(self, k: int, d: torch.Tensor) -> Optional[str]:
-        prev = self.previous
+        """theta_bar steps with the estimate, parameter by parameter: each parameter's estimate is
+        made in one temporary that the step then overwrites in place."""
+        prev, split = self.previous, self.f.opt.pieces
+        owned = True
         if prev is None:
-            estimate, kind = d, "local-only"
+            grads, kind, owned = split(d), "local-only", False
         elif self.naive:
-            estimate, kind = prev.average, "delayed"
+            grads, kind, owned = split(prev.average), "delayed", False
         elif prev.included_self and prev.sent is not None:
-            estimate, kind = eager_estimate(d, prev.average, prev.sent, prev.share), "eager"
+            grads, kind = eager_estimate_each(d, prev.average, prev.sent, prev.share, split), "eager"
         else:
-            estimate, kind = joiner_estimate(d, prev.average, prev.group_size), "eager-joiner"
+            grads, kind = joiner_estimate_each(d, prev.average, prev.group_size, split), "eager-joiner"
         self.previous = None  # each round's result is used exactly once
-        self.f.opt.step(estimate)
+        self.f.opt.step_each(grads, owned=owned)
         self.restart_from(self.f.outer)
         return kind
 
