@@ -36,7 +36,7 @@ from opendiloco_stream.algorithm.data_parallel import DataParallel
 from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess
 from opendiloco_stream.algorithm.fragment_sync import FragmentSync, Rounds
 from opendiloco_stream.algorithm.prematch import Prematcher
-from opendiloco_stream.algorithm.repair import FETCH_TIMEOUT_S, Repairs
+from opendiloco_stream.algorithm.repair import FETCH_TIMEOUT_S, SERVE_WAIT_S, Repairs
 from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
     OuterPlacement, Staging, adamw_pending_bytes, outer_state_bytes, place_outer_state,
@@ -289,14 +289,17 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                     "land first)", state["step"], time.monotonic() - t0)
         return state
 
-    def _fragment_state(self, fragment: int) -> dict[str, Any]:
-        """What a groupmate repairing fragment ``fragment`` downloads (``repair.py``): its theta_bar
-        and outer optimizer state as they are after the last round this peer consumed (``round``),
-        taken between two steps."""
+    def _fragment_state(self, fragment: int, round_index: int) -> dict[str, Any]:
+        """What a groupmate repairing fragment ``fragment`` after round ``round_index`` downloads
+        (``repair.py``): its theta_bar and outer optimizer state after the last round this peer
+        consumed (``round``), taken between two steps; once that is ``round_index``, or after
+        ``SERVE_WAIT_S`` (the groupmate, which landed it first, then asks again or gives up)."""
         if not 0 <= fragment < len(self.syncs):
             raise ValueError(f"no fragment {fragment} (this model has {len(self.syncs)})")
+        s, deadline = self.syncs[fragment], time.monotonic() + SERVE_WAIT_S
+        while (s.consumed is None or s.consumed < round_index) and time.monotonic() < deadline and not self._closed:
+            time.sleep(0.01)  # it lands within a step or two: between the steps, without the lock
         with self._lock:
-            s = self.syncs[fragment]
             st = s.f.state_dict()
             return {"fragment": fragment, "round": s.consumed, "outer_params": st["outer_params"],
                     "outer_opt": st["outer_opt"]}

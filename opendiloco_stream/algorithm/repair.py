@@ -47,8 +47,9 @@ from opendiloco_stream.transport.base import FetchedFragment, OuterDigest, SyncR
 logger = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 60.0  # bound on one repair's download (and on sync_timeout, if smaller)
-RETRY_S = 0.2  # a groupmate that has not consumed the round yet is asked again after this long
-RETRIES = 15  # ... at most this many times, then the repair waits for the fragment's next round
+SERVE_WAIT_S = 2.0  # how long a groupmate waits to have consumed the round asked for before it serves
+RETRY_S = 0.2  # a groupmate that still has not consumed it is asked again after this long
+RETRIES = 5  # ... at most this many times, then the repair waits for the fragment's next round
 
 
 class RepairOutcome(str, enum.Enum):
@@ -202,7 +203,7 @@ class Repairs:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            fetched = self.transport.fetch_fragment(peer, fragment, left, since=since)
+            fetched = self.transport.fetch_fragment(peer, fragment, k, left, since=since)
             if fetched is None:
                 return None, received
             received += fetched.received_bytes

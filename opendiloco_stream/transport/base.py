@@ -244,15 +244,16 @@ class StateSource(Protocol):
         ``since``: a state this peer loaded before (stale now): a transport may fetch only what changed."""
         return None
 
-    def set_fragment_provider(self, provider: Callable[[int], dict[str, Any]]) -> None:
-        """Register a callable that returns one fragment's outer state (theta_bar, outer optimizer
-        state, the last round it consumed) for a groupmate repairing its copy (``algorithm/repair.py``)."""
+    def set_fragment_provider(self, provider: Callable[[int, int], dict[str, Any]]) -> None:
+        """Register ``provider(fragment, round)``: one fragment's outer state (theta_bar, outer
+        optimizer state, the last round it consumed), once that round is consumed or after a short
+        bounded wait, for a groupmate repairing its copy (``algorithm/repair.py``)."""
 
-    def fetch_fragment(self, peer: str, fragment: int, timeout: float,
+    def fetch_fragment(self, peer: str, fragment: int, round_index: int, timeout: float,
                        since: Optional[dict[str, Any]] = None) -> Optional[FetchedFragment]:
-        """Fragment ``fragment``'s outer state from groupmate ``peer`` (a ``SyncResult.digests``
-        key), or None if it did not deliver within ``timeout``. ``since``: this peer's own copy of
-        that state: a transport may fetch only the tensors that differ."""
+        """Fragment ``fragment``'s outer state after round ``round_index`` from groupmate ``peer``
+        (a ``SyncResult.digests`` key), or None if it did not deliver within ``timeout``.
+        ``since``: this peer's own copy of that state: a transport may fetch only the tensors that differ."""
         return None
 
 

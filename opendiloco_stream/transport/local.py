@@ -120,7 +120,7 @@ class LocalSwarm:
         self._cond = threading.Condition()
         self._aborted: Optional[str] = None
         self._state_providers: dict[int, Callable[[], dict[str, Any]]] = {}
-        self._fragment_providers: dict[int, Callable[[int], dict[str, Any]]] = {}
+        self._fragment_providers: dict[int, Callable[[int, int], dict[str, Any]]] = {}
 
     def transport(self, rank: int) -> "LocalTransport":
         if not 0 <= rank < self.num_workers:
@@ -264,14 +264,14 @@ class LocalTransport(Transport):
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
         self.swarm._state_providers[self.rank] = provider
 
-    def set_fragment_provider(self, provider: Callable[[int], dict[str, Any]]) -> None:
+    def set_fragment_provider(self, provider: Callable[[int, int], dict[str, Any]]) -> None:
         self.swarm._fragment_providers[self.rank] = provider
 
-    def fetch_fragment(self, peer: str, fragment: int, timeout: float,
+    def fetch_fragment(self, peer: str, fragment: int, round_index: int, timeout: float,
                        since: Optional[dict[str, Any]] = None) -> Optional[FetchedFragment]:
         """The provider of worker ``peer`` called in this thread (no bytes cross a wire)."""
         provider = self.swarm._fragment_providers.get(int(peer.rsplit("-", 1)[-1]))
-        return None if provider is None else FetchedFragment(provider(fragment))
+        return None if provider is None else FetchedFragment(provider(fragment, round_index))
 
     def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
                               since: Optional[dict[str, Any]] = None

@@ -147,12 +147,12 @@ class _StateServicer:
             async for msg in self._serve_lane(req.get("snapshot"), lane, have):
                 yield msg
             return
-        fragment = req.get("fragment")
-        if isinstance(fragment, int) and not isinstance(fragment, bool):  # a groupmate's repair of one fragment
+        fragment, round_index = req.get("fragment"), req.get("round")
+        if isinstance(fragment, int) and isinstance(round_index, int):  # a groupmate's repair of one fragment
             fragment_provider = self._sharing.fragment_provider
             if fragment_provider is None:
                 return
-            make = lambda: fragment_provider(fragment)  # noqa: E731
+            make = lambda: fragment_provider(fragment, round_index)  # noqa: E731
         else:
             make = lambda: self._sharing.provide(provider, context.remote_id.to_base58())  # noqa: E731
         loop = asyncio.get_event_loop()
@@ -298,7 +298,7 @@ class StateSharing:
         self.key, self.handler = f"{run_id}_state.donors", f"{run_id}_state::download"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
-        self.fragment_provider: Optional[Callable[[int], dict]] = None  # one fragment's state (a repair)
+        self.fragment_provider: Optional[Callable[[int, int], dict]] = None  # one fragment's state (a repair)
         self.snapshots = _Snapshots()  # states flattened for a download's lanes (donor side)
         self.lanes = LANES  # streams a download asks a donor for (joiner side)
         self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
@@ -331,9 +331,9 @@ class StateSharing:
         if self.can_serve and self._declare_task is None:
             self._call(self._start_serving(), timeout=30.0)
 
-    def set_fragment_provider(self, provider: Callable[[int], dict]) -> None:
-        """Serve one fragment's state (``provider(fragment)``) to groupmates that repair theirs, on
-        the same handler (a request naming a ``fragment``)."""
+    def set_fragment_provider(self, provider: Callable[[int, int], dict]) -> None:
+        """Serve one fragment's state (``provider(fragment, round)``) to groupmates that repair
+        theirs, on the same handler (a request naming a ``fragment`` and a ``round``)."""
         self.fragment_provider = provider
 
     async def _start_serving(self) -> None:
@@ -385,8 +385,9 @@ class StateSharing:
             logger.warning("no peer delivered the run's state within %.1fs", timeout)
             return None
 
-    def fetch(self, peer: str, fragment: int, timeout: float, since: Optional[dict] = None) -> Optional[dict]:
-        """Fragment ``fragment``'s state from groupmate ``peer`` (base58), a download like a
+    def fetch(self, peer: str, fragment: int, round_index: int, timeout: float,
+              since: Optional[dict] = None) -> Optional[dict]:
+        """Fragment ``fragment``'s state after round ``round_index`` from groupmate ``peer`` (base58), a download like a
         joiner's from one donor (``have``: the digests of ``since``'s tensors, which it holds, so
         only the tensors that differ move); None if it failed or took longer than ``timeout``."""
         self.last_load = {"donors": [peer], "reused_tensors": 0, "reused_bytes": 0, "received_bytes": 0, "lanes": 1}
@@ -396,8 +397,8 @@ class StateSharing:
             held = {digest: t for digest, t in zip(_manifest["digests"], tensors)}
         try:
             donor = PeerID.from_base58(peer)
-            return self._call(asyncio.wait_for(self._download(donor, held, fields={"fragment": int(fragment)}),
-                                               timeout), timeout + 2.0)
+            fields = {"fragment": int(fragment), "round": int(round_index)}
+            return self._call(asyncio.wait_for(self._download(donor, held, fields=fields), timeout), timeout + 2.0)
         except Exception as e:  # dead, stalled, refused or no provider: the caller retries at the next round
             logger.info("fetching fragment %d's state from %s failed: %r", fragment, peer, e)
             return None

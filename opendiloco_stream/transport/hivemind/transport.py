@@ -270,17 +270,17 @@ class HivemindTransport(Transport):
             raise RuntimeError("transport closed")
         self._sharing().set_provider(provider)
 
-    def set_fragment_provider(self, provider: Callable[[int], dict[str, Any]]) -> None:
+    def set_fragment_provider(self, provider: Callable[[int, int], dict[str, Any]]) -> None:
         if self._closed:
             raise RuntimeError("transport closed")
         self._sharing().set_fragment_provider(provider)
 
-    def fetch_fragment(self, peer: str, fragment: int, timeout: float,
+    def fetch_fragment(self, peer: str, fragment: int, round_index: int, timeout: float,
                        since: Optional[dict[str, Any]] = None) -> Optional[FetchedFragment]:
         if self._closed:
             return None
         sharing = self._sharing()
-        state = sharing.fetch(peer, fragment, timeout, since=since)
+        state = sharing.fetch(peer, fragment, round_index, timeout, since=since)
         return None if state is None else FetchedFragment(state, int(sharing.last_load.get("received_bytes", 0)))
 
     def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
