@@ -67,7 +67,7 @@ def outer_digest(tensors: Sequence[torch.Tensor], steps: int) -> OuterDigest:
     for t in tensors:
         flat = t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
         if flat.numel():
-            h.update(memoryview(flat.view(torch.uint8).numpy()))
+            h.update(flat.view(torch.uint8).numpy().data)
     return OuterDigest(h.hexdigest(), int(steps))
 
 
