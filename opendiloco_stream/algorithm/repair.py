@@ -207,6 +207,8 @@ class Repairs:
             if fetched is None:
                 return None, received
             received += fetched.received_bytes
+            if fetched.state.get("fragment") != fragment:  # a groupmate of an older release served its whole state
+                return None, received
             served = fetched.state.get("round")
             if not (isinstance(served, int) and served < k) and served is not None:
                 return fetched, received
