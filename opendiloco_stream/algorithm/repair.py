@@ -32,6 +32,7 @@ import concurrent.futures
 import enum
 import hashlib
 import logging
+import threading
 import time
 import zlib
 from collections import Counter
@@ -160,6 +161,7 @@ class Repairs:
         self.transport, self.log, self.enabled, self.timeout, self.now = transport, log, enabled, timeout, now
         self._fetches: dict[int, _Fetch] = {}
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._closing = threading.Event()  # close(): a download under way asks no more
 
     def digest(self, s: Repairable) -> Optional[OuterDigest]:
         """theta_bar's digest to send with a round of ``s`` launched now (None when off)."""
@@ -201,7 +203,7 @@ class Repairs:
         deadline, received = time.monotonic() + self.timeout, 0
         for _ in range(RETRIES + 1):
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or self._closing.is_set():
                 break
             fetched = self.transport.fetch_fragment(peer, fragment, k, left, since=since)
             if fetched is None:
@@ -212,7 +214,7 @@ class Repairs:
             served = fetched.state.get("round")
             if not (isinstance(served, int) and served < k) and served is not None:
                 return fetched, received
-            time.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
+            self._closing.wait(min(RETRY_S, max(0.0, deadline - time.monotonic())))
         return None, received
 
     # ------------------------------------------------------------------ adopt (training thread)
@@ -253,6 +255,7 @@ class Repairs:
                        "seconds": round(time.monotonic() - fetch.started, 3), "outcome": outcome.value})
 
     def close(self) -> None:
-        """Stop the worker (a download under way is left to end on its own bound)."""
+        """Stop the worker (a download under way ends on its own bound, asking no more)."""
+        self._closing.set()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
