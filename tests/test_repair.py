@@ -18,6 +18,7 @@ import torch
 from benchmarks.harness.loopback import LoopbackSwarm
 from opendiloco_stream import DiLoCoConfig, wrap
 from opendiloco_stream.algorithm.repair import outer_digest, winning_digest
+from opendiloco_stream.net.prometheus import PeerMetrics, samples
 from opendiloco_stream.transport.base import OuterDigest
 from opendiloco_stream.transport.local import LocalSwarm
 from tests.support.two_workers import mlp
@@ -49,6 +50,17 @@ def test_the_digest_is_of_theta_bars_fp32_bytes():
     b[1][2] = torch.nextafter(b[1][2], torch.tensor(2.0))  # one ulp
     assert outer_digest(a, 3).digest != outer_digest(b, 3).digest
     assert len(outer_digest(a, 0).digest) == 16  # 8 bytes, hex
+
+
+def test_repair_records_count_in_prometheus_by_fragment_and_outcome():
+    metrics = PeerMetrics({"run": "demo", "peer": "p"})
+    for outcome in ("repaired", "repaired", "stale"):
+        metrics.observe({"event": "repair", "fragment": 1, "round": 3, "step": 9, "from": "q", "bytes": 10,
+                         "seconds": 0.1, "outcome": outcome})
+    got = samples(metrics.exposition())
+    lab = (("fragment", "1"), ("peer", "p"), ("run", "demo"))
+    assert got[("ods_repairs_total", tuple(sorted(lab + (("outcome", "repaired"),))))] == 2
+    assert got[("ods_repairs_total", tuple(sorted(lab + (("outcome", "stale"),))))] == 1
 
 
 # ---------------------------------------------------------------------------------------- in-process
