@@ -10,6 +10,7 @@ else). No production code has a hook for it.
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
@@ -17,10 +18,10 @@ import torch
 
 from benchmarks.harness.loopback import LoopbackSwarm
 from opendiloco_stream import DiLoCoConfig, wrap
-from opendiloco_stream.algorithm.repair import outer_digest, winning_digest
+from opendiloco_stream.algorithm.repair import adopt, outer_digest, winning_digest
 from opendiloco_stream.net.prometheus import PeerMetrics, samples
 from opendiloco_stream.transport.base import OuterDigest
-from opendiloco_stream.transport.local import LocalSwarm
+from opendiloco_stream.transport.local import LinkModel, LocalSwarm
 from tests.support.two_workers import mlp
 
 MODULE = __name__  # peers import train_and_perturb from here by name
@@ -50,6 +51,46 @@ def test_the_digest_is_of_theta_bars_fp32_bytes():
     b[1][2] = torch.nextafter(b[1][2], torch.tensor(2.0))  # one ulp
     assert outer_digest(a, 3).digest != outer_digest(b, 3).digest
     assert len(outer_digest(a, 0).digest) == 16  # 8 bytes, hex
+
+
+@pytest.mark.parametrize("mode,extra,steps", [("blocking", {}, 3), ("eager", {"eager_rule": "corrected"}, 6),
+                                              ("eager", {"eager_rule": "merge"}, 6)])
+def test_adopting_a_groupmates_theta_bar_keeps_the_local_progress_relative_to_the_rules_reference(mode, extra, steps):
+    """After ``adopt``: theta_bar and momentum are the groupmate's, and local - reference (the next
+    outer gradient, up to its sign) is what it was; with eager the fragment has a round in flight
+    (launched at step 2 or 6, not landed), and 'corrected''s reference is its look-ahead ``start``."""
+    model, data = _model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = DiLoCoConfig(mode=mode, inner_steps=4, num_fragments=2, **extra)
+    diloco = wrap(model, opt, transport=LocalSwarm(1, link=LinkModel(delay_steps=3)).transport(0), config=config,
+                  blocks=list(model))
+    for i in range(steps):
+        model(data[i % 3]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(tokens=5)
+    s = diloco.syncs[0]
+    assert s.in_flight == (mode == "eager")
+    progress = [q - r for q, r in zip(s.f.local(), s.reference)]
+    theirs = [t + 0.25 * torch.randn_like(t) for t in s.f.outer]
+    their_opt = torch.load(io.BytesIO(_saved(s.f.opt.state_dict())))  # a copy, as a download delivers it
+    for st in their_opt["state"].values():
+        st["momentum_buffer"] += 1.0
+    other = [t.clone() for t in diloco.syncs[1].f.outer]
+    adopt(s, theirs, their_opt)
+    assert all(torch.equal(o, t) for o, t in zip(s.f.outer, theirs))
+    mine = s.f.opt.state_dict()["state"]
+    assert mine and all(torch.equal(mine[i]["momentum_buffer"], st["momentum_buffer"])
+                        for i, st in their_opt["state"].items())
+    assert all(torch.allclose(q - r, p, atol=1e-6) for q, r, p in zip(s.f.local(), s.reference, progress))
+    assert all(torch.equal(a, b) for a, b in zip(other, diloco.syncs[1].f.outer))
+    diloco.close()
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def test_repair_records_count_in_prometheus_by_fragment_and_outcome():
