@@ -152,21 +152,22 @@ def _digests(diloco, fragment: int) -> dict[int, str]:
                                         ("eager", {"eager_rule": "merge"}), ("eager", {"eager_rule": "corrected"})])
 def test_a_drifted_fragment_is_repaired_from_the_group_and_training_goes_on_from_it_in_process(mode, extra):
     """H = 4, P = 2 (fragment 0 syncs at steps 2, 6, 10...). Worker 1's theta_bar of fragment 0 is
-    moved after its round 0; round 1 shows two digests, the tie goes to the smaller peer id
-    (``local-0``): worker 1 fetches worker 0's state and from round 2 on both hold the same theta_bar
-    of fragment 0 again. Fragment 1 is never touched."""
+    moved after step 1, before round 0 (a round hashes theta_bar when it changes it: a fake that
+    wrote theta_bar after a round would not be seen until the next one); round 0 shows two digests,
+    the tie goes to the smaller peer id (``local-0``): worker 1 fetches worker 0's state and from
+    round 1 on both hold the same theta_bar of fragment 0 again. Fragment 1 is never touched."""
     config = DiLoCoConfig(mode=mode, inner_steps=4, num_fragments=2, record_digests=True, **extra)
     swarm, made = LocalSwarm(2), [_model_and_data() for _ in range(2)]
-    out = swarm.run(lambda rank: _train(rank, swarm.transport(rank), config, steps=16, perturb_at=2, step_s=0.02,
+    out = swarm.run(lambda rank: _train(rank, swarm.transport(rank), config, steps=16, perturb_at=1, step_s=0.02,
                                         model_and_data=made[rank]))
     (d0, touched0), (d1, touched1) = out
     assert [e for e in d0.events if e["event"] == "repair"] == [] and d0.stats.repairs == 0
     repairs = [e for e in d1.events if e["event"] == "repair"]
-    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 1, "local-0", "repaired")]
+    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 0, "local-0", "repaired")]
     assert d1.stats.repairs == 1 and d1.stats.failed_repairs == 0 and touched1 == [False]
     f0 = (_digests(d0, 0), _digests(d1, 0))
-    assert f0[0][1] != f0[1][1]  # round 1 was averaged onto two different theta_bars
-    assert all(f0[0][k] == f0[1][k] for k in range(2, 4))  # repaired: the same from the next round on
+    assert f0[0][0] != f0[1][0]  # round 0 was averaged onto two different theta_bars
+    assert all(f0[0][k] == f0[1][k] for k in range(1, 4))  # repaired: the same from the next round on
     assert _digests(d0, 1) == _digests(d1, 1)  # the other fragment: always the same
 
 
@@ -176,7 +177,7 @@ def test_repair_off_or_a_rule_whose_theta_bar_is_its_own_sends_no_digest_and_rep
     for config in (DiLoCoConfig(mode="blocking", inner_steps=4, num_fragments=2, record_digests=True, repair=False),
                    DiLoCoConfig(mode="eager", eager_rule="paper", inner_steps=4, num_fragments=2, record_digests=True)):
         swarm, made = LocalSwarm(2), [_model_and_data() for _ in range(2)]
-        (d0, _), (d1, _) = swarm.run(lambda rank: _train(rank, swarm.transport(rank), config, steps=12, perturb_at=2,
+        (d0, _), (d1, _) = swarm.run(lambda rank: _train(rank, swarm.transport(rank), config, steps=12, perturb_at=1,
                                                          model_and_data=made[rank]))
         assert d0.stats.repairs == d1.stats.repairs == 0
         assert not any(e["event"] == "repair" for e in d0.events + d1.events)
@@ -196,16 +197,16 @@ def train_and_perturb(peer, rank: int, steps: int, perturb_at: int) -> dict:
 @pytest.mark.timeout(120)
 def test_two_real_peers_repair_a_drifted_fragment_over_the_state_download():
     """Two hivemind peers on 127.0.0.1, blocking, fragment 0 syncing at steps 2, 6, 10, 14. Peer 1's
-    theta_bar of fragment 0 is moved after round 0 (the fake of a failed round's divergence). Round
-    1 carries both digests; the tie goes to the smaller peer id, whichever peer that is, and the
+    theta_bar of fragment 0 is moved after step 1 (the fake of a failed round's divergence). Round
+    0 carries both digests; the tie goes to the smaller peer id, whichever peer that is, and the
     other one fetches the fragment's state from it (one fragment, over the state download): the
-    digests of fragment 0 agree again from round 2 on, a repair record names the donor and its
+    digests of fragment 0 agree again from round 1 on, a repair record names the donor and its
     bytes, and fragment 1's theta_bar is neither different between the peers nor moved by the repair."""
     swarm = LoopbackSwarm(2, run_id="repair", transport_kwargs=dict(
         codec="fp32", target_group_size=2, matchmaking_time=3.0, request_timeout=1.0, state_timeout=10.0))
     try:
         swarm.start()
-        out = swarm.call_all("call", f"{MODULE}:train_and_perturb", steps=16, perturb_at=2,
+        out = swarm.call_all("call", f"{MODULE}:train_and_perturb", steps=16, perturb_at=1,
                              per_peer=[dict(rank=0), dict(rank=1)], timeout=90)
     finally:
         swarm.close()
@@ -215,12 +216,12 @@ def test_two_real_peers_repair_a_drifted_fragment_over_the_state_download():
     syncs = [[e for e in o["events"] if e["event"] == "sync"] for o in out]
     assert all(e["ok"] and e["group_size"] == 2 for s in syncs for e in s), syncs
     repairs = [e for e in out[loser]["events"] if e["event"] == "repair"]
-    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 1, ids[winner], "repaired")]
+    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 0, ids[winner], "repaired")]
     assert repairs[0]["bytes"] > 0 and repairs[0]["seconds"] >= 0
     assert out[loser]["stats"]["repairs"] == 1 and out[loser]["touched"] == [False]
     assert not any(e["event"] == "repair" for e in out[winner]["events"])
     digests = [{(e["fragment"], e["round"]): e["digest"] for e in o["events"] if e["event"] == "outer_digest"}
                for o in out]
-    assert digests[0][(0, 1)] != digests[1][(0, 1)]
-    assert all(digests[0][(0, k)] == digests[1][(0, k)] for k in (2, 3))
+    assert digests[0][(0, 0)] != digests[1][(0, 0)]
+    assert all(digests[0][(0, k)] == digests[1][(0, k)] for k in (1, 2, 3))
     assert all(digests[0][(1, k)] == digests[1][(1, k)] for k in range(4))

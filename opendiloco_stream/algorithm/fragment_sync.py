@@ -194,6 +194,7 @@ class FragmentSync:
         if landing.unsent_scale is not None:
             self.rounds.keep_unsent(self.f, landing.unsent_scale)
         self.consumed = pending.round
+        self.rounds.repairs.changed(self)  # theta_bar stepped: its digest, hashed for the next launch
         self.rounds.repairs.check(self, pending.round, result)
 
     def state_dict(self, timeout: float) -> dict[str, Any]:
@@ -206,6 +207,7 @@ class FragmentSync:
 
     def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
         self.consumed, self.launch_digest = None, None  # a restored round in flight is not checked
+        self.rounds.repairs.forget(self)
         self.f.load_state_dict(st, joiner)
         self.pending = pending_from_state(st["pending"], self.f, joiner)
         self.rule.load_state_dict(st, joiner)

@@ -62,14 +62,20 @@ class RepairOutcome(str, enum.Enum):
 
 
 def outer_digest(tensors: Sequence[torch.Tensor], steps: int) -> OuterDigest:
-    """theta_bar's fingerprint: BLAKE2b-8 of its fp32 bytes, parameter after parameter (equal
-    digests: bit-identical theta_bar). About 1 GB/s on one core: ~4 ms per million parameters."""
+    """theta_bar's fingerprint with the inner step count ``steps`` (:func:`theta_digest`)."""
+    return OuterDigest(theta_digest(tensors), int(steps))
+
+
+def theta_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """BLAKE2b-8 of theta_bar's fp32 bytes, parameter after parameter (equal digests: bit-identical
+    theta_bar); hex. ~5 ms per million parameters on one core of the 2-core test machine, so
+    :class:`Repairs` hashes on a worker thread as soon as theta_bar changed, not at the launch."""
     h = hashlib.blake2b(digest_size=8)
     for t in tensors:
         flat = t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
         if flat.numel():
             h.update(flat.view(torch.uint8).numpy().data)
-    return OuterDigest(h.hexdigest(), int(steps))
+    return h.hexdigest()
 
 
 def winning_digest(digests: dict[str, OuterDigest]) -> Optional[str]:
@@ -161,11 +167,44 @@ class Repairs:
         self.transport, self.log, self.enabled, self.timeout, self.now = transport, log, enabled, timeout, now
         self._fetches: dict[int, _Fetch] = {}
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # theta_bar's digest per fragment, hashed on a thread of its own since theta_bar last changed
+        # (a download may take the other one for a minute); theta_bar stays as it is until the
+        # training thread takes the digest (``_hash``) or waits for it (``_settle``)
+        self._hashes: dict[int, concurrent.futures.Future] = {}
+        self._hasher: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._closing = threading.Event()  # close(): a download under way asks no more
 
     def digest(self, s: Repairable) -> Optional[OuterDigest]:
         """theta_bar's digest to send with a round of ``s`` launched now (None when off)."""
-        return outer_digest(s.f.outer, self.now()) if self.enabled else None
+        return OuterDigest(self._hash(s), int(self.now())) if self.enabled else None
+
+    def changed(self, s: Repairable) -> None:
+        """theta_bar of ``s`` has just changed (a round landed, a state was loaded): hash it now on
+        the worker, so that the next launch finds its digest ready."""
+        if not self.enabled:
+            return
+        self._settle(s)
+        if self._hasher is None:
+            self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ods-digest")
+        self._hashes[s.f.index] = self._hasher.submit(theta_digest, list(s.f.outer))
+
+    def forget(self, s: Repairable) -> None:
+        """theta_bar of ``s`` is about to be overwritten (a checkpoint, a joiner's state): the next
+        launch hashes it anew."""
+        self._settle(s)
+
+    def _hash(self, s: Repairable) -> str:
+        job = self._hashes.get(s.f.index)
+        if job is None:  # not hashed since it last changed (the first launch)
+            job = self._hashes[s.f.index] = concurrent.futures.Future()
+            job.set_result(theta_digest(s.f.outer))
+        return job.result()
+
+    def _settle(self, s: Repairable) -> None:
+        """Wait for a hash of ``s``'s theta_bar still running: theta_bar is about to change."""
+        job = self._hashes.pop(s.f.index, None)
+        if job is not None:
+            concurrent.futures.wait([job])
 
     def early_digest(self, s: Repairable) -> Optional[OuterDigest]:
         """The digest for a group formed ahead of ``s``'s next round: only if nothing can change
@@ -237,11 +276,12 @@ class Repairs:
             if state.get("round") != fetch.round or s.consumed != fetch.round:
                 outcome = RepairOutcome.STALE
             else:
+                self._settle(s)
                 adopt(s, list(state["outer_params"]), state["outer_opt"])
                 if s.in_flight and s.launch_digest is not None:
                     # the round in flight was launched on the old theta_bar; its average lands on
                     # the adopted one, which is what the group's digest for it describes
-                    s.launch_digest = outer_digest(s.f.outer, s.launch_digest.steps)
+                    s.launch_digest = OuterDigest(self._hash(s), s.launch_digest.steps)
                 outcome = RepairOutcome.REPAIRED
         stats = self.log.stats
         if outcome is RepairOutcome.REPAIRED:
@@ -257,5 +297,6 @@ class Repairs:
     def close(self) -> None:
         """Stop the worker (a download under way ends on its own bound, asking no more)."""
         self._closing.set()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._hasher):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
