@@ -8,8 +8,9 @@ steps alone too: from then on each applies the same later averages to a differen
 and the replicas never meet again.
 
 *Detect.* At every launch each member fingerprints theta_bar_p as it is then (what the round's
-average will be applied to): :func:`outer_digest`, BLAKE2b-8 of its fp32 bytes, sent to the group
-in the round's member metadata (``Transport.all_reduce``'s ``digest``). After the round every
+average will be applied to): :func:`outer_digest`, BLAKE2b-8 of its fp32 bytes (hashed on a worker
+thread as soon as a round changed theta_bar, so the launch finds it ready), sent to the group in
+the round's member metadata (``Transport.all_reduce``'s ``digest``). After the round every
 member reads everyone's (``SyncResult.digests``) and computes the same winner
 (:func:`winning_digest`); a member whose own digest is not it is out of sync for fragment p.
 
@@ -251,7 +252,7 @@ class Repairs:
             if fetched.state.get("fragment") != fragment:  # a groupmate of an older release served its whole state
                 return None, received
             served = fetched.state.get("round")
-            if not (isinstance(served, int) and served < k) and served is not None:
+            if isinstance(served, int) and served >= k:  # (later than k: stale, said by ``_finish``)
                 return fetched, received
             self._closing.wait(min(RETRY_S, max(0.0, deadline - time.monotonic())))
         return None, received
@@ -278,6 +279,7 @@ class Repairs:
             else:
                 self._settle(s)
                 adopt(s, list(state["outer_params"]), state["outer_opt"])
+                self.changed(s)
                 if s.in_flight and s.launch_digest is not None:
                     # the round in flight was launched on the old theta_bar; its average lands on
                     # the adopted one, which is what the group's digest for it describes
