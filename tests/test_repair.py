@@ -21,7 +21,7 @@ from opendiloco_stream import DiLoCoConfig, wrap
 from opendiloco_stream.algorithm.repair import adopt, outer_digest, winning_digest
 from opendiloco_stream.net.prometheus import PeerMetrics, samples
 from opendiloco_stream.transport.base import OuterDigest
-from opendiloco_stream.transport.local import LinkModel, LocalSwarm
+from opendiloco_stream.transport.local import LinkModel, LocalSwarm, LocalTransport
 from tests.support.two_workers import mlp
 
 MODULE = __name__  # peers import train_and_perturb from here by name
@@ -91,6 +91,48 @@ def _saved(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+class _Recording(LocalTransport):
+    """A one-worker LocalSwarm's transport that records the digest of every group formed ahead
+    (``prematch``, which LocalSwarm ignores) and of every launch."""
+
+    def __init__(self, swarm: LocalSwarm):
+        super().__init__(swarm, 0)
+        self.early, self.launched = {}, {}
+
+    def prematch(self, key, weight=1.0, lead_s=0.0, digest=None):
+        self.early[tuple(key)] = digest
+
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
+        self.launched[tuple(key)] = digest
+        return super().all_reduce(key, tensor, weight, digest)
+
+
+@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {"eager_rule": "merge"})])
+def test_a_group_formed_ahead_carries_the_digest_only_when_nothing_can_change_theta_bar_before_the_launch(mode, extra):
+    """prematch_steps = 1, H = 4, P = 2: blocking has no round in flight a step before the sync, so
+    the group formed ahead carries the digest the launch sends; eager with rounds landing 4 steps
+    late (at the next sync) still has the previous round in flight then (its landing will change
+    theta_bar): none."""
+    model, data = _model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    transport = _Recording(LocalSwarm(1, link=LinkModel(delay_steps=4)))
+    config = DiLoCoConfig(mode=mode, inner_steps=4, num_fragments=2, prematch_steps=1, **extra)
+    diloco = wrap(model, opt, transport=transport, config=config, blocks=list(model))
+    for i in range(12):
+        model(data[i % 3]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(tokens=5)
+    diloco.close()
+    later = [k for k in transport.early if k[1] >= 1]  # a fragment's first round has nothing in flight
+    assert later
+    for key in later:
+        if mode == "blocking":
+            assert transport.early[key] is not None and transport.early[key].digest == transport.launched[key].digest
+        else:
+            assert transport.early[key] is None and transport.launched[key] is not None
 
 
 def test_repair_records_count_in_prometheus_by_fragment_and_outcome():
