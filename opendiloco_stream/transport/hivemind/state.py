@@ -35,8 +35,9 @@ next rounds meanwhile) asks again with ``since`` (the stale state): its tensors'
 
 *Repairs.* A peer whose theta_bar of a fragment drifted from its group's (``algorithm/repair.py``)
 downloads that fragment's state alone from one groupmate the same way: its request names the
-``fragment`` and the donor serves ``fragment_provider(fragment)`` instead of its whole state; the
-peer's own copy goes in ``have``, so tensors already equal (momentum, say) do not move.
+``fragment`` and the ``round`` it consumed, and the donor serves ``fragment_provider(fragment,
+round)`` instead of its whole state; the peer's own theta_bar goes in ``have``, so parameters that
+are equal already do not move.
 
 *Memory.* Tensors travel as their raw bytes in parts of ``PART_BYTES``: a donor copies one part at
 a time out of its state, a joiner writes each part in place into a tensor allocated from the
@@ -387,9 +388,10 @@ class StateSharing:
 
     def fetch(self, peer: str, fragment: int, round_index: int, timeout: float,
               since: Optional[dict] = None) -> Optional[dict]:
-        """Fragment ``fragment``'s state after round ``round_index`` from groupmate ``peer`` (base58), a download like a
-        joiner's from one donor (``have``: the digests of ``since``'s tensors, which it holds, so
-        only the tensors that differ move); None if it failed or took longer than ``timeout``."""
+        """Fragment ``fragment``'s state after round ``round_index`` from groupmate ``peer`` (base58):
+        a download like a joiner's from one donor (``have``: the digests of ``since``'s tensors,
+        which it holds, so only the tensors that differ move); None if it failed or took longer
+        than ``timeout``."""
         self.last_load = {"donors": [peer], "reused_tensors": 0, "reused_bytes": 0, "received_bytes": 0, "lanes": 1}
         held = {}
         if since is not None:
