@@ -187,7 +187,8 @@ def _train(rank: int, transport, config: DiLoCoConfig, steps: int, perturb_at: i
 
 
 def _digests(diloco, fragment: int) -> dict[int, str]:
-    return {e["round"]: e["digest"] for e in diloco.events if e["event"] == "outer_digest" and e["fragment"] == fragment}
+    return {e["round"]: e["digest"] for e in diloco.events
+            if e["event"] == "outer_digest" and e["fragment"] == fragment}
 
 
 @pytest.mark.parametrize("mode,extra", [("blocking", {}), ("overlap", {"overlap_steps": 1}),
