@@ -157,6 +157,10 @@ class DiLoCoConfig(_Strict):
     sync_timeout: float = Field(300.0, gt=0.0, description="upper bound on any wait for a round (s)")
     record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "
                                  "records (to verify peers hold bit-identical results)")
+    repair: bool = Field(True, description="send a digest of each fragment's theta_bar with its rounds; a peer "
+                         "whose theta_bar differs from its group's (after rounds that failed for it) fetches the "
+                         "group's from a groupmate and adopts it, keeping its own inner progress (docs/algorithm.md, "
+                         "'Repair'). Not for eager_rule 'paper' and naive-delayed, whose theta_bar differs by design")
 
     @field_validator("num_fragments")
     @classmethod

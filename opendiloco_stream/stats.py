@@ -43,6 +43,8 @@ class SyncStats:
     punched_exchanges: int = 0  # over a hole-punched connection (transport/hivemind/punch.py)
     relayed_exchanges: int = 0  # through the p2p daemon, one side reached through a circuit relay
     p2p_exchanges: int = 0  # through the p2p daemon otherwise
+    repairs: int = 0  # fragments whose drifted theta_bar was replaced by the group's (algorithm/repair.py)
+    failed_repairs: int = 0  # repairs that got no state of the right round (retried at the next round)
     peak_rtt_ms: float = 0.0  # the largest round-trip time a round measured to a groupmate (0: none measured)
 
     def merge(self, other: "SyncStats") -> "SyncStats":

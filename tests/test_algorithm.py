@@ -626,7 +626,7 @@ class _SlowLinkTransport(Transport):
     def __init__(self):
         self.handles, self.waits = [], []
 
-    def all_reduce(self, key, tensor, weight=1.0):
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
         outer = self
 
         class Handle(SyncHandle):
@@ -679,7 +679,7 @@ class _SwarmAheadTransport(_SlowLinkTransport):
         super().__init__()
         self.late, self.launched, self.expected = set(), [], []
 
-    def all_reduce(self, key, tensor, weight=1.0):
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
         self.launched.append((key, weight))
         handle = super().all_reduce(key, tensor, weight)
         handle.landed = True
@@ -743,7 +743,7 @@ class _StuckRoundsTransport(_SlowLinkTransport):
         super().__init__()
         self.late, self.abandoned, self.launched = set(), [], []
 
-    def all_reduce(self, key, tensor, weight=1.0):
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
         from opendiloco_stream.transport.base import SyncFailed
 
         self.launched.append(key)
@@ -904,11 +904,11 @@ class _PrematchRecorder(_SlowLinkTransport):
         super().__init__()
         self.now, self.early, self.launched = 0, [], []
 
-    def prematch(self, key, weight=1.0, lead_s=0.0):
+    def prematch(self, key, weight=1.0, lead_s=0.0, digest=None):
         assert lead_s >= 0.0
         self.early.append((self.now, key, weight))
 
-    def all_reduce(self, key, tensor, weight=1.0):
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
         self.launched.append((self.now, key, weight))
         handle = super().all_reduce(key, tensor, weight)
         handle.landed = True  # no waiting: this test is about when rounds are announced

@@ -67,7 +67,7 @@ class _SwarmView(Transport):
     def __init__(self):
         self.late, self.forms, self.launched, self.abandoned = set(), set(), [], []
 
-    def all_reduce(self, key, tensor, weight=1.0):
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
         handle = _PendingHandle(key, tensor)
         self.launched.append(key)
         if key in self.forms:

@@ -316,7 +316,7 @@ class _Recorder(Transport):
     def set_state_provider(self, provider):
         self.inner.set_state_provider(provider)
 
-    def all_reduce(self, key, tensor, weight=1.0):
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
         self.handed[key] = tensor.detach().clone()
         handle, results = self.inner.all_reduce(key, tensor, weight), self.results
 

@@ -36,6 +36,7 @@ from opendiloco_stream.algorithm.data_parallel import DataParallel
 from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess
 from opendiloco_stream.algorithm.fragment_sync import FragmentSync, Rounds
 from opendiloco_stream.algorithm.prematch import Prematcher
+from opendiloco_stream.algorithm.repair import FETCH_TIMEOUT_S, SERVE_WAIT_S, Repairs
 from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
     OuterPlacement, Staging, adamw_pending_bytes, outer_state_bytes, place_outer_state,
@@ -101,12 +102,17 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         self.frags = [FragmentState(f, o, config, param_access, self.placement) for f, o in zip(fragments, offsets)]
         # outer gradients to the transport and averages back, off the training thread (staging.py)
         staging = Staging(self.frags[0].device, transport.wire_codec())
-        self.rounds = Rounds(transport, staging, config, self.log, lambda: self.step_count,
-                             lambda: self._catching_up, self._swarm_past)
-        self._prematcher = Prematcher(transport, config.prematch_steps, self.rounds.weight)  # groups formed ahead
         rule = rule_class(config)  # what each fragment's rounds do: algorithm/rules.py
+        # a fragment whose theta_bar drifted from its group's fetches the group's (repair.py)
+        self.repairs = Repairs(transport, self.log, config.repair and rule.shares_outer,
+                               min(config.sync_timeout, FETCH_TIMEOUT_S), lambda: self.step_count)
+        self.rounds = Rounds(transport, staging, config, self.log, lambda: self.step_count,
+                             lambda: self._catching_up, self._swarm_past, self.repairs)
         self.syncs = [FragmentSync(f, rule(f, config), self.rounds) for f in self.frags]
+        self._prematcher = Prematcher(transport, config.prematch_steps, self.rounds.weight,  # groups formed ahead
+                                      lambda p: self.repairs.early_digest(self.syncs[p]))
         self.transport.set_state_provider(self._shared_state)
+        self.transport.set_fragment_provider(self._fragment_state)
 
     def _place_outer_state(self, fragments: list[fr.Fragment], optimizer: torch.optim.Optimizer,
                            param_access: Optional[ParamAccess]) -> OuterPlacement:
@@ -159,6 +165,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
             raise RuntimeError("StreamingDiLoCo.step() after close()")
         self._prematcher.tick()
         with self._lock:
+            self.repairs.poll(self.syncs)  # repairs that arrived since the last step
             self._advance(int(tokens) if tokens else 0)
             target = self._late_sync_step()
             if target is not None:
@@ -282,6 +289,21 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                     "land first)", state["step"], time.monotonic() - t0)
         return state
 
+    def _fragment_state(self, fragment: int, round_index: int) -> dict[str, Any]:
+        """What a groupmate repairing fragment ``fragment`` after round ``round_index`` downloads
+        (``repair.py``): its theta_bar and outer optimizer state after the last round this peer
+        consumed (``round``), taken between two steps; once that is ``round_index``, or after
+        ``SERVE_WAIT_S`` (the groupmate, which landed it first, then asks again or gives up)."""
+        if not 0 <= fragment < len(self.syncs):
+            raise ValueError(f"no fragment {fragment} (this model has {len(self.syncs)})")
+        s, deadline = self.syncs[fragment], time.monotonic() + SERVE_WAIT_S
+        while (s.consumed is None or s.consumed < round_index) and time.monotonic() < deadline and not self._closed:
+            time.sleep(0.01)  # it lands within a step or two: between the steps, without the lock
+        with self._lock:
+            st = s.f.state_dict()
+            return {"fragment": fragment, "round": s.consumed, "outer_params": st["outer_params"],
+                    "outer_opt": st["outer_opt"]}
+
     def _rounds_closed(self) -> bool:
         """Whether a launched round not yet applied is closed to newcomers (``takes_newcomers``)."""
         return any(s.pending is not None and not s.pending.handle.takes_newcomers() for s in self.syncs)
@@ -368,6 +390,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
     def close(self) -> None:
         """Stop using the transport. Rounds still in flight are left to the transport to cancel."""
         self._closed = True
+        self.repairs.close()
         self.staging.close()
 
 

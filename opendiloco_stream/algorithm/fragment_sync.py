@@ -17,12 +17,13 @@ import torch
 from opendiloco_stream.algorithm.fragment_state import (
     FragmentState, Unsent, _Pending, pending_from_state, pending_state,
 )
+from opendiloco_stream.algorithm.repair import Repairs
 from opendiloco_stream.algorithm.rules import Landing, SyncRule
 from opendiloco_stream.algorithm.staging import Staging
 from opendiloco_stream.algorithm.sync_log import SyncLog
 from opendiloco_stream.compression.error_feedback import ErrorFeedback
 from opendiloco_stream.config import DiLoCoConfig
-from opendiloco_stream.transport.base import SyncResult, Transport
+from opendiloco_stream.transport.base import OuterDigest, SyncResult, Transport
 
 
 class Rounds:
@@ -35,11 +36,15 @@ class Rounds:
         catching_up: whether the peer is jumping to the swarm's round (``StreamingDiLoCo.step``).
         swarm_past: whether the swarm launched a round past this peer's next sync (a wait for a
             round then gives it up).
+        repairs: detection and repair of a drifted theta_bar (``repair.py``); None: off.
     """
 
     def __init__(self, transport: Transport, staging: Staging, config: DiLoCoConfig, log: SyncLog,
-                 now: Callable[[], int], catching_up: Callable[[], bool], swarm_past: Callable[[], bool]):
+                 now: Callable[[], int], catching_up: Callable[[], bool], swarm_past: Callable[[], bool],
+                 repairs: Optional[Repairs] = None):
         self.transport, self.staging, self.config, self.log = transport, staging, config, log
+        # theta_bar's digest with every round, and the repair of a fragment that drifted (repair.py)
+        self.repairs = repairs if repairs is not None else Repairs(transport, log, False, 0.0, now)
         self.now, self.catching_up, self.swarm_past = now, catching_up, swarm_past
         # error feedback: what the codec did not send waits in a residual buffer added to the next
         # outer gradient ('buffer'), or in this peer's local parameters ('parameters', see keep_unsent)
@@ -54,11 +59,13 @@ class Rounds:
     def round_late(self, fragment: int, k: int) -> bool:
         return self.transport.round_late((fragment, k))
 
-    def launch(self, f: FragmentState, k: int, d: torch.Tensor) -> _Pending:
-        """Put round k of fragment ``f`` on the wire with outer gradient ``d``."""
+    def launch(self, f: FragmentState, k: int, d: torch.Tensor, digest: Optional[OuterDigest] = None) -> _Pending:
+        """Put round k of fragment ``f`` on the wire with outer gradient ``d`` (and ``digest``,
+        theta_bar's fingerprint, for the group: ``repair.py``)."""
         send = d if self.error_feedback is None else self.error_feedback.compensate(f.index, d)
         key, weight = (f.index, k), self.weight(f.tokens)
-        handle = self.staging.launch(key, send, lambda host: self.transport.all_reduce(key, host, weight=weight))
+        handle = self.staging.launch(key, send, lambda host: self.transport.all_reduce(key, host, weight=weight,
+                                                                                       digest=digest))
         f.tokens = 0
         t = self.now()
         return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)
@@ -133,6 +140,18 @@ class FragmentSync:
     def __init__(self, f: FragmentState, rule: SyncRule, rounds: Rounds):
         self.f, self.rule, self.rounds = f, rule, rounds
         self.pending: Optional[_Pending] = None
+        self.consumed: Optional[int] = None  # the last round landed (averaged or failed)
+        self.launch_digest: Optional[OuterDigest] = None  # theta_bar's digest at the last launch
+
+    @property
+    def reference(self) -> list[torch.Tensor]:
+        """What the rule takes outer gradients against (theta_bar, or eager 'corrected''s start)."""
+        return self.rule.reference
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched round has not landed yet."""
+        return self.pending is not None
 
     def on_step(self, t: int) -> None:
         """Inner step t, before the syncs due at t: land the round in flight if the rule says so."""
@@ -145,7 +164,8 @@ class FragmentSync:
         if self.pending is not None:
             self._land(at_sync=True)
         d = self.f.outer_grad(self.rule.reference)
-        self.pending = self.rounds.launch(self.f, k, d)
+        self.launch_digest = self.rounds.repairs.digest(self)
+        self.pending = self.rounds.launch(self.f, k, d, self.launch_digest)
         if self.rule.waits_at_sync:
             self._land(at_sync=True)
         kind = self.rule.after_launch(k, d)
@@ -173,6 +193,9 @@ class FragmentSync:
             self.rounds.log.stats.local_only_steps += 1
         if landing.unsent_scale is not None:
             self.rounds.keep_unsent(self.f, landing.unsent_scale)
+        self.consumed = pending.round
+        self.rounds.repairs.changed(self)  # theta_bar stepped: its digest, hashed for the next launch
+        self.rounds.repairs.check(self, pending.round, result)
 
     def state_dict(self, timeout: float) -> dict[str, Any]:
         """The fragment's checkpoint: its state, the round in flight (waited for, bounded by
@@ -183,6 +206,8 @@ class FragmentSync:
         return {**st, "start": rule["start"], "pending": pending, "last": rule["last"], "previous": rule["previous"]}
 
     def load_state_dict(self, st: dict[str, Any], joiner: bool) -> None:
+        self.consumed, self.launch_digest = None, None  # a restored round in flight is not checked
+        self.rounds.repairs.forget(self)
         self.f.load_state_dict(st, joiner)
         self.pending = pending_from_state(st["pending"], self.f, joiner)
         self.rule.load_state_dict(st, joiner)

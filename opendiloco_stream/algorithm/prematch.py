@@ -13,14 +13,16 @@ from typing import Callable, Optional, Sequence
 
 from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.fragment_state import FragmentState
-from opendiloco_stream.transport.base import SwarmView
+from opendiloco_stream.transport.base import OuterDigest, SwarmView
 
 
 class Prematcher:
-    """Tells ``transport`` of each round ``steps`` inner steps ahead (nothing if ``steps`` is 0)."""
+    """Tells ``transport`` of each round ``steps`` inner steps ahead (nothing if ``steps`` is 0);
+    ``digest(fragment)``: theta_bar's fingerprint for the group, if already final (``repair.py``)."""
 
-    def __init__(self, transport: SwarmView, steps: int, weight: Callable[[int], float]):
-        self.steps, self.weight = steps, weight
+    def __init__(self, transport: SwarmView, steps: int, weight: Callable[[int], float],
+                 digest: Optional[Callable[[int], Optional[OuterDigest]]] = None):
+        self.steps, self.weight, self.digest = steps, weight, digest
         self._prematch = transport.prematch if steps else None
         self.step_s: Optional[float] = None  # running mean of the time between steps
         self._last: Optional[float] = None
@@ -41,4 +43,5 @@ class Prematcher:
             s = fr.next_sync(t, f.offset, inner_steps)
             if s - t == self.steps:
                 self._prematch((f.index, fr.round_index(s, f.offset, inner_steps)),
-                               self.weight(f.tokens + self.steps * tokens), lead_s=self.steps * (self.step_s or 0.0))
+                               self.weight(f.tokens + self.steps * tokens), lead_s=self.steps * (self.step_s or 0.0),
+                               digest=None if self.digest is None else self.digest(f.index))

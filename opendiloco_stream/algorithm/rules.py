@@ -104,6 +104,9 @@ class SyncRule:
     waits_at_sync = False
     #: the round's record says what it applied ("average", or "local-only" if it failed)
     records_applied = False
+    #: theta_bar steps with group averages only, so it is the same on every peer in sync and a
+    #: peer whose theta_bar differs can be repaired (``repair.py``); not eager 'paper', naive-delayed
+    shares_outer = True
 
     def __init__(self, f: FragmentState, config: DiLoCoConfig):
         self.f, self.config = f, config
@@ -393,6 +396,7 @@ class Delayed(SyncRule):
     restart from it."""
 
     naive = False
+    shares_outer = False  # theta_bar steps with each peer's own estimate
 
     def __init__(self, f: FragmentState, config: DiLoCoConfig):
         super().__init__(f, config)

@@ -27,6 +27,9 @@ metric                                                    type     meaning
                                                                    records carry ``land_steps``)
 ``ods_exchanges_total{fragment,path}``                    counter  exchanges with groupmates by path: ``direct``,
                                                                    ``punched`` (through NAT), ``relayed``, ``p2p``
+``ods_repairs_total{fragment,outcome}``                   counter  repairs of a theta_bar that differed from the
+                                                                   group's: ``repaired``, ``failed``, ``stale``
+                                                                   (``algorithm/repair.py``)
 ``ods_groupmate_rtt_seconds{fragment,groupmate}``         gauge    round-trip time to a groupmate, as the last
                                                                    round with it measured it (the direct path's
                                                                    TCP connection; sync records' ``rtt_ms``)
@@ -82,6 +85,8 @@ class PeerMetrics:
                                 "and the landing of its average.", frag)
         self.exchanges = counter("ods_exchanges", "Exchanges with groupmates by path (direct, punched through "
                                  "NAT, relayed, p2p).", frag + ["path"])
+        self.repairs = counter("ods_repairs", "Repairs of a theta_bar that differed from the group's, by outcome "
+                               "(repaired, failed, stale).", frag + ["outcome"])
         self.rtt = gauge("ods_groupmate_rtt_seconds", "Round-trip time to a groupmate, as the fragment's last round "
                          "with it measured it.", frag + ["groupmate"])
         self.info = Info("ods", "The run's settings.", names, registry=r)
@@ -129,6 +134,8 @@ class PeerMetrics:
             for mate, rtt_ms in (rec.get("rtt_ms") or {}).items():
                 if rtt_ms is not None:
                     self._of(self.rtt, rec, groupmate=str(mate)).set(float(rtt_ms) / 1e3)
+        elif event == "repair":
+            self._of(self.repairs, rec, outcome=str(rec.get("outcome", ""))).inc()
         elif event == "eval":
             v[self.eval_loss].set(float(rec.get("eval_loss", math.nan)))
         elif event == "joined":

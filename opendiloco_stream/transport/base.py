@@ -31,6 +31,37 @@ from opendiloco_stream.compression.codecs import Codec
 from opendiloco_stream.transport.failure import FailureReason
 
 
+@dataclass(frozen=True)
+class OuterDigest:
+    """A member's fingerprint of the fragment's theta_bar as its round launched (what the round's
+    average is applied to): equal digests, bit-identical theta_bar. ``steps``: the member's inner
+    steps then (the repair's tie break, ``algorithm/repair.py``). Carried in the round's member
+    metadata, so that after the round every member knows every groupmate's."""
+
+    digest: str  # BLAKE2b-8 of theta_bar's fp32 bytes, hex
+    steps: int
+
+    def to_wire(self) -> list:
+        return [self.digest, int(self.steps)]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Optional["OuterDigest"]:
+        """The digest a groupmate sent, or None where it sent none (or garbage)."""
+        if (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str)
+                and isinstance(value[1], int) and not isinstance(value[1], bool)):
+            return cls(value[0], value[1])
+        return None
+
+
+@dataclass
+class FetchedFragment:
+    """One fragment's outer state as a groupmate served it (``StateSource.fetch_fragment``):
+    the state its provider returned and the bytes that crossed the wire for it."""
+
+    state: dict
+    received_bytes: int = 0
+
+
 class SyncFailed(RuntimeError):
     """A round did not produce a complete, validated average (timeout, partial, lost peer...)."""
 
@@ -71,6 +102,9 @@ class SyncResult:
     #: per groupmate, what this round measured of the link to it (hivemind's direct path:
     #: ``{"rtt_ms": ..., "rate_mbit": ..., "reused": ...}``, ``link.py``); empty where not measured
     links: dict = field(default_factory=dict)
+    #: per group member (peer id as ``Transport.peer_id`` spells it), the digest of theta_bar it
+    #: launched the round with (:class:`OuterDigest`); empty where the transport does not carry them
+    digests: dict = field(default_factory=dict)
 
 
 class SyncHandle(abc.ABC):
@@ -122,11 +156,14 @@ class AllReduce(Protocol):
     peer_id: str
 
     @abc.abstractmethod
-    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> SyncHandle:
+    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0,
+                   digest: Optional[OuterDigest] = None) -> SyncHandle:
         """Start averaging ``tensor`` (flat, fp32) with the peers that use the same ``key``.
 
         ``weight`` is this peer's weight in the average (tokens processed in the round, or 1.0).
-        The caller must not modify ``tensor`` afterwards; the transport may keep a reference.
+        ``digest``: this peer's theta_bar fingerprint, told to the group with the round's metadata
+        (``SyncResult.digests``); None: none told. The caller must not modify ``tensor``
+        afterwards; the transport may keep a reference.
         """
 
     def prepare(self, numels: dict[int, int]) -> None:
@@ -184,10 +221,12 @@ class SwarmView(Protocol):
         ``expect_rounds``'s ``since``). None: nothing reserved."""
         return None
 
-    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
+    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0,
+                 digest: Optional[OuterDigest] = None) -> None:
         """Round ``key`` comes soon, in about ``lead_s`` seconds: a transport with matchmaking may
         form its group now, so that ``all_reduce(key, ...)`` starts exchanging at once. ``weight``
-        is the weight predicted for the round; such a transport uses it instead of the round's own.
+        is the weight predicted for the round; such a transport uses it instead of the round's own
+        (and ``digest``, the theta_bar fingerprint known now, or None, instead of the round's).
         The caller must launch ``key`` next on that fragment: a group formed ahead and never used
         fails that round for its other members. Transports without matchmaking ignore it."""
 
@@ -203,6 +242,18 @@ class StateSource(Protocol):
         """Download the run's state from peers already in it; ``None`` if there are none.
         ``progress(record)``, if given, hears how far a download is (bytes, total, rate).
         ``since``: a state this peer loaded before (stale now): a transport may fetch only what changed."""
+        return None
+
+    def set_fragment_provider(self, provider: Callable[[int, int], dict[str, Any]]) -> None:
+        """Register ``provider(fragment, round)``: one fragment's outer state (theta_bar, outer
+        optimizer state, the last round it consumed), once that round is consumed or after a short
+        bounded wait, for a groupmate repairing its copy (``algorithm/repair.py``)."""
+
+    def fetch_fragment(self, peer: str, fragment: int, round_index: int, timeout: float,
+                       since: Optional[dict[str, Any]] = None) -> Optional[FetchedFragment]:
+        """Fragment ``fragment``'s outer state after round ``round_index`` from groupmate ``peer``
+        (a ``SyncResult.digests`` key), or None if it did not deliver within ``timeout``.
+        ``since``: this peer's own copy of that state: a transport may fetch only the tensors that differ."""
         return None
 
 

@@ -23,7 +23,9 @@ import torch
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.compression.spec import DEFAULT_DENSITY, CodecSpec
-from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult, Transport
+from opendiloco_stream.transport.base import (
+    FetchedFragment, OuterDigest, SyncFailed, SyncHandle, SyncResult, Transport,
+)
 from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.layout import DEFAULT_CHUNK_BYTES
 from opendiloco_stream.transport.reduce import DEFAULT_NORM_BOUND, RoundRefused, reduce_in_process
@@ -69,9 +71,15 @@ class LinkModel:
 INSTANT_LINK = LinkModel()
 
 
+def peer_name(rank: int) -> str:
+    """Worker ``rank``'s peer id (``LocalTransport.peer_id``, the key of ``SyncResult.digests``)."""
+    return f"local-{rank}"
+
+
 class _Round:
     def __init__(self, num_workers: int):
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        self.digests: dict[str, OuterDigest] = {}  # by peer id (``LocalTransport.peer_id``)
         self.results: Optional[dict[int, SyncResult]] = None
         self.error: Optional[SyncFailed] = None
         self.num_workers = num_workers
@@ -112,6 +120,7 @@ class LocalSwarm:
         self._cond = threading.Condition()
         self._aborted: Optional[str] = None
         self._state_providers: dict[int, Callable[[], dict[str, Any]]] = {}
+        self._fragment_providers: dict[int, Callable[[int, int], dict[str, Any]]] = {}
 
     def transport(self, rank: int) -> "LocalTransport":
         if not 0 <= rank < self.num_workers:
@@ -148,12 +157,15 @@ class LocalSwarm:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the reduction
-    def _contribute(self, rank: int, key: Hashable, tensor: torch.Tensor, weight: float) -> _Round:
+    def _contribute(self, rank: int, key: Hashable, tensor: torch.Tensor, weight: float,
+                    digest: Optional[OuterDigest] = None) -> _Round:
         with self._cond:
             rnd = self._rounds.setdefault(key, _Round(self.num_workers))
             if rank in rnd.contributions:
                 raise RuntimeError(f"worker {rank} contributed twice to round {key}")
             rnd.contributions[rank] = (tensor.detach().reshape(-1).float().cpu(), float(weight))
+            if digest is not None:
+                rnd.digests[peer_name(rank)] = digest
             if len(rnd.contributions) == self.num_workers:
                 try:
                     rnd.results = self._reduce(key, rnd)
@@ -177,7 +189,7 @@ class LocalSwarm:
             average=o.average, group_size=o.summary.group_size, weight_share=o.summary.weight_share, sent=o.sent,
             bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
             peers=[str(ranks[s]) for s in o.summary.accepted], included_self=o.summary.included_self,
-            rejected=o.summary.rejected) for r, o in zip(ranks, outcomes)}
+            rejected=o.summary.rejected, digests=dict(rnd.digests)) for r, o in zip(ranks, outcomes)}
 
     def _wait(self, rank: int, key: Hashable, rnd: _Round, timeout: Optional[float]) -> SyncResult:
         bound = self.timeout if timeout is None else min(timeout, self.timeout)
@@ -239,10 +251,11 @@ class LocalTransport(Transport):
 
     def __init__(self, swarm: LocalSwarm, rank: int):
         self.swarm, self.rank = swarm, rank
-        self.peer_id = f"local-{rank}"
+        self.peer_id = peer_name(rank)
 
-    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> SyncHandle:
-        rnd = self.swarm._contribute(self.rank, key, tensor, weight)
+    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0,
+                   digest: Optional[OuterDigest] = None) -> SyncHandle:
+        rnd = self.swarm._contribute(self.rank, key, tensor, weight, digest)
         return _LocalHandle(self.swarm, self.rank, key, rnd)
 
     def wire_codec(self):
@@ -250,6 +263,15 @@ class LocalTransport(Transport):
 
     def set_state_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
         self.swarm._state_providers[self.rank] = provider
+
+    def set_fragment_provider(self, provider: Callable[[int, int], dict[str, Any]]) -> None:
+        self.swarm._fragment_providers[self.rank] = provider
+
+    def fetch_fragment(self, peer: str, fragment: int, round_index: int, timeout: float,
+                       since: Optional[dict[str, Any]] = None) -> Optional[FetchedFragment]:
+        """The provider of worker ``peer`` called in this thread (no bytes cross a wire)."""
+        provider = self.swarm._fragment_providers.get(int(peer.rsplit("-", 1)[-1]))
+        return None if provider is None else FetchedFragment(provider(fragment, round_index))
 
     def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
                               since: Optional[dict[str, Any]] = None

@@ -26,6 +26,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from opendiloco_stream.compression import Codec
+from opendiloco_stream.transport.base import OuterDigest
 from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectListener, FailedAddresses, RunningGroups, serve_accepted, serve_connections,
@@ -165,10 +166,13 @@ class FragmentEndpoint:
         return FailureReason.FAILED, repr(error)
 
     # ------------------------------------------------------------------ rounds (on the loop)
-    def metadata(self, key: tuple, weight: float) -> dict:
-        """What this peer tells its group about round ``key`` (sealed for the run key's checks)."""
+    def metadata(self, key: tuple, weight: float, digest: Optional[OuterDigest] = None) -> dict:
+        """What this peer tells its group about round ``key`` (sealed for the run key's checks);
+        ``digest``: its theta_bar fingerprint (``SyncResult.digests``), if it has one to tell."""
         meta = member_metadata(self.codec, self.numel, key, weight, self.chunk_bytes)
         meta["client"] = bool(self.client_mode)
+        if digest is not None:
+            meta["outer"] = digest.to_wire()
         if self.listener is not None:
             meta["direct"] = self.listener.addresses  # where to stream our part (direct.py)
         if self.puncher is not None:
@@ -179,15 +183,16 @@ class FragmentEndpoint:
 
     async def form_group(self, key: tuple, weight: float, target: Optional[int], window_s: float,
                          awaited: frozenset = frozenset(), open_s: Optional[float] = None,
-                         hold_s: Optional[float] = None) -> Group:
+                         hold_s: Optional[float] = None, digest: Optional[OuterDigest] = None) -> Group:
         """Round ``key``'s group, formed within ``window_s``; ``MatchmakingFailed`` if none formed
-        (``awaited``, ``open_s``, ``hold_s``: ``Matchmaker.form``)."""
-        return await self.matchmaker.form(int(key[1]), self.metadata(key, weight), window_s, target, awaited, open_s,
-                                          hold_s)
+        (``awaited``, ``open_s``, ``hold_s``: ``Matchmaker.form``; ``digest``: :meth:`metadata`)."""
+        return await self.matchmaker.form(int(key[1]), self.metadata(key, weight, digest), window_s, target, awaited,
+                                          open_s, hold_s)
 
     async def group_for(self, key: tuple, weight: float, target: Optional[int], window_s: float,
                         early: Optional[concurrent.futures.Future] = None, awaited: frozenset = frozenset(),
-                        open_s: Optional[float] = None, hold_s: Optional[float] = None) -> Group:
+                        open_s: Optional[float] = None, hold_s: Optional[float] = None,
+                        digest: Optional[OuterDigest] = None) -> Group:
         """Round ``key``'s group: the one ``early`` formed ahead (a :meth:`form_group` submitted
         before the round) if it did, else one formed now (:meth:`form_group`)."""
         if early is not None:
@@ -195,7 +200,7 @@ class FragmentEndpoint:
                 return await asyncio.wrap_future(early)
             except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
                 logger.info("%s: no group formed ahead for round %s: matching now", self.prefix, key)
-        return await self.form_group(key, weight, target, window_s, awaited, open_s, hold_s)
+        return await self.form_group(key, weight, target, window_s, awaited, open_s, hold_s, digest)
 
     def refresh_timeouts(self) -> RoundTimeouts:
         """The next rounds' bounds from the worst link measured to the groupmates (``link_timeouts``);

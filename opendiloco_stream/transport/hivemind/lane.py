@@ -28,7 +28,7 @@ from typing import Hashable, Optional
 import torch
 
 from opendiloco_stream.compression import all_finite
-from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
+from opendiloco_stream.transport.base import OuterDigest, SyncFailed, SyncHandle, SyncResult
 from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint, RoundSummary
 from opendiloco_stream.transport.hivemind.presence import Presence, RoundPlan
@@ -105,8 +105,8 @@ class _Early:
 class _Prematch:
     """A queued request to form round ``key``'s group ahead (``_Lane.prematch``)."""
 
-    def __init__(self, key: tuple, weight: float, lead_s: float):
-        self.key, self.weight, self.lead_s = key, weight, lead_s
+    def __init__(self, key: tuple, weight: float, lead_s: float, digest: Optional[OuterDigest] = None):
+        self.key, self.weight, self.lead_s, self.digest = key, weight, lead_s, digest
 
 
 class _Current:
@@ -146,17 +146,19 @@ class _Lane:
         self._thread = threading.Thread(target=self._loop, name=f"hv-fragment-{fragment}", daemon=True)
         self._thread.start()
 
-    def submit(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
+    def submit(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float,
+               digest: Optional[OuterDigest] = None) -> None:
         handle.lane = self
-        self._queue.put((handle, tensor, weight))
+        self._queue.put((handle, tensor, weight, digest))
 
-    def prematch(self, key: tuple, weight: float, lead_s: float = 0.0) -> None:
+    def prematch(self, key: tuple, weight: float, lead_s: float = 0.0, digest: Optional[OuterDigest] = None) -> None:
         """Form round ``key``'s group before the round is submitted (in order with the rounds:
         after the previous one is over), expected in ``lead_s`` seconds: the group waits for its
         members as long after that moment as a round's matchmaking does. ``weight`` goes into the
         group's metadata now. If no group forms in time, or the next round submitted is another
-        one, the early group is dropped and the round matches as usual."""
-        self._queue.put(_Prematch(tuple(key), float(weight), float(lead_s)))
+        one, the early group is dropped and the round matches as usual. ``digest`` (theta_bar's
+        fingerprint, if known this early) goes into the metadata too."""
+        self._queue.put(_Prematch(tuple(key), float(weight), float(lead_s), digest))
 
     def takes_newcomers(self, handle: HivemindSyncHandle) -> bool:
         """Whether ``handle``'s round is queued, or matching with no target (see ``SyncHandle``)
@@ -199,7 +201,7 @@ class _Lane:
                 return
             if isinstance(item, _Prematch):
                 try:
-                    self._prematch(item.key, item.weight, item.lead_s)
+                    self._prematch(item.key, item.weight, item.lead_s, item.digest)
                 except BaseException:  # the round itself still runs (and matches as usual)
                     logger.exception("forming the group of round %s ahead failed", item.key)
                 continue
@@ -243,7 +245,7 @@ class _Lane:
             return None
         return self.presence.before_round(self.fragment, round_index, plan=plan and self.live_target)
 
-    def _prematch(self, key: tuple, weight: float, lead_s: float) -> None:
+    def _prematch(self, key: tuple, weight: float, lead_s: float, digest: Optional[OuterDigest] = None) -> None:
         self._drop_early()
         if not self._previous_over(0.0) or self.endpoint.closed:
             return  # the round matches when it is submitted
@@ -251,7 +253,8 @@ class _Lane:
         if plan is not None and plan.skip:
             return  # the round is skipped (``_run`` says why)
         target = self.target if plan is None else plan.target
-        future = self.endpoint.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking))
+        future = self.endpoint.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking,
+                                                               digest=digest))
         self._early = _Early(key, future, weight)
 
     def _take_early(self, key: tuple) -> Optional[_Early]:
@@ -268,7 +271,8 @@ class _Lane:
         self._early = None
         return early
 
-    def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float) -> None:
+    def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float,
+             digest: Optional[OuterDigest] = None) -> None:
         fragment, round_index = handle.key
         if not self._previous_over(handle.remaining()):
             handle.fail(FailureReason.TIMEOUT, f"the previous round of fragment {fragment} is still running")
@@ -303,7 +307,7 @@ class _Lane:
             self._current = current
             t_step = time.time()
             current.future = self._previous = self.endpoint.submit(
-                self._round(handle.key, flat, weight, expected, early, current))
+                self._round(handle.key, flat, weight, expected, early, current, digest))
         if later:
             self._plan_later(int(round_index), current)
         self._finish(handle, current, t_start, t_step)
@@ -327,7 +331,7 @@ class _Lane:
         self.endpoint.await_peers(round_index, frozenset([joiner]), self.timeouts.joiner_wait)
 
     async def _round(self, key: tuple, flat: torch.Tensor, weight: float, target: Optional[int],
-                     early: Optional[_Early], current: _Current) -> RoundSummary:
+                     early: Optional[_Early], current: _Current, digest: Optional[OuterDigest] = None) -> RoundSummary:
         """(On the service's loop.) The group, formed ahead or now, then the exchange."""
         # the buffers the round decodes into, faulted in on an executor thread while the group forms
         buffers = asyncio.get_event_loop().run_in_executor(None, self.endpoint.round_buffers, flat.numel())
@@ -336,7 +340,7 @@ class _Lane:
             hold = self.timeouts.joiner_wait if self.live_target else None
             group = await self.endpoint.group_for(key, weight, target, current.window,
                                                   None if early is None else early.future, current.awaited,
-                                                  self.timeouts.matchmaking, hold)
+                                                  self.timeouts.matchmaking, hold, digest)
         finally:
             result, sent = await buffers  # (also on failure: the executor thread is not left behind)
         return await self.endpoint.run_round(group, flat, formed=current.formed, result=result, sent=sent)

@@ -43,6 +43,8 @@ class RoundSummary:
     sent_is_input: bool = False
     #: per groupmate (peer id), what this round measured of the link to it (``link.py``)
     links: dict[str, dict] = field(default_factory=dict)
+    #: per member (peer id), the theta_bar fingerprint its metadata carried (``OuterDigest``)
+    digests: dict = field(default_factory=dict)
 
     def sync_result(self, start: float, step: float, end: float, expected_size: Optional[int]) -> SyncResult:
         """The host's ``SyncResult``: ``start``, ``step`` and ``end`` are the host's marks
@@ -51,7 +53,7 @@ class RoundSummary:
             average=self.average, sent=self.sent, phases=round_phases(start, step, self.marks, end),
             group_size=self.group_size, weight_share=self.weight_share, bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received, peers=self.peers, included_self=self.included_self,
-            rejected=self.rejected, expected_size=expected_size, links=self.links)
+            rejected=self.rejected, expected_size=expected_size, links=self.links, digests=self.digests)
 
 
 # runner mark -> the phase it ends

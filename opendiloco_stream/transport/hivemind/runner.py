@@ -23,6 +23,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
 from opendiloco_stream.compression import Codec, all_finite, native
+from opendiloco_stream.transport.base import OuterDigest
 from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectStream, FailedAddresses, make_hello, parse_address,
@@ -508,7 +509,17 @@ class HvAllReduceRunner:
             rejected=outcome.rejected, missing=outcome.missing,
             bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
             marks=dict(self.marks, end=time.time()), sent_is_input=self.sent_is_input,
-            links={str(self.peer_ids[q]): seen for q, seen in self.links_seen.items()})
+            links={str(self.peer_ids[q]): seen for q, seen in self.links_seen.items()},
+            digests=self.digests())
+
+    def digests(self) -> dict:
+        """Every member's theta_bar fingerprint from its metadata (``OuterDigest``), by peer id."""
+        out = {}
+        for name, user in zip(self.names, self.users):
+            digest = OuterDigest.from_wire(user.get("outer")) if isinstance(user, dict) else None
+            if digest is not None:
+                out[name] = digest
+        return out
 
     def progress(self) -> str:
         """Where the round stands, for a timeout's message: what we got from whom, and the phases done."""

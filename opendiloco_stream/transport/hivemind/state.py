@@ -33,6 +33,12 @@ release ignores the request and sends everything on one stream, as before.
 next rounds meanwhile) asks again with ``since`` (the stale state): its tensors' digests go in
 ``have``, so only what changed moves (the fragments that synced since).
 
+*Repairs.* A peer whose theta_bar of a fragment drifted from its group's (``algorithm/repair.py``)
+downloads that fragment's state alone from one groupmate the same way: its request names the
+``fragment`` and the ``round`` it consumed, and the donor serves ``fragment_provider(fragment,
+round)`` instead of its whole state; the peer's own theta_bar goes in ``have``, so parameters that
+are equal already do not move.
+
 *Memory.* Tensors travel as their raw bytes in parts of ``PART_BYTES``: a donor copies one part at
 a time out of its state, a joiner writes each part in place into a tensor allocated from the
 manifest, so a download peaks at the state plus a part or two. Progress
@@ -123,7 +129,7 @@ class _StateServicer:
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
         # the request is a DownloadData (hivemind's is empty): its metadata carries the joiner's proof
         provider, admission = self._sharing.provider, self._sharing.admission
-        if provider is None:
+        if provider is None and self._sharing.fragment_provider is None:
             return  # an empty stream: the joiner moves on
         me, joiner = self._sharing.peer_id.to_bytes(), context.remote_id.to_bytes()
         try:
@@ -142,10 +148,17 @@ class _StateServicer:
             async for msg in self._serve_lane(req.get("snapshot"), lane, have):
                 yield msg
             return
+        fragment, round_index = req.get("fragment"), req.get("round")
+        if isinstance(fragment, int) and isinstance(round_index, int):  # a groupmate's repair of one fragment
+            fragment_provider = self._sharing.fragment_provider
+            if fragment_provider is None:
+                return
+            make = lambda: fragment_provider(fragment, round_index)  # noqa: E731
+        else:
+            make = lambda: self._sharing.provide(provider, context.remote_id.to_base58())  # noqa: E731
         loop = asyncio.get_event_loop()
         try:
-            manifest, tensors = await loop.run_in_executor(
-                None, lambda: flatten_state(self._sharing.provide(provider, context.remote_id.to_base58())))
+            manifest, tensors = await loop.run_in_executor(None, lambda: flatten_state(make()))
         except Exception as e:
             logger.warning("state provider failed, not serving %s: %r", context.remote_id, e)
             return
@@ -286,6 +299,7 @@ class StateSharing:
         self.key, self.handler = f"{run_id}_state.donors", f"{run_id}_state::download"
         self.chunk_timeout, self.declare_period = chunk_timeout, declare_period
         self.provider: Optional[Callable[[], dict]] = None
+        self.fragment_provider: Optional[Callable[[int, int], dict]] = None  # one fragment's state (a repair)
         self.snapshots = _Snapshots()  # states flattened for a download's lanes (donor side)
         self.lanes = LANES  # streams a download asks a donor for (joiner side)
         self.last_load: dict[str, Any] = {}  # the last load(): donors tried, tensors and bytes reused
@@ -317,6 +331,11 @@ class StateSharing:
         self.provider = provider
         if self.can_serve and self._declare_task is None:
             self._call(self._start_serving(), timeout=30.0)
+
+    def set_fragment_provider(self, provider: Callable[[int, int], dict]) -> None:
+        """Serve one fragment's state (``provider(fragment, round)``) to groupmates that repair
+        theirs, on the same handler (a request naming a ``fragment`` and a ``round``)."""
+        self.fragment_provider = provider
 
     async def _start_serving(self) -> None:
         await self._p2p.add_protobuf_handler(self.handler, self._servicer.rpc_download_state,
@@ -367,6 +386,25 @@ class StateSharing:
             logger.warning("no peer delivered the run's state within %.1fs", timeout)
             return None
 
+    def fetch(self, peer: str, fragment: int, round_index: int, timeout: float,
+              since: Optional[dict] = None) -> Optional[dict]:
+        """Fragment ``fragment``'s state after round ``round_index`` from groupmate ``peer`` (base58):
+        a download like a joiner's from one donor (``have``: the digests of ``since``'s tensors,
+        which it holds, so only the tensors that differ move); None if it failed or took longer
+        than ``timeout``."""
+        self.last_load = {"donors": [peer], "reused_tensors": 0, "reused_bytes": 0, "received_bytes": 0, "lanes": 1}
+        held = {}
+        if since is not None:
+            _manifest, tensors = flatten_state(since)
+            held = {digest: t for digest, t in zip(_manifest["digests"], tensors)}
+        try:
+            donor = PeerID.from_base58(peer)
+            fields = {"fragment": int(fragment), "round": int(round_index)}
+            return self._call(asyncio.wait_for(self._download(donor, held, fields=fields), timeout), timeout + 2.0)
+        except Exception as e:  # dead, stalled, refused or no provider: the caller retries at the next round
+            logger.info("fetching fragment %d's state from %s failed: %r", fragment, peer, e)
+            return None
+
     async def _donors(self) -> list[PeerID]:
         found = await self.service.dht_call("get", self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
@@ -408,14 +446,15 @@ class StateSharing:
         return None
 
     async def _download(self, donor: PeerID, held: dict[str, torch.Tensor],
-                        progress: Optional[Callable[[dict], None]] = None) -> dict:
+                        progress: Optional[Callable[[dict], None]] = None, fields: Optional[dict] = None) -> dict:
         """One donor's state. ``held``: whole tensors from donors that failed (by digest): asked
         for as ``have``, reused where this donor's manifest lists the same digest; every whole
         tensor received here is added to it, so a failure here leaves them to the next donor."""
         me, theirs = self.peer_id.to_bytes(), donor.to_bytes()
         have = sorted(held)
-        stream = await self._p2p.iterate_protobuf_handler(donor, self.handler, self._request(theirs, have, lanes=self.lanes),
-                                                          averaging_pb2.DownloadData)
+        stream = await self._p2p.iterate_protobuf_handler(
+            donor, self.handler, self._request(theirs, have, lanes=self.lanes, **(fields or {})),
+            averaging_pb2.DownloadData)
         try:
             it = stream.__aiter__()
             manifest = await self._manifest(it, theirs, me)

@@ -46,7 +46,7 @@ from hivemind.dht import DHT
 
 from opendiloco_stream.compression import Codec
 from opendiloco_stream.net.routes import keep_routes
-from opendiloco_stream.transport.base import Transport
+from opendiloco_stream.transport.base import FetchedFragment, OuterDigest, Transport
 from opendiloco_stream.transport.failure import FailureReason
 from opendiloco_stream.transport.hivemind.endpoint import FragmentEndpoint
 from opendiloco_stream.transport.hivemind.lane import HivemindSyncHandle, _Lane  # noqa: F401 (re-exported)
@@ -198,7 +198,8 @@ class HivemindTransport(Transport):
         except Exception as e:
             logger.warning("%s did not close cleanly: %r", endpoint.prefix, e)
 
-    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0) -> HivemindSyncHandle:
+    def all_reduce(self, key: tuple[int, int], tensor: torch.Tensor, weight: float = 1.0,
+                   digest: Optional[OuterDigest] = None) -> HivemindSyncHandle:
         fragment, _round = key
         lane = self._lanes.get(fragment)
         if lane is None and not self._closed:
@@ -211,19 +212,20 @@ class HivemindTransport(Transport):
         if tensor.numel() != lane.numel:
             raise ValueError(f"fragment {fragment} has {lane.numel} elements, got a tensor of {tensor.numel()}")
         handle = HivemindSyncHandle(key, time.monotonic() + lane.timeouts.round_bound)
-        lane.submit(handle, tensor, float(weight))
+        lane.submit(handle, tensor, float(weight), digest)
         return handle
 
     def wire_codec(self):
         return self.codec
 
-    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0) -> None:
+    def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0,
+                 digest: Optional[OuterDigest] = None) -> None:
         fragment, _round = key
         lane = self._lanes.get(fragment)
         if lane is None or self._closed:
             return  # a hint: nothing to form ahead (all_reduce says what is wrong)
         _check_weight(weight)
-        lane.prematch(key, float(weight), max(0.0, float(lead_s)))
+        lane.prematch(key, float(weight), max(0.0, float(lead_s)), digest)
 
     @property
     def watches_swarm(self) -> bool:
@@ -267,6 +269,19 @@ class HivemindTransport(Transport):
         if self._closed:
             raise RuntimeError("transport closed")
         self._sharing().set_provider(provider)
+
+    def set_fragment_provider(self, provider: Callable[[int, int], dict[str, Any]]) -> None:
+        if self._closed:
+            raise RuntimeError("transport closed")
+        self._sharing().set_fragment_provider(provider)
+
+    def fetch_fragment(self, peer: str, fragment: int, round_index: int, timeout: float,
+                       since: Optional[dict[str, Any]] = None) -> Optional[FetchedFragment]:
+        if self._closed:
+            return None
+        sharing = self._sharing()
+        state = sharing.fetch(peer, fragment, round_index, timeout, since=since)
+        return None if state is None else FetchedFragment(state, int(sharing.last_load.get("received_bytes", 0)))
 
     def load_state_from_peers(self, timeout: float, progress: Optional[Callable[[dict[str, Any]], None]] = None,
                               since: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:

@@ -1,0 +1,304 @@
+"""Repair of a fragment whose theta_bar drifted from its group's (the idea of PCCL's shared-state
+sync: compare a hash of the shared state every round, and have the odd ones out download it).
+
+*Why.* theta_bar_p is the same on every peer only as long as every peer applies the same averages
+to it. A round that fails for a whole group (timeouts on a lossy link, a reducer lost) makes every
+member take its own local-only outer step, and a peer that missed a round its groupmates averaged
+steps alone too: from then on each applies the same later averages to a different theta_bar_p,
+and the replicas never meet again.
+
+*Detect.* At every launch each member fingerprints theta_bar_p as it is then (what the round's
+average will be applied to): :func:`outer_digest`, BLAKE2b-8 of its fp32 bytes (hashed on a worker
+thread as soon as a round changed theta_bar, so the launch finds it ready), sent to the group in
+the round's member metadata (``Transport.all_reduce``'s ``digest``). After the round every
+member reads everyone's (``SyncResult.digests``) and computes the same winner
+(:func:`winning_digest`); a member whose own digest is not it is out of sync for fragment p.
+
+*Repair.* It fetches fragment p's theta_bar and outer optimizer state from a groupmate holding the
+winning digest, as that groupmate holds them after consuming the same round
+(``Transport.fetch_fragment``: over hivemind, the joiners' state download scoped to one fragment,
+moving only the tensors that differ), on a worker thread, bounded in time; the training thread
+adopts it at the start of a later step (:meth:`Repairs.poll`, :func:`adopt`). A fetch that fails,
+or whose state is not of that round, is recorded and left to the fragment's next round's check.
+
+Only rules whose theta_bar steps with group averages alone take part (``SyncRule.shares_outer``):
+eager 'paper' and naive-delayed step theta_bar with each peer's own estimate, so theirs differ by
+design. A round whose group was formed ahead (``prematch_steps``) carries the digest known then:
+none while the previous round is still in flight, and that member is then judged but casts no vote.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import hashlib
+import logging
+import threading
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from opendiloco_stream.algorithm.fragment_state import FragmentState
+from opendiloco_stream.algorithm.sync_log import SyncLog
+from opendiloco_stream.transport.base import FetchedFragment, OuterDigest, SyncResult, Transport
+
+logger = logging.getLogger(__name__)
+
+FETCH_TIMEOUT_S = 60.0  # bound on one repair's download (and on sync_timeout, if smaller)
+SERVE_WAIT_S = 2.0  # how long a groupmate waits to have consumed the round asked for before it serves
+RETRY_S = 0.2  # a groupmate that still has not consumed it is asked again after this long
+RETRIES = 5  # ... at most this many times, then the repair waits for the fragment's next round
+
+
+class RepairOutcome(str, enum.Enum):
+    """How a repair ended (the ``outcome`` of its ``repair`` record)."""
+
+    REPAIRED = "repaired"  # the groupmate's state was adopted
+    FAILED = "failed"  # no state came (groupmate gone, refused, timed out)
+    STALE = "stale"  # the state came, but not of the round this peer consumed (either side moved on)
+
+
+def outer_digest(tensors: Sequence[torch.Tensor], steps: int) -> OuterDigest:
+    """theta_bar's fingerprint with the inner step count ``steps`` (:func:`theta_digest`)."""
+    return OuterDigest(theta_digest(tensors), int(steps))
+
+
+def theta_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """BLAKE2b-8 of theta_bar's fp32 bytes, parameter after parameter (equal digests: bit-identical
+    theta_bar); hex. ~5 ms per million parameters on one core of the 2-core test machine, so
+    :class:`Repairs` hashes on a worker thread as soon as theta_bar changed, not at the launch."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        flat = t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def winning_digest(digests: dict[str, OuterDigest]) -> Optional[str]:
+    """The group's theta_bar: the digest most members hold. A tie goes to the digest of the
+    member with the most inner steps (the one furthest along, likely the one that averaged the
+    rounds the others missed), and among those to the smallest peer id: every member computes the
+    same winner from the same digests. None for no digests."""
+    counts = Counter(d.digest for d in digests.values())
+    if not counts:
+        return None
+    best = max(counts.values())
+    tied = {d for d, n in counts.items() if n == best}
+    if len(tied) == 1:
+        return next(iter(tied))
+    member = min((p for p, d in digests.items() if d.digest in tied), key=lambda p: (-digests[p].steps, p))
+    return digests[member].digest
+
+
+class Repairable(Protocol):
+    """What a repair needs of one fragment's sync (``fragment_sync.FragmentSync``)."""
+
+    f: FragmentState
+    consumed: Optional[int]  # the last round consumed (landed: averaged or failed)
+    launch_digest: Optional[OuterDigest]  # theta_bar's digest at the last launch
+
+    @property
+    def reference(self) -> list[torch.Tensor]: ...
+
+    @property
+    def in_flight(self) -> bool: ...
+
+
+def adopt(s: Repairable, theirs: list[torch.Tensor], outer_opt: dict[str, Any]) -> None:
+    """theta_bar_p := ``theirs``, outer optimizer state := ``outer_opt``; the local parameters and
+    the rule's reference (what the next outer gradient is taken against) move by
+    ``theirs - theta_bar_p``, so that everything this peer keeps relative to theta_bar is kept:
+
+    * blocking, overlap, eager 'merge' / 'overlap': the reference is theta_bar itself; the local
+      parameters are theta_bar + the inner progress since the last restart or merge, and stay so.
+      A merge still to come (a round in flight) uses theta_bar before and after its outer step and
+      the outer gradient, all now on the adopted theta_bar: it lands as it would on a peer in sync.
+    * eager 'corrected': the reference is ``start`` (theta_bar, or a look-ahead step on top of it
+      that the true average replaces when it lands); it moves with theta_bar, so the progress
+      since the restart (local - start) and the look-ahead step are kept.
+
+    A round in flight keeps the outer gradient it sent (taken against the old theta_bar, i.e. the
+    same progress); its average is applied to the adopted theta_bar."""
+    f = s.f
+    theirs = [f.to_outer_device(t).to(torch.float32) for t in theirs]
+    if len(theirs) != len(f.outer) or any(a.shape != b.shape for a, b in zip(theirs, f.outer)):
+        raise ValueError(f"fragment {f.index}: the served theta_bar does not match this model's fragment")
+    delta = [t - o for t, o in zip(theirs, f.outer)]
+    reference = s.reference
+    f.update_local(lambda i, q: q.add_(delta[i]))  # one parameter at a time
+    if reference is not f.outer:
+        with torch.no_grad():
+            for r, d in zip(reference, delta):
+                r.add_(d)
+    with torch.no_grad():
+        for o, t in zip(f.outer, theirs):
+            o.copy_(t)
+    f.opt.load_state_dict(outer_opt)
+
+
+@dataclass
+class _Fetch:
+    """A repair under way: fragment, the round it repairs, the groupmate asked, the download."""
+
+    fragment: int
+    round: int
+    peer: str
+    future: concurrent.futures.Future
+    started: float = field(default_factory=time.monotonic)
+
+
+class Repairs:
+    """Detection and repair for every fragment of one peer (see the module docstring).
+
+    Args:
+        transport: the peer's (``peer_id``, ``fetch_fragment``).
+        log: where ``repair`` records and counters go.
+        enabled: ``DiLoCoConfig.repair`` and the rule shares theta_bar: otherwise no digest is
+            sent and nothing is checked.
+        timeout: bound on one repair's download (seconds).
+        now: the inner step counter (a digest carries it for the tie break).
+    """
+
+    def __init__(self, transport: Transport, log: SyncLog, enabled: bool, timeout: float, now: Callable[[], int]):
+        self.transport, self.log, self.enabled, self.timeout, self.now = transport, log, enabled, timeout, now
+        self._fetches: dict[int, _Fetch] = {}
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # theta_bar's digest per fragment, hashed on a thread of its own since theta_bar last changed
+        # (a download may take the other one for a minute); theta_bar stays as it is until the
+        # training thread takes the digest (``_hash``) or waits for it (``_settle``)
+        self._hashes: dict[int, concurrent.futures.Future] = {}
+        self._hasher: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._closing = threading.Event()  # close(): a download under way asks no more
+
+    def digest(self, s: Repairable) -> Optional[OuterDigest]:
+        """theta_bar's digest to send with a round of ``s`` launched now (None when off)."""
+        return OuterDigest(self._hash(s), int(self.now())) if self.enabled else None
+
+    def changed(self, s: Repairable) -> None:
+        """theta_bar of ``s`` has just changed (a round landed, a state was loaded): hash it now on
+        the worker, so that the next launch finds its digest ready."""
+        if not self.enabled:
+            return
+        self._settle(s)
+        if self._hasher is None:
+            self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ods-digest")
+        self._hashes[s.f.index] = self._hasher.submit(theta_digest, list(s.f.outer))
+
+    def forget(self, s: Repairable) -> None:
+        """theta_bar of ``s`` is about to be overwritten (a checkpoint, a joiner's state): the next
+        launch hashes it anew."""
+        self._settle(s)
+
+    def _hash(self, s: Repairable) -> str:
+        job = self._hashes.get(s.f.index)
+        if job is None:  # not hashed since it last changed (the first launch)
+            job = self._hashes[s.f.index] = concurrent.futures.Future()
+            job.set_result(theta_digest(s.f.outer))
+        return job.result()
+
+    def _settle(self, s: Repairable) -> None:
+        """Wait for a hash of ``s``'s theta_bar still running: theta_bar is about to change."""
+        job = self._hashes.pop(s.f.index, None)
+        if job is not None:
+            concurrent.futures.wait([job])
+
+    def early_digest(self, s: Repairable) -> Optional[OuterDigest]:
+        """The digest for a group formed ahead of ``s``'s next round: only if nothing can change
+        theta_bar before that launch (no round in flight, no repair under way)."""
+        if not self.enabled or s.in_flight or s.f.index in self._fetches:
+            return None
+        return self.digest(s)
+
+    # ------------------------------------------------------------------ detect (training thread)
+    def check(self, s: Repairable, k: int, result: Optional[SyncResult]) -> None:
+        """Round ``k`` of ``s`` was consumed with ``result``: start a repair if this peer's
+        theta_bar at the launch was not the group's."""
+        mine = s.launch_digest
+        if not self.enabled or result is None or not result.digests or mine is None:
+            return
+        winner = winning_digest(result.digests)
+        me = self.transport.peer_id
+        if winner is None or winner == mine.digest or s.f.index in self._fetches:
+            return
+        holders = sorted(p for p, d in result.digests.items() if d.digest == winner and p != me)
+        if not holders:
+            return
+        peer = holders[zlib.crc32(f"{me}/{k}".encode()) % len(holders)]  # spread the odd ones over the holders
+        logger.info("fragment %d: theta_bar differs from the group's after round %d (%s, the group's %s): "
+                    "fetching it from %s", s.f.index, k, mine.digest, winner, peer)
+        since = {"outer_params": [t.clone() for t in s.f.outer]}  # what we hold: equal tensors do not move
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ods-repair")
+        future = self._pool.submit(self._fetch, peer, s.f.index, k, since)
+        self._fetches[s.f.index] = _Fetch(s.f.index, k, peer, future)
+
+    def _fetch(self, peer: str, fragment: int, k: int, since: dict) -> tuple[Optional[FetchedFragment], int]:
+        """(Worker thread.) The groupmate's state of fragment ``fragment``, asked again (bounded)
+        while it has not consumed round ``k`` yet; and the bytes all tries received."""
+        deadline, received = time.monotonic() + self.timeout, 0
+        for _ in range(RETRIES + 1):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closing.is_set():
+                break
+            fetched = self.transport.fetch_fragment(peer, fragment, k, left, since=since)
+            if fetched is None:
+                return None, received
+            received += fetched.received_bytes
+            if fetched.state.get("fragment") != fragment:  # a groupmate of an older release served its whole state
+                return None, received
+            served = fetched.state.get("round")
+            if isinstance(served, int) and served >= k:  # (later than k: stale, said by ``_finish``)
+                return fetched, received
+            self._closing.wait(min(RETRY_S, max(0.0, deadline - time.monotonic())))
+        return None, received
+
+    # ------------------------------------------------------------------ adopt (training thread)
+    def poll(self, syncs: Sequence[Repairable]) -> None:
+        """Adopt the repairs that arrived (call between steps, with the state's lock held)."""
+        for p, fetch in list(self._fetches.items()):
+            if fetch.future.done():
+                del self._fetches[p]
+                self._finish(syncs[p], fetch)
+
+    def _finish(self, s: Repairable, fetch: _Fetch) -> None:
+        try:
+            fetched, received = fetch.future.result()
+        except Exception as e:  # a bug in the download must not stop training: recorded as a failure
+            logger.warning("fragment %d: repair from %s failed: %r", fetch.fragment, fetch.peer, e)
+            fetched, received = None, 0
+        outcome = RepairOutcome.FAILED
+        if fetched is not None:
+            state = fetched.state
+            if state.get("round") != fetch.round or s.consumed != fetch.round:
+                outcome = RepairOutcome.STALE
+            else:
+                self._settle(s)
+                adopt(s, list(state["outer_params"]), state["outer_opt"])
+                self.changed(s)
+                if s.in_flight and s.launch_digest is not None:
+                    # the round in flight was launched on the old theta_bar; its average lands on
+                    # the adopted one, which is what the group's digest for it describes
+                    s.launch_digest = OuterDigest(self._hash(s), s.launch_digest.steps)
+                outcome = RepairOutcome.REPAIRED
+        stats = self.log.stats
+        if outcome is RepairOutcome.REPAIRED:
+            stats.repairs += 1
+        else:
+            stats.failed_repairs += 1
+            logger.info("fragment %d: repair of round %d from %s %s; checked again at the next round",
+                        fetch.fragment, fetch.round, fetch.peer, outcome.value)
+        self.log.emit({"event": "repair", "fragment": fetch.fragment, "round": fetch.round, "step": self.now(),
+                       "from": fetch.peer, "bytes": int(received),
+                       "seconds": round(time.monotonic() - fetch.started, 3), "outcome": outcome.value})
+
+    def close(self) -> None:
+        """Stop the worker (a download under way ends on its own bound, asking no more)."""
+        self._closing.set()
+        for pool in (self._pool, self._hasher):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

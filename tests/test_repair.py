@@ -1,0 +1,270 @@
+"""Repair of a fragment whose theta_bar drifted from its group's (``algorithm/repair.py``): the
+winner rule, the adoption in-process, and two real peers on 127.0.0.1.
+
+The divergence a failed round leaves (each member's own local-only outer step, or a peer that
+missed a round its groupmates averaged) cannot be produced on demand on loopback, where rounds
+succeed: the tests fake it by perturbing one peer's theta_bar of one fragment directly, between two
+steps, which is the state such a round leaves behind (one fragment's theta_bar differs, nothing
+else). No production code has a hook for it.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+
+from benchmarks.harness.loopback import LoopbackSwarm
+from opendiloco_stream import DiLoCoConfig, wrap
+from opendiloco_stream.algorithm.repair import adopt, outer_digest, winning_digest
+from opendiloco_stream.net.prometheus import PeerMetrics, samples
+from opendiloco_stream.transport.base import OuterDigest
+from opendiloco_stream.transport.local import LinkModel, LocalSwarm, LocalTransport
+from tests.support.two_workers import mlp
+
+MODULE = __name__  # peers import train_and_perturb from here by name
+WIDTH = 8
+
+
+# ---------------------------------------------------------------------------------------- the winner
+def test_the_winner_is_the_digest_most_members_hold_and_a_tie_goes_to_the_most_steps_then_the_smallest_id():
+    D = OuterDigest
+    assert winning_digest({}) is None
+    assert winning_digest({"a": D("x", 1)}) == "x"
+    # a majority wins whatever the steps
+    assert winning_digest({"a": D("x", 1), "b": D("x", 1), "c": D("y", 99)}) == "x"
+    # a tie: the digest of the member with the most inner steps ...
+    assert winning_digest({"a": D("x", 5), "b": D("y", 6)}) == "y"
+    assert winning_digest({"a": D("x", 7), "b": D("y", 6), "c": D("z", 1)}) == "x"
+    # ... then of the smallest peer id; the same for every member, whatever the order it reads them in
+    tie = {"b": D("y", 6), "a": D("x", 6)}
+    assert winning_digest(tie) == "x" and winning_digest(dict(reversed(list(tie.items())))) == "x"
+    assert winning_digest({"b": D("x", 3), "c": D("x", 3), "a": D("y", 3), "d": D("y", 3)}) == "y"
+
+
+def test_the_digest_is_of_theta_bars_fp32_bytes():
+    a = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
+    b = [t.clone() for t in a]
+    assert outer_digest(a, 3) == outer_digest(b, 3) and outer_digest(a, 3).steps == 3
+    b[1][2] = torch.nextafter(b[1][2], torch.tensor(2.0))  # one ulp
+    assert outer_digest(a, 3).digest != outer_digest(b, 3).digest
+    assert len(outer_digest(a, 0).digest) == 16  # 8 bytes, hex
+
+
+@pytest.mark.parametrize("mode,extra,steps", [("blocking", {}, 3), ("eager", {"eager_rule": "corrected"}, 6),
+                                              ("eager", {"eager_rule": "merge"}, 6)])
+def test_adopting_a_groupmates_theta_bar_keeps_the_local_progress_relative_to_the_rules_reference(mode, extra, steps):
+    """After ``adopt``: theta_bar and momentum are the groupmate's, and local - reference (the next
+    outer gradient, up to its sign) is what it was; with eager the fragment has a round in flight
+    (launched at step 2 or 6, not landed), and 'corrected''s reference is its look-ahead ``start``."""
+    model, data = _model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = DiLoCoConfig(mode=mode, inner_steps=4, num_fragments=2, **extra)
+    diloco = wrap(model, opt, transport=LocalSwarm(1, link=LinkModel(delay_steps=3)).transport(0), config=config,
+                  blocks=list(model))
+    for i in range(steps):
+        model(data[i % 3]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(tokens=5)
+    s = diloco.syncs[0]
+    assert s.in_flight == (mode == "eager")
+    progress = [q - r for q, r in zip(s.f.local(), s.reference)]
+    theirs = [t + 0.25 * torch.randn_like(t) for t in s.f.outer]
+    their_opt = torch.load(io.BytesIO(_saved(s.f.opt.state_dict())))  # a copy, as a download delivers it
+    for st in their_opt["state"].values():
+        st["momentum_buffer"] += 1.0
+    other = [t.clone() for t in diloco.syncs[1].f.outer]
+    adopt(s, theirs, their_opt)
+    assert all(torch.equal(o, t) for o, t in zip(s.f.outer, theirs))
+    mine = s.f.opt.state_dict()["state"]
+    assert mine and all(torch.equal(mine[i]["momentum_buffer"], st["momentum_buffer"])
+                        for i, st in their_opt["state"].items())
+    assert all(torch.allclose(q - r, p, atol=1e-6) for q, r, p in zip(s.f.local(), s.reference, progress))
+    assert all(torch.equal(a, b) for a, b in zip(other, diloco.syncs[1].f.outer))
+    diloco.close()
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+class _Recording(LocalTransport):
+    """A one-worker LocalSwarm's transport that records the digest of every group formed ahead
+    (``prematch``, which LocalSwarm ignores) and of every launch."""
+
+    def __init__(self, swarm: LocalSwarm):
+        super().__init__(swarm, 0)
+        self.early, self.launched = {}, {}
+
+    def prematch(self, key, weight=1.0, lead_s=0.0, digest=None):
+        self.early[tuple(key)] = digest
+
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
+        self.launched[tuple(key)] = digest
+        return super().all_reduce(key, tensor, weight, digest)
+
+
+@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {"eager_rule": "merge"})])
+def test_a_group_formed_ahead_carries_the_digest_only_when_nothing_can_change_theta_bar_before_the_launch(mode, extra):
+    """prematch_steps = 1, H = 4, P = 2: blocking has no round in flight a step before the sync, so
+    the group formed ahead carries the digest the launch sends; eager with rounds landing 4 steps
+    late (at the next sync) still has the previous round in flight then (its landing will change
+    theta_bar): none."""
+    model, data = _model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    transport = _Recording(LocalSwarm(1, link=LinkModel(delay_steps=4)))
+    config = DiLoCoConfig(mode=mode, inner_steps=4, num_fragments=2, prematch_steps=1, **extra)
+    diloco = wrap(model, opt, transport=transport, config=config, blocks=list(model))
+    for i in range(12):
+        model(data[i % 3]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(tokens=5)
+    diloco.close()
+    later = [k for k in transport.early if k[1] >= 1]  # a fragment's first round has nothing in flight
+    assert later
+    for key in later:
+        if mode == "blocking":
+            assert transport.early[key] is not None and transport.early[key].digest == transport.launched[key].digest
+        else:
+            assert transport.early[key] is None and transport.launched[key] is not None
+
+
+def test_repair_records_count_in_prometheus_by_fragment_and_outcome():
+    metrics = PeerMetrics({"run": "demo", "peer": "p"})
+    for outcome in ("repaired", "repaired", "stale"):
+        metrics.observe({"event": "repair", "fragment": 1, "round": 3, "step": 9, "from": "q", "bytes": 10,
+                         "seconds": 0.1, "outcome": outcome})
+    got = samples(metrics.exposition())
+    lab = (("fragment", "1"), ("peer", "p"), ("run", "demo"))
+    assert got[("ods_repairs_total", tuple(sorted(lab + (("outcome", "repaired"),))))] == 2
+    assert got[("ods_repairs_total", tuple(sorted(lab + (("outcome", "stale"),))))] == 1
+
+
+# ---------------------------------------------------------------------------------------- in-process
+def _model_and_data() -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The seeded MLP and batches (built before the workers' threads: torch's seed is global)."""
+    torch.manual_seed(3)
+    data = [torch.randn(5, WIDTH) for _ in range(3)]
+    return mlp(WIDTH), data
+
+
+def _train(rank: int, transport, config: DiLoCoConfig, steps: int, perturb_at: int, step_s: float = 0.0,
+           model_and_data=None):
+    """Train one worker of the small MLP ``steps`` steps; after step ``perturb_at`` worker 1 moves
+    its theta_bar of fragment 0 (the fake of a failed round's divergence, module docstring). Returns
+    the wrapper and, per repair record, whether fragment 1's theta_bar changed in that step."""
+    model, data = model_and_data or _model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = wrap(model, opt, transport=transport, config=config, blocks=list(model))
+    other_touched = []
+    adopt_arrived = diloco.repairs.poll
+
+    def poll(syncs):  # watches fragment 1 across the adoption of a repair (no change to what it does)
+        before, repairs = [t.clone() for t in diloco.frags[1].outer], diloco.stats.repairs
+        adopt_arrived(syncs)
+        if diloco.stats.repairs != repairs:
+            other_touched.append(any(not torch.equal(a, b) for a, b in zip(before, diloco.frags[1].outer)))
+
+    diloco.repairs.poll = poll
+    for i in range(steps):
+        model(data[(i + rank) % 3]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(tokens=5)
+        if rank == 1 and diloco.step_count == perturb_at:
+            with torch.no_grad():
+                diloco.frags[0].outer[0].add_(0.01)
+        time.sleep(step_s)
+    diloco.finish()
+    diloco.close()
+    return diloco, other_touched
+
+
+def _digests(diloco, fragment: int) -> dict[int, str]:
+    return {e["round"]: e["digest"] for e in diloco.events
+            if e["event"] == "outer_digest" and e["fragment"] == fragment}
+
+
+@pytest.mark.parametrize("mode,extra", [("blocking", {}), ("overlap", {"overlap_steps": 1}),
+                                        ("eager", {"eager_rule": "merge"}), ("eager", {"eager_rule": "corrected"})])
+def test_a_drifted_fragment_is_repaired_from_the_group_and_training_goes_on_from_it_in_process(mode, extra):
+    """H = 4, P = 2 (fragment 0 syncs at steps 2, 6, 10...). Worker 1's theta_bar of fragment 0 is
+    moved after step 1, before round 0 (a round hashes theta_bar when it changes it: a fake that
+    wrote theta_bar after a round would not be seen until the next one); round 0 shows two digests,
+    the tie goes to the smaller peer id (``local-0``): worker 1 fetches worker 0's state and from
+    round 1 on both hold the same theta_bar of fragment 0 again. Fragment 1 is never touched."""
+    config = DiLoCoConfig(mode=mode, inner_steps=4, num_fragments=2, record_digests=True, **extra)
+    swarm, made = LocalSwarm(2), [_model_and_data() for _ in range(2)]
+    out = swarm.run(lambda rank: _train(rank, swarm.transport(rank), config, steps=16, perturb_at=1, step_s=0.02,
+                                        model_and_data=made[rank]))
+    (d0, touched0), (d1, touched1) = out
+    assert [e for e in d0.events if e["event"] == "repair"] == [] and d0.stats.repairs == 0
+    repairs = [e for e in d1.events if e["event"] == "repair"]
+    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 0, "local-0", "repaired")]
+    assert d1.stats.repairs == 1 and d1.stats.failed_repairs == 0 and touched1 == [False]
+    f0 = (_digests(d0, 0), _digests(d1, 0))
+    assert f0[0][0] != f0[1][0]  # round 0 was averaged onto two different theta_bars
+    assert all(f0[0][k] == f0[1][k] for k in range(1, 4))  # repaired: the same from the next round on
+    assert _digests(d0, 1) == _digests(d1, 1)  # the other fragment: always the same
+
+
+def test_repair_off_or_a_rule_whose_theta_bar_is_its_own_sends_no_digest_and_repairs_nothing():
+    """``diloco.repair = false``, and eager 'paper' (theta_bar steps with each peer's own estimate):
+    the drift stays."""
+    for config in (DiLoCoConfig(mode="blocking", inner_steps=4, num_fragments=2, record_digests=True, repair=False),
+                   DiLoCoConfig(mode="eager", eager_rule="paper", inner_steps=4, num_fragments=2, record_digests=True)):
+        swarm, made = LocalSwarm(2), [_model_and_data() for _ in range(2)]
+        (d0, _), (d1, _) = swarm.run(lambda rank: _train(rank, swarm.transport(rank), config, steps=12, perturb_at=1,
+                                                         model_and_data=made[rank]))
+        assert d0.stats.repairs == d1.stats.repairs == 0
+        assert not any(e["event"] == "repair" for e in d0.events + d1.events)
+        assert _digests(d0, 0)[2] != _digests(d1, 0)[2]
+
+
+# ---------------------------------------------------------------------------------------- real peers
+def train_and_perturb(peer, rank: int, steps: int, perturb_at: int) -> dict:
+    """Inside a loopback peer: ``_train`` over its hivemind transport (blocking, H = 4, P = 2)."""
+    config = DiLoCoConfig(mode="blocking", inner_steps=4, num_fragments=2, record_digests=True)
+    diloco, touched = _train(rank, peer.transport, config, steps, perturb_at, step_s=0.05)
+    return dict(events=diloco.events, touched=touched, peer_id=peer.transport.peer_id,
+                stats=diloco.stats.to_record())
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_two_real_peers_repair_a_drifted_fragment_over_the_state_download():
+    """Two hivemind peers on 127.0.0.1, blocking, fragment 0 syncing at steps 2, 6, 10, 14. Peer 1's
+    theta_bar of fragment 0 is moved after step 1 (the fake of a failed round's divergence). Round
+    0 carries both digests; the tie goes to the smaller peer id, whichever peer that is, and the
+    other one fetches the fragment's state from it (one fragment, over the state download): the
+    digests of fragment 0 agree again from round 1 on, a repair record names the donor and its
+    bytes, and fragment 1's theta_bar is neither different between the peers nor moved by the repair."""
+    swarm = LoopbackSwarm(2, run_id="repair", transport_kwargs=dict(
+        codec="fp32", target_group_size=2, matchmaking_time=3.0, request_timeout=1.0, state_timeout=10.0))
+    try:
+        swarm.start()
+        out = swarm.call_all("call", f"{MODULE}:train_and_perturb", steps=16, perturb_at=1,
+                             per_peer=[dict(rank=0), dict(rank=1)], timeout=90)
+    finally:
+        swarm.close()
+    ids = [o["peer_id"] for o in out]
+    winner = min(range(2), key=lambda r: ids[r])  # the tie: equal steps, the smaller peer id
+    loser = 1 - winner
+    syncs = [[e for e in o["events"] if e["event"] == "sync"] for o in out]
+    assert all(e["ok"] and e["group_size"] == 2 for s in syncs for e in s), syncs
+    repairs = [e for e in out[loser]["events"] if e["event"] == "repair"]
+    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 0, ids[winner], "repaired")]
+    assert repairs[0]["bytes"] > 0 and repairs[0]["seconds"] >= 0
+    assert out[loser]["stats"]["repairs"] == 1 and out[loser]["touched"] == [False]
+    assert not any(e["event"] == "repair" for e in out[winner]["events"])
+    digests = [{(e["fragment"], e["round"]): e["digest"] for e in o["events"] if e["event"] == "outer_digest"}
+               for o in out]
+    assert digests[0][(0, 0)] != digests[1][(0, 0)]
+    assert all(digests[0][(0, k)] == digests[1][(0, k)] for k in (1, 2, 3))
+    assert all(digests[0][(1, k)] == digests[1][(1, k)] for k in range(4))
