@@ -77,7 +77,7 @@ class EchoTransport(LocalTransport):
         self.buffers = {p: [(torch.empty(n), torch.empty(n)) for _ in range(3)] for p, n in numels.items()}
         self.delay = delay
 
-    def all_reduce(self, key, tensor, weight=1.0):
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
         fragment, k = key
         average, sent = self.buffers[fragment][k % 3]
         average.copy_(tensor.reshape(-1))
