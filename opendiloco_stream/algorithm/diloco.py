@@ -35,7 +35,7 @@ from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.data_parallel import DataParallel
 from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess
 from opendiloco_stream.algorithm.fragment_sync import FragmentSync, Rounds
-from opendiloco_stream.algorithm.prematch import Prematcher
+from opendiloco_stream.algorithm.prematch import PrematchChoice, Prematcher
 from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
     OuterPlacement, Staging, adamw_pending_bytes, outer_state_bytes, place_outer_state,
@@ -103,7 +103,8 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         staging = Staging(self.frags[0].device, transport.wire_codec())
         self.rounds = Rounds(transport, staging, config, self.log, lambda: self.step_count,
                              lambda: self._catching_up, self._swarm_past)
-        self._prematcher = Prematcher(transport, config.prematch_steps, self.rounds.weight)  # groups formed ahead
+        self._prematcher = Prematcher(transport, config.prematch_steps, self.rounds.weight,  # groups formed ahead
+                                      on_change=self.log.emit)
         rule = rule_class(config)  # what each fragment's rounds do: algorithm/rules.py
         self.syncs = [FragmentSync(f, rule(f, config), self.rounds) for f in self.frags]
         self.transport.set_state_provider(self._shared_state)
@@ -138,6 +139,11 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
     def error_feedback(self) -> Optional[ErrorFeedback]:
         """The residual buffers of error feedback 'buffer' (None without it, or 'parameters')."""
         return self.rounds.error_feedback
+
+    @property
+    def prematch(self) -> PrematchChoice:
+        """How many inner steps ahead groups form now, and why (``prematch_steps``, "auto" resolved)."""
+        return self._prematcher.choice
 
     @property
     def fragments(self) -> list[fr.Fragment]:

@@ -174,6 +174,7 @@ def print_summary(s: dict[str, Any]) -> None:
                                 f"{_fmt_bytes(s['model_outer_gradient_bytes'])})"),
         ("syncs / failed / local-only", f"{s['syncs']} / {s['failed_syncs']} / {s['local_only_steps']}"),
         ("rounds landed after", _land(s)),
+        *([("groups formed ahead", s["prematch"])] if s.get("prematch") else []),
         ("device", f"{s.get('device', '-')}; outer state on {s.get('outer_device', '-')}"),
         ("compute utilization", f"{100 * s['compute_utilization']:.1f}%"),
         ("wall time", f"{s['wall_time_s']:.1f} s  ({s['tokens_per_s']:,.0f} tokens/s)"),
