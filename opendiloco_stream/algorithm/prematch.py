@@ -10,14 +10,18 @@ that it can form the round's group before the outer gradient exists.
 exchange only. ``K`` is 0 while the transport has measured no groupmate's round-trip time
 (``SwarmView.groupmate_rtt_s``: in-process transports never do) or while the worst is under
 ``PREMATCH_AUTO_MIN_RTT_MS``, else ``ceil(PREMATCH_AUTO_RTTS x RTT / step time)``, at least 1 and at
-most H - 1 (a fragment's group forms after its previous round: ``DiLoCoConfig``'s check).
+most H - 1 (a fragment's group forms after its previous round: ``DiLoCoConfig``'s check). The step
+time there is the median of the recent gaps between steps: a blocking round's wait lengthens only
+its own step, and the steps between an announcement and its round are usually compute alone.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -27,6 +31,8 @@ from opendiloco_stream.config import PREMATCH_AUTO_MIN_RTT_MS, PREMATCH_AUTO_RTT
 from opendiloco_stream.transport.base import SwarmView
 
 logger = logging.getLogger(__name__)
+
+STEP_GAPS = 32  # gaps between steps "auto" takes the median of
 
 
 @dataclass(frozen=True)
@@ -66,34 +72,38 @@ class Prematcher:
     ``{"event": "prematch"}`` record when "auto" starts or stops forming groups ahead."""
 
     def __init__(self, transport: SwarmView, steps: int | str, weight: Callable[[int], float],
-                 on_change: Optional[Callable[[dict[str, Any]], None]] = None):
-        self.transport, self.weight, self.on_change = transport, weight, on_change
+                 on_change: Optional[Callable[[dict[str, Any]], None]] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.transport, self.weight, self.on_change, self.clock = transport, weight, on_change, clock
         self.auto = steps == "auto"
         self.steps = 0 if self.auto else int(steps)
         self.choice = PrematchChoice(self.steps, self.auto)
         self.step_s: Optional[float] = None  # running mean of the time between steps
+        self._gaps: deque[float] = deque(maxlen=STEP_GAPS)  # the recent gaps between steps ("auto")
         self._last: Optional[float] = None
         self._announced: dict[int, int] = {}  # fragment -> the last round announced ahead (auto)
 
     def tick(self) -> None:
         """One inner step began (``StreamingDiLoCo.step``): update the step time."""
-        now = time.monotonic()
+        now = self.clock()
         if self._last is not None:
             gap = now - self._last
             self.step_s = gap if self.step_s is None else 0.9 * self.step_s + 0.1 * gap
+            self._gaps.append(gap)
         self._last = now
 
     def _resize(self, inner_steps: int) -> int:
         """``"auto"``: K from the transport's latest measure (said when groups start or stop forming ahead)."""
         rtt = self.transport.groupmate_rtt_s()
-        k = auto_steps(rtt, self.step_s, inner_steps)
-        before, self.choice = self.choice, PrematchChoice(k, True, rtt, self.step_s)
+        step_s = statistics.median(self._gaps) if self._gaps else None
+        k = auto_steps(rtt, step_s, inner_steps)
+        before, self.choice = self.choice, PrematchChoice(k, True, rtt, step_s)
         if (k > 0) != (before.steps > 0):
             logger.info("groups formed ahead: %s", self.choice.describe())
             if self.on_change is not None:
                 self.on_change({"event": "prematch", "steps": k, "auto": True,
                                 "rtt_ms": None if rtt is None else round(rtt * 1e3, 1),
-                                "step_s": None if self.step_s is None else round(self.step_s, 4),
+                                "step_s": None if step_s is None else round(step_s, 4),
                                 "why": self.choice.describe()})
         return k
 
