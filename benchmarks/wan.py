@@ -323,8 +323,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="sysctl net.ipv4.tcp_slow_start_after_idle=0 in every namespace (what doctor advises): "
                         "kept-open connections keep their window between rounds")
     p.add_argument("--congestion-control", metavar="NAME",
-                   help="sysctl net.ipv4.tcp_congestion_control=NAME in every namespace (e.g. cubic, the default of "
-                        "most distributions; BBR never restarts a window after idle, whatever --keep-window says)")
+                   help="sysctl net.ipv4.tcp_congestion_control=NAME in every namespace, one of "
+                        "net.ipv4.tcp_allowed_congestion_control (a namespace may set no other): e.g. reno, whose "
+                        "window restarts after idle as cubic's (most distributions' default) does; BBR's never "
+                        "does, whatever --keep-window says")
     p.add_argument("--no-wait", dest="wait", action="store_false",
                    help="peers do not wait for each other before their first step (no --wait-for-peers: whichever "
                         "starts up first trains ahead, as every run before that flag did)")
