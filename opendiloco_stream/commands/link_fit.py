@@ -82,7 +82,7 @@ def _advice(mode: str, round_s: float, step_time_s: float, inner_steps: int, pre
         out.append(f"--prematch-steps auto, the default, or 2 (forms each group ahead: saves ~{MATCH_RTTS * rtt_s:.1f} s "
                    "a round)")
     if slow:
-        out.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0 (or tcp_congestion_control=bbr) on the peers (saves ~{SLOW_START_RTTS * rtt_s:.1f} s "
+        out.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0 (or bbr in tcp_allowed_congestion_control) on the peers (saves ~{SLOW_START_RTTS * rtt_s:.1f} s "
                    "a round: kept-open connections keep their window)")
     if mode == "eager":
         need = math.ceil(round_s / step_time_s)

@@ -73,7 +73,7 @@ from opendiloco_stream.net.reachability import (NatKind, echo_key, parse_echoes,
                                                  reserve_ports, short_error)
 from opendiloco_stream.net.relay_check import (DEFAULT_RELAY_DATA_LIMIT, PROBE_BYTES, RelayProbe, RelayVerdict,
                                                 probe_relay)
-from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, slow_start_after_idle
+from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, restarts_after_idle
 
 logger = logging.getLogger(__name__)
 
@@ -454,10 +454,11 @@ class _Doctor:
         if grow is not None and bdp > grow:
             fixes.append(f"raise the TCP buffer maxima to at least {2 * bdp:.0f} bytes (sysctl -w net.ipv4.tcp_rmem="
                          f"'4096 131072 {2 * bdp:.0f}' net.ipv4.tcp_wmem='4096 16384 {2 * bdp:.0f}')")
-        slow = slow_start_after_idle()
+        slow = restarts_after_idle()
         if slow and rtt >= 0.02:
             parts.append("tcp_slow_start_after_idle=1")
-            fixes.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0, or net.ipv4.tcp_congestion_control=bbr (each "
+            fixes.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0, or allow bbr in "
+                         f"net.ipv4.tcp_allowed_congestion_control (each "
                          f"round's kept-open connection then keeps its window instead of ~6 round trips of slow "
                          f"start: ~{6 * rtt:.1f} s a round here)")
         if rtt * 1e3 >= PREMATCH_AUTO_MIN_RTT_MS:

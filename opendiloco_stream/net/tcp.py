@@ -126,6 +126,42 @@ def slow_start_after_idle() -> Optional[bool]:
     return bool(value[0]) and congestion_control() not in NO_IDLE_RESTART
 
 
+def allowed_congestion_controls() -> tuple[str, ...]:
+    """``net.ipv4.tcp_allowed_congestion_control``: the congestion controls any process may choose
+    for its own sockets (``TCP_CONGESTION``); others need ``CAP_NET_ADMIN``."""
+    try:
+        return tuple(Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split())
+    except OSError:
+        return ()
+
+
+def keep_window(sock: socket.socket) -> Optional[str]:
+    """A kept-open connection's fix without root: where this namespace's connections restart from
+    the initial window after idle (:func:`slow_start_after_idle`), switch ``sock`` to a congestion
+    control that never does (:data:`NO_IDLE_RESTART`) if any process may choose it here
+    (:func:`allowed_congestion_controls`). Returns the one set, None where nothing was needed or allowed."""
+    if not slow_start_after_idle():
+        return None
+    for name in NO_IDLE_RESTART:
+        if name in allowed_congestion_controls():
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+                return name
+            except OSError:
+                continue
+    return None
+
+
+def restarts_after_idle() -> Optional[bool]:
+    """Whether this peer's kept-open connections will restart from the initial window after each
+    idle gap: :func:`slow_start_after_idle`, unless :func:`keep_window` can switch them to a
+    congestion control that does not (what ``doctor``, ``--dry-run`` and the peer's notice ask)."""
+    slow = slow_start_after_idle()
+    if not slow:
+        return slow
+    return not any(name in allowed_congestion_controls() for name in NO_IDLE_RESTART)
+
+
 def size_buffers(sock: socket.socket, rate_mbit: float, rtt_s: float, limits: Optional[dict] = None) -> dict:
     """Set ``sock``'s buffers for a link of ``rate_mbit`` and ``rtt_s`` where that helps
     (:func:`buffer_bytes`); returns what was set (``{"snd": n, "rcv": n}``, empty: autotuning)."""
