@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,11 @@ def row(path: str, rec: dict[str, Any]) -> list[str]:
     transfer_s = rec["peak_bytes_per_sync"] * 8 / (rec["link_mbit"] * 1e6)
     over = (rec["round_s"] - transfer_s) / rtt_s if rtt_s > 0 else float("nan")
     settings = rec.get("prematch_steps", 0)
-    chosen = [c for c in rec.get("prematch_chosen") or [] if c]
-    ahead = f"{settings}" + (f" ({'; '.join(c.split(' (')[0] for c in chosen)})" if chosen else "")
+    # "auto: 4 inner steps ahead (...)" per peer -> "auto (4, 4)": what auto came to at the end
+    chosen = [re.match(r"auto: (\d+)", c) for c in rec.get("prematch_chosen") or [] if c]
+    ahead = f"{settings}" + (f" ({', '.join(m.group(1) for m in chosen if m)})" if any(chosen) else "")
     window = "keep-window" if rec.get("keep_window") else "-"
-    cc = rec.get("congestion_control") or "bbr (default here)"
+    cc = rec.get("congestion_control") or "bbr (not recorded: this machine's default)"
     load = "-".join(f"{x:g}" for x in rec.get("loadavg_1m", []))
     return [MODE_NAMES.get(rec["trainer_mode"], rec["trainer_mode"]), ahead, f"{cc}, {window}", load,
             f"{rec['phase_matchmaking_s']:.2f}", f"{rec['phase_exchange_s']:.2f}", f"{rec['round_s']:.2f}",
