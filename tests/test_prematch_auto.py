@@ -28,7 +28,8 @@ def test_auto_steps_cover_matchmakings_round_trips_within_the_fragments_schedule
 
 
 class _Link(SwarmView):
-    """A swarm view (what the Prematcher asks) whose measured groupmate RTT the test sets; records ``prematch`` calls."""
+    """A swarm view (what the Prematcher asks) whose measured groupmate RTT the test sets; records
+    ``prematch`` calls."""
 
     def __init__(self):
         self.rtt_s, self.now, self.early = None, 0, []
