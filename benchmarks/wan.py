@@ -160,7 +160,7 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
 
 
 def peer_flags(topo: netns.Topology, spec: RunSpec, rank: int, run_id: str, workdir: Path,
-               matchmaking_s: float, wait: bool = True, prematch_steps: int = 0) -> list[str]:
+               matchmaking_s: float, wait: bool = True, prematch_steps: "int | str" = "auto") -> list[str]:
     """The ``peer`` flags of peer ``rank`` of ``spec`` (``PeerProcesses.peer`` adds the initial
     peers and the metrics file ``workdir/peer-RANK.jsonl``). ``wait``: the peers, started together,
     wait for each other before their first step (``--wait-for-peers``). ``prematch_steps``: groups
@@ -217,7 +217,7 @@ def watch(run: PeerProcesses, peers: list[subprocess.Popen], topo: netns.Topolog
 
 def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, progress: bool,
             other_bps: float = 0.0, matchmaking_s: float = 10.0, pin: Optional[list[int]] = None,
-            wait: bool = True, prematch_steps: int = 0) -> dict[str, Any]:
+            wait: bool = True, prematch_steps: "int | str" = "auto") -> dict[str, Any]:
     """Run ``spec`` on ``topo`` (already shaped); return its record (status ok / timeout / failed).
 
     Processes start and stop through :class:`benchmarks.harness.peers.PeerProcesses`: SIGTERM
@@ -256,7 +256,10 @@ def run_one(topo: netns.Topology, spec: RunSpec, workdir: Path, timeout: float, 
     rec["start_skew_s"] = max(started) - min(started) if None not in started else None  # 0.5 s resolution
     rec.update(max_step_lag=seen.max_lag, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
                boot_iface=iface["boot"], matchmaking_s=matchmaking_s, pinned_cpus=pin, wait_for_peers=wait,
-               prematch_steps=prematch_steps)
+               prematch_steps=prematch_steps,
+               # what each peer's --prematch-steps came to at the end ("auto" follows the measured RTT)
+               prematch_chosen=[next((m.get("prematch") for m in reversed(ms) if m.get("event") == "summary"), None)
+                                for ms in metrics])
     return rec
 
 
@@ -313,9 +316,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-timeout", type=float, help="seconds per run (default: derived from the expected traffic)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin peer r (and its helper processes) to CPU r mod #CPUs")
-    p.add_argument("--prematch-steps", type=int, default=0,
-                   help="the peers' --prematch-steps: each round's group forms this many inner steps ahead "
-                        "(default 0, the trainer's; data-parallel always 0)")
+    p.add_argument("--prematch-steps", default="auto",
+                   help="the peers' --prematch-steps: each round's group forms this many inner steps ahead, or "
+                        "'auto' (default, the trainer's: sized from the measured RTT); data-parallel always 0")
+    p.add_argument("--keep-window", action="store_true",
+                   help="sysctl net.ipv4.tcp_slow_start_after_idle=0 in every namespace (what doctor advises): "
+                        "kept-open connections keep their window between rounds")
+    p.add_argument("--congestion-control", metavar="NAME",
+                   help="sysctl net.ipv4.tcp_congestion_control=NAME in every namespace, one of "
+                        "net.ipv4.tcp_allowed_congestion_control (a namespace may set no other): e.g. reno, whose "
+                        "window restarts after idle as cubic's (most distributions' default) does; BBR's never "
+                        "does, whatever --keep-window says")
     p.add_argument("--no-wait", dest="wait", action="store_false",
                    help="peers do not wait for each other before their first step (no --wait-for-peers: whichever "
                         "starts up first trains ahead, as every run before that flag did)")
@@ -415,6 +426,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         at = [s for s in specs if s.place == place]
         regions = place_regions(place, args.loss, args.jitter) if place else None
         with netns.Topology(peers=at[0].peers, regions=regions) as topo:
+            tune_tcp(topo, args.keep_window, args.congestion_control)
             if place:
                 print(f"{place}: {topo.regions.describe()}; peers in "
                       f"{', '.join(f'{n} {topo.region_of(n)}' for n in topo.peers())}", file=sys.stderr)
@@ -426,6 +438,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         wan_report.finish(records, args.report, args.plots)
     return 0
+
+
+def tune_tcp(topo: netns.Topology, keep_window: bool, congestion_control: Optional[str]) -> None:
+    """The TCP settings a run asks for, in every namespace (``--keep-window``, ``--congestion-control``)."""
+    settings = ([f"net.ipv4.tcp_congestion_control={congestion_control}"] if congestion_control else []) + \
+        (["net.ipv4.tcp_slow_start_after_idle=0"] if keep_window else [])
+    for node in topo.nodes if settings else ():
+        subprocess.run(topo.exec_argv(node, ["sysctl", "-qw", *settings]), check=True)
+
+
+def netns_congestion_control(topo: netns.Topology) -> Optional[str]:
+    """The congestion control the peers' connections use (peer 0's namespace; recorded with each run)."""
+    out = subprocess.run(topo.exec_argv("p0", ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"]),
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None
 
 
 def run_rate(args: argparse.Namespace, topo: netns.Topology, specs: list[RunSpec], rate: float, root: Path,
@@ -444,7 +471,8 @@ def run_rate(args: argparse.Namespace, topo: netns.Topology, specs: list[RunSpec
             # TCP payload a peer sends when it never syncs (DHT upkeep, metrics), per second of run
             other_bps = wr.mean([p["iface"]["tcp_payload_bytes"] for p in rec["per_peer"]]) / rec["elapsed_s"]
             rec["other_traffic_bytes_per_s"] = other_bps
-        rec.update(link_measured_mbit=round(probe["mbit_s"], 3), environment=env,
+        rec.update(link_measured_mbit=round(probe["mbit_s"], 3), environment=env, keep_window=args.keep_window,
+                   congestion_control=args.congestion_control or netns_congestion_control(topo),
                    regions=topo.regions.describe() if topo.delayed else None, loss=args.loss, jitter_ms=args.jitter)
         records.append(rec)
         print(wan_report.one_line(rec), file=sys.stderr, flush=True)

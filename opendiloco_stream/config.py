@@ -52,6 +52,14 @@ CHUNK_BYTES_BOUNDS = (1024, 64 << 20)
 # num_fragments = "auto": one fragment per this many transformer blocks (the streaming paper's default)
 BLOCKS_PER_FRAGMENT = 3
 
+# prematch_steps = "auto" (algorithm/prematch.py): groups form ahead only from this worst groupmate
+# RTT on; below it (one region, a LAN) matchmaking's ~4 round trips cost < 0.1 s a round, less than
+# the DHT's own jitter, and a group formed ahead would only add a predicted weight to the round.
+PREMATCH_AUTO_MIN_RTT_MS = 20.0
+# ... and far enough ahead to cover this many round trips (matchmaking's: the announcements' read,
+# the join of the leader, its reply: timeouts.py's MATCH_RTTS) at the measured step time.
+PREMATCH_AUTO_RTTS = 4
+
 # The one list of sync modes; the codec list is the wire registry's (compression/wire.py).
 MODES = ("blocking", "overlap", "eager", "naive-delayed", "data-parallel")
 CODECS = CODEC_NAMES
@@ -151,9 +159,12 @@ class DiLoCoConfig(_Strict):
         "auto", description="where the fp32 outer parameters and outer momentum live: 'auto' (the model's GPU when "
         "they fit in its free memory next to the model and its AdamW state, else pinned host memory; the CPU for a "
         "CPU model), 'cpu' (pinned host memory when the model is on CUDA: saves GPU memory), 'cuda' (the model's GPU)")
-    prematch_steps: int = Field(0, ge=0, description="form each round's group this many inner steps before its "
-                                "sync (hivemind), so matchmaking leaves the round's critical path; 0: at the sync. "
-                                "The group's weight is predicted then (exact for steady batches)")
+    prematch_steps: int | Literal["auto"] = Field(
+        "auto", description="form each round's group this many inner steps before its sync (hivemind), so "
+        "matchmaking's round trips leave the round's critical path; 0: at the sync. 'auto': 0 while no groupmate's "
+        f"RTT is measured or the worst is below {PREMATCH_AUTO_MIN_RTT_MS:g} ms, else the steps that cover "
+        "matchmaking's ~4 round trips at the measured step time, 1..H-1. The group's weight is predicted "
+        "then (exact for steady batches)", json_schema_extra=cli("--prematch-steps", metavar="K|auto"))
     sync_timeout: float = Field(300.0, gt=0.0, description="upper bound on any wait for a round (s)")
     record_digests: bool = Field(False, description="add a blake2b digest of every average to the sync "
                                  "records (to verify peers hold bit-identical results)")
@@ -167,6 +178,13 @@ class DiLoCoConfig(_Strict):
     def _at_least_one(cls, value: int | str) -> int | str:
         if value != "auto" and value < 1:
             raise ValueError(f"num_fragments must be >= 1 or 'auto', got {value}")
+        return value
+
+    @field_validator("prematch_steps")
+    @classmethod
+    def _not_negative(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 0:
+            raise ValueError(f"prematch_steps must be >= 0 or 'auto', got {value}")
         return value
 
     def fragments_for(self, blocks: int) -> int:
@@ -222,7 +240,7 @@ class DiLoCoConfig(_Strict):
             verb = "applies" if len(ignored) == 1 else "apply"
             raise ValueError(f"{' and '.join(ignored)} {verb} to eager_rule 'corrected' only, and this run's rule is "
                              f"'{self.eager_rule}': add --eager-rule corrected, or drop them")
-        if self.prematch_steps >= H and self.mode != "data-parallel":
+        if self.prematch_steps != "auto" and self.prematch_steps >= H and self.mode != "data-parallel":
             raise ValueError(f"prematch_steps ({self.prematch_steps}) must be < inner_steps ({H}): a fragment's "
                              "group forms after its previous round")
         return self

@@ -178,3 +178,37 @@ def test_transport_rounds_over_shaped_links_times_gloo_on_the_same_links(tmp_pat
     # processes belong to tests running beside this one, on the other test worker)
     left = [n for n in set(netns.our_namespaces()) - before if not is_running(int(n[len(netns.PREFIX):].split("-")[0]))]
     assert left == []
+
+
+_KEEP_WINDOW_PROBE = """
+import json, socket
+from opendiloco_stream.net import tcp
+s = socket.socket()
+chosen = tcp.keep_window(s)
+now = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode()
+print(json.dumps({"chosen": chosen, "now": now, "restarts": tcp.restarts_after_idle(),
+                  "allowed": tcp.allowed_congestion_controls()}))
+"""
+
+
+@pytest.mark.parametrize("slow_start_after_idle", [1, 0])
+def test_a_kept_open_connection_leaves_a_congestion_control_that_restarts_its_window_after_idle(slow_start_after_idle):
+    """In a namespace whose connections use reno (its window restarts after each idle gap, as
+    cubic's does) with ``tcp_slow_start_after_idle = 1``, a direct-path socket switches itself to
+    BBR when any process may choose it (``net.tcp.keep_window``), and nothing else is asked of the
+    user; with the sysctl at 0, or BBR not allowed, it keeps reno (and doctor/the notice say so)."""
+    ns = f"odsw{os.getpid()}-cc{slow_start_after_idle}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_congestion_control=reno",
+                        f"net.ipv4.tcp_slow_start_after_idle={slow_start_after_idle}"], check=True)
+        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _KEEP_WINDOW_PROBE],
+                             capture_output=True, text=True, check=True, timeout=60)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=True)
+    seen = json.loads(out.stdout)
+    if slow_start_after_idle and "bbr" in seen["allowed"]:
+        assert seen == {**seen, "chosen": "bbr", "now": "bbr", "restarts": False}
+    else:
+        assert seen["chosen"] is None and seen["now"] == "reno"
+        assert seen["restarts"] is bool(slow_start_after_idle)

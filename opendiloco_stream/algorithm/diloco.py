@@ -35,7 +35,7 @@ from opendiloco_stream.algorithm import fragments as fr
 from opendiloco_stream.algorithm.data_parallel import DataParallel
 from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess
 from opendiloco_stream.algorithm.fragment_sync import FragmentSync, Rounds
-from opendiloco_stream.algorithm.prematch import Prematcher
+from opendiloco_stream.algorithm.prematch import PrematchChoice, Prematcher
 from opendiloco_stream.algorithm.repair import FETCH_TIMEOUT_S, SERVE_WAIT_S, Repairs
 from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
@@ -110,7 +110,7 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
                              lambda: self._catching_up, self._swarm_past, self.repairs)
         self.syncs = [FragmentSync(f, rule(f, config), self.rounds) for f in self.frags]
         self._prematcher = Prematcher(transport, config.prematch_steps, self.rounds.weight,  # groups formed ahead
-                                      lambda p: self.repairs.early_digest(self.syncs[p]))
+                                      lambda p: self.repairs.early_digest(self.syncs[p]), on_change=self.log.emit)
         self.transport.set_state_provider(self._shared_state)
         self.transport.set_fragment_provider(self._fragment_state)
 
@@ -144,6 +144,11 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
     def error_feedback(self) -> Optional[ErrorFeedback]:
         """The residual buffers of error feedback 'buffer' (None without it, or 'parameters')."""
         return self.rounds.error_feedback
+
+    @property
+    def prematch(self) -> PrematchChoice:
+        """How many inner steps ahead groups form now, and why (``prematch_steps``, "auto" resolved)."""
+        return self._prematcher.choice
 
     @property
     def fragments(self) -> list[fr.Fragment]:

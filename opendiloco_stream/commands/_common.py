@@ -177,6 +177,7 @@ def print_summary(s: dict[str, Any]) -> None:
         *([("theta_bar repaired / failed", f"{s['repairs']} / {s['failed_repairs']}  (fragments that had "
                                            "drifted from their group's: the metrics file's \"repair\" records)")]
           if s.get("repairs") or s.get("failed_repairs") else []),
+        *([("groups formed ahead", s["prematch"])] if s.get("prematch") else []),
         ("device", f"{s.get('device', '-')}; outer state on {s.get('outer_device', '-')}"),
         ("compute utilization", f"{100 * s['compute_utilization']:.1f}%"),
         ("wall time", f"{s['wall_time_s']:.1f} s  ({s['tokens_per_s']:,.0f} tokens/s)"),

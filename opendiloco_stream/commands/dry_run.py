@@ -31,7 +31,7 @@ from opendiloco_stream.commands._common import device_problem, parse_shard, prep
 from opendiloco_stream.commands.link_fit import round_fit
 from opendiloco_stream.config import ConfigError, ConfigSources, RunConfig
 from opendiloco_stream.config_cli import UsageError
-from opendiloco_stream.net.tcp import slow_start_after_idle
+from opendiloco_stream.net.tcp import restarts_after_idle
 
 
 def format_config(cfg: RunConfig, sources: ConfigSources) -> list[str]:
@@ -136,6 +136,8 @@ def check_link(cfg: RunConfig, vocab_size: int) -> "str | tuple[str, str]":
     within its window at that RTT and ``net.link_mbit`` (``net/distance.py``, ``commands/link_fit.py``)."""
     import torch  # lazy: loads torch; --help stays light
 
+    from opendiloco_stream.algorithm.prematch import (  # lazy: algorithm/ loads torch; --help stays light
+        PrematchChoice, auto_steps)
     from opendiloco_stream.net.distance import probe_peers  # lazy: loads hivemind; --help stays light
     from opendiloco_stream.train.models import build_model, transformer_blocks  # lazy: loads torch; --help stays light
     from opendiloco_stream.transport.factory import (  # lazy: transport/ loads torch; --help stays light
@@ -155,11 +157,13 @@ def check_link(cfg: RunConfig, vocab_size: int) -> "str | tuple[str, str]":
     bits = 8.0 * codec.encoded_size(1 << 20) / (1 << 20)
     step_s, how = measure_step_s(cfg, vocab_size)
     d = cfg.diloco
+    ahead = auto_steps(rtt, step_s, d.inner_steps) if d.prematch_steps == "auto" else d.prematch_steps
     fit = round_fit(mode=d.mode, inner_steps=d.inner_steps, fragments=d.num_fragments, overlap_steps=d.overlap_steps,
                     params=params, layers=layers, codec_bits=bits, step_time_s=step_s, link_mbit=cfg.net.link_mbit,
-                    rtt_s=rtt, prematch=d.prematch_steps > 0, slow_start_after_idle=slow_start_after_idle())
+                    rtt_s=rtt, prematch=ahead > 0, slow_start_after_idle=restarts_after_idle())
     text = (f"RTT {peers} (rate: --link-mbit {cfg.net.link_mbit:g} Mbit/s; rounds measure it); a step "
-            f"~{step_s:.3f} s ({how}); {fit.line()}")
+            f"~{step_s:.3f} s ({how}); groups formed ahead: "
+            f"{PrematchChoice(ahead, d.prematch_steps == 'auto', rtt, step_s).describe()}; {fit.line()}")
     if fit.fits:
         return text
     return "warn", text + "; to fit: " + "; ".join(fit.advice)

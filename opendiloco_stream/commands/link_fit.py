@@ -6,8 +6,8 @@ A round's wait, as docs/networking.md ("At distance") counts it::
 
     round_s = transfer_s + rtts * rtt_s
     transfer_s = 2 * (M-1)/M * fragment_bytes * 8 / link_bps       # the butterfly's bytes, M = 2
-    rtts = MATCH_RTTS (0 with --prematch-steps) + EXCHANGE_RTTS + SLOW_START_RTTS (0 with
-           net.ipv4.tcp_slow_start_after_idle = 0)
+    rtts = MATCH_RTTS (0 with groups formed ahead: --prematch-steps auto at a distance, or K)
+           + EXCHANGE_RTTS + SLOW_START_RTTS (0 with net.ipv4.tcp_slow_start_after_idle = 0, or BBR)
 
 The window a mode gives a round: eager, the fragment's next sync (H inner steps); overlap, tau
 inner steps; blocking, none (the whole round stalls training). The compute utilization comes from
@@ -79,10 +79,12 @@ def _advice(mode: str, round_s: float, step_time_s: float, inner_steps: int, pre
             rtt_s: float) -> list[str]:
     out = []
     if not prematch:
-        out.append(f"--prematch-steps 2 (forms each group ahead: saves ~{MATCH_RTTS * rtt_s:.1f} s a round)")
+        out.append(f"--prematch-steps auto, the default, or 2 (forms each group ahead: saves "
+                   f"~{MATCH_RTTS * rtt_s:.1f} s a round)")
     if slow:
-        out.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0 on the peers (saves ~{SLOW_START_RTTS * rtt_s:.1f} s "
-                   "a round: kept-open connections keep their window)")
+        out.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0 (or bbr in tcp_allowed_congestion_control) on "
+                   f"the peers (saves ~{SLOW_START_RTTS * rtt_s:.1f} s a round: kept-open connections keep their "
+                   "window)")
     if mode == "eager":
         need = math.ceil(round_s / step_time_s)
         if need > inner_steps:

@@ -35,6 +35,7 @@ from opendiloco_stream.commands._common import (  # noqa: F401 (parse_shard: re-
     require_device, resolve_for_dry_run, resolve_fragments,
 )
 from opendiloco_stream.commands.dry_run import dry_run
+from opendiloco_stream.config import PREMATCH_AUTO_MIN_RTT_MS, PREMATCH_AUTO_RTTS
 from opendiloco_stream.config_cli import UsageError
 from opendiloco_stream.net.flags import add_network_flags, net_overrides, verbose
 from opendiloco_stream.net.lifecycle import GracefulShutdown, die_with_parent
@@ -136,6 +137,8 @@ class LiveMetrics:
             self.compute_s += rec["compute_s"]
         elif event == "joined":
             self.step = rec["step"]
+        elif event == "prematch":  # --prematch-steps auto started (or stopped) forming groups ahead
+            print(f"peer: groups formed ahead: {rec['why']}", file=sys.stderr, flush=True)
         elif event == "state_download" and not self.quiet:  # a big state takes a while
             mib = 1 << 20
             print(f"state download from {rec['donor'][-8:]}: {rec['bytes'] / mib:.0f}/"
@@ -280,6 +283,14 @@ def _wait_for_peers(cfg, gate, stop) -> None:
               f"with those, later peers join the running swarm", file=sys.stderr, flush=True)
 
 
+def _prematch_line(steps: "int | str") -> str:
+    """What ``--prematch-steps`` will do, said at start (``"auto"`` decides once a round measured a groupmate)."""
+    if steps == "auto":
+        return (f"auto (none until a round measured a groupmate's RTT; from {PREMATCH_AUTO_MIN_RTT_MS:g} ms on, "
+                f"enough inner steps ahead to cover ~{PREMATCH_AUTO_RTTS} round trips of matchmaking)")
+    return f"{steps} inner steps ahead (--prematch-steps {steps})" if steps else "off (--prematch-steps 0)"
+
+
 def _train(args: argparse.Namespace, cfg, ranks, dht, gate, admission, transport, sinks: list, stop,
            shards: tuple, data: tuple) -> None:
     """Train the peer with its live metrics, then write and print its summary."""
@@ -304,6 +315,8 @@ def _train(args: argparse.Namespace, cfg, ranks, dht, gate, admission, transport
     writer = MetricsWriter(cfg.train.metrics_file)
     writer.write({"event": "config", "peer_id": peer_id, "shard": [rank, world], "transport": "hivemind",
                   "ranks": ranks.world if ranks is not None else 1, **cfg.model_dump(mode="json")})
+    if cfg.diloco.mode != "data-parallel":
+        print(f"peer: groups formed ahead: {_prematch_line(cfg.diloco.prematch_steps)}", file=sys.stderr, flush=True)
     bar = tqdm(total=cfg.train.steps, desc=f"peer {peer_id[-6:]}", unit="step", disable=args.no_progress,
                file=sys.stderr, dynamic_ncols=True)
     live = LiveMetrics(cfg.diloco.mode, MetricsPublisher(dht, cfg.net.run_id, expiration=cfg.net.metrics_expiration,

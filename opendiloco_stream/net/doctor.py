@@ -61,7 +61,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco_stream.compression import native
-from opendiloco_stream.config import NetConfig
+from opendiloco_stream.config import PREMATCH_AUTO_MIN_RTT_MS, PREMATCH_AUTO_RTTS, NetConfig
 from opendiloco_stream.net.auth import run_validators
 from opendiloco_stream.net.dht import (check_run_id, ensure_identity, explain_start_error, ip4_of, listen_maddrs,
                                        rank_maddrs, relay_nodes)
@@ -73,7 +73,7 @@ from opendiloco_stream.net.reachability import (NatKind, echo_key, parse_echoes,
                                                  reserve_ports, short_error)
 from opendiloco_stream.net.relay_check import (DEFAULT_RELAY_DATA_LIMIT, PROBE_BYTES, RelayProbe, RelayVerdict,
                                                 probe_relay)
-from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, slow_start_after_idle
+from opendiloco_stream.net.tcp import bdp_bytes, kernel_buffer_limits, restarts_after_idle
 
 logger = logging.getLogger(__name__)
 
@@ -454,14 +454,18 @@ class _Doctor:
         if grow is not None and bdp > grow:
             fixes.append(f"raise the TCP buffer maxima to at least {2 * bdp:.0f} bytes (sysctl -w net.ipv4.tcp_rmem="
                          f"'4096 131072 {2 * bdp:.0f}' net.ipv4.tcp_wmem='4096 16384 {2 * bdp:.0f}')")
-        slow = slow_start_after_idle()
+        slow = restarts_after_idle()
         if slow and rtt >= 0.02:
             parts.append("tcp_slow_start_after_idle=1")
-            fixes.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0 (each round's kept-open connection then "
-                         f"keeps its window instead of ~6 round trips of slow start: ~{6 * rtt:.1f} s a round here)")
-        if rtt >= 0.05:
-            fixes.append("peer --prematch-steps 2 (groups form ahead, matchmaking's round trips leave the round); "
-                         "peer --dry-run says whether a round of your H, P and codec fits this link")
+            fixes.append(f"sysctl -w net.ipv4.tcp_slow_start_after_idle=0, or allow bbr in "
+                         f"net.ipv4.tcp_allowed_congestion_control (each "
+                         f"round's kept-open connection then keeps its window instead of ~6 round trips of slow "
+                         f"start: ~{6 * rtt:.1f} s a round here)")
+        if rtt * 1e3 >= PREMATCH_AUTO_MIN_RTT_MS:
+            parts.append(f"at this RTT peers form each round's group ahead (--prematch-steps auto, the default from "
+                         f"{PREMATCH_AUTO_MIN_RTT_MS:g} ms: ~{PREMATCH_AUTO_RTTS} round trips of matchmaking, "
+                         f"~{PREMATCH_AUTO_RTTS * rtt:.1f} s, leave the round); peer --dry-run says whether a round "
+                         f"of your H, P and codec fits this link")
         detail = "; ".join(parts)
         return Check("link", "warn" if fixes else "ok", detail, "; ".join(fixes)) if fixes else Check("link", "ok", detail)
 

@@ -100,12 +100,66 @@ def kernel_buffer_limits() -> dict[str, int]:
             "rcv_core_max": rmax[0] if rmax else 0, "snd_core_max": wmax[0] if wmax else 0}
 
 
+# Congestion controls with their own model of the path (a ``cong_control`` hook, as BBR's): the
+# kernel never restarts their window after idle, whatever net.ipv4.tcp_slow_start_after_idle says
+# (include/net/tcp.h, tcp_slow_start_after_idle_check; Linux >= 4.9).
+NO_IDLE_RESTART = ("bbr",)
+
+
+def congestion_control() -> Optional[str]:
+    """``net.ipv4.tcp_congestion_control``: the congestion control new connections of this network
+    namespace use (None where unreadable)."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def slow_start_after_idle() -> Optional[bool]:
-    """``net.ipv4.tcp_slow_start_after_idle``: whether a connection idle for a retransmission
-    timeout starts again from the initial window (so each round of a kept-open connection pays the
-    slow start again; 0 keeps the window it had). None where unreadable."""
+    """Whether a connection idle for a retransmission timeout starts again from the initial window,
+    so that each round of a kept-open connection pays the slow start again:
+    ``net.ipv4.tcp_slow_start_after_idle`` = 1 and a congestion control that does not skip that
+    restart (:data:`NO_IDLE_RESTART`; BBR is the default of some kernels). None where unreadable."""
     value = _sysctl("net.ipv4.tcp_slow_start_after_idle")
-    return None if not value else bool(value[0])
+    if not value:
+        return None
+    return bool(value[0]) and congestion_control() not in NO_IDLE_RESTART
+
+
+def allowed_congestion_controls() -> tuple[str, ...]:
+    """``net.ipv4.tcp_allowed_congestion_control``: the congestion controls any process may choose
+    for its own sockets (``TCP_CONGESTION``); others need ``CAP_NET_ADMIN``."""
+    try:
+        return tuple(Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split())
+    except OSError:
+        return ()
+
+
+def keep_window(sock: socket.socket) -> Optional[str]:
+    """A kept-open connection's fix without root: where this namespace's connections restart from
+    the initial window after idle (:func:`slow_start_after_idle`), switch ``sock`` to a congestion
+    control that never does (:data:`NO_IDLE_RESTART`) if any process may choose it here
+    (:func:`allowed_congestion_controls`). Returns the one set, None where nothing was needed or allowed."""
+    if not slow_start_after_idle():
+        return None
+    for name in NO_IDLE_RESTART:
+        if name in allowed_congestion_controls():
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+                return name
+            except OSError:
+                continue
+    return None
+
+
+def restarts_after_idle() -> Optional[bool]:
+    """Whether this peer's kept-open connections will restart from the initial window after each
+    idle gap: :func:`slow_start_after_idle`, unless :func:`keep_window` can switch them to a
+    congestion control that does not (what ``doctor``, ``--dry-run`` and the peer's notice ask)."""
+    slow = slow_start_after_idle()
+    if not slow:
+        return slow
+    return not any(name in allowed_congestion_controls() for name in NO_IDLE_RESTART)
 
 
 def size_buffers(sock: socket.socket, rate_mbit: float, rtt_s: float, limits: Optional[dict] = None) -> dict:

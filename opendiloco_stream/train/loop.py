@@ -73,6 +73,8 @@ class WorkerReport:
     device: str = ""  # where it trained (train.device resolved)
     peak_gpu_memory: int = 0  # torch.cuda.max_memory_allocated of a CUDA worker (bytes; 0 elsewhere)
     outer_device: str = ""  # where its outer state lived: "cuda:0", "cpu (pinned)", "cpu"
+    prematch: str = ""  # how far ahead its groups formed at the end, and why (PrematchChoice.describe)
+    prematch_steps: int = 0
 
 
 def inner_step(net: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, *, bf16: bool = False,
@@ -111,6 +113,7 @@ class _Worker:
     should_stop: Optional[Callable[[], bool]]
     ranks: Optional["Ranks"] = None
     placement: Optional[OuterPlacement] = None  # where the outer state lives (rank 0; None: data-parallel)
+    streaming: Optional[StreamingDiLoCo] = None  # the streaming wrapper itself (rank 0; None: data-parallel)
     sharded: bool = False
     ckpt: Optional[Any] = None  # rank 0's checkpoint file
     shard_ckpt: Optional[Any] = None  # a sharded peer: every rank's model and optimizer shards
@@ -215,7 +218,8 @@ def _build(rank: int, cfg: RunConfig, transport: Transport, val: torch.Tensor, e
             print(placement.line(), file=sys.stderr, flush=True)
     w = _Worker(rank=rank, cfg=cfg, model=model, net=net, opt=opt, sched=sched, diloco=diloco, device=device,
                 bf16=use_bf16_autocast(tc.precision, device), val=val, emit=emit, should_stop=should_stop,
-                ranks=ranks, sharded=sharded, vocab_size=vocab_size, placement=placement)
+                ranks=ranks, sharded=sharded, vocab_size=vocab_size, placement=placement,
+                streaming=wrapped if isinstance(wrapped, StreamingDiLoCo) else None)
     w.ckpt = checkpoint_path(tc.checkpoint_dir, rank) if tc.checkpoint_dir and leader else None
     if sharded and tc.checkpoint_dir:
         w.shard_ckpt = checkpoint_path(tc.checkpoint_dir, ranks.share(rank))
@@ -381,6 +385,8 @@ def _finish(w: _Worker, report: WorkerReport, start_step: int, recent: list[floa
     report.train_loss = float(sum(recent) / max(1, len(recent)))
     # SyncStats.of also takes the dict of counters a wrapper kept before SyncStats (compatibility)
     report.stats = SyncStats.of(diloco.stats)
+    if w.streaming is not None:  # what prematch_steps chose ("auto" follows the measured link)
+        report.prematch, report.prematch_steps = w.streaming.prematch.describe(), w.streaming.prematch.steps
     if w.ranks is not None:
         report.rank_digests = w.ranks.digests(w.model)
     if torch.device(w.device).type == "cuda":
@@ -413,6 +419,8 @@ def summarize(cfg: RunConfig, reports: list[WorkerReport], wall_s: float, codec_
            if reports and reports[0].rank_digests else {}),
         "device": reports[0].device if reports else "", "outer_device": reports[0].outer_device if reports else "",
         "peak_gpu_memory_bytes": max((r.peak_gpu_memory for r in reports), default=0),
+        **({"prematch": reports[0].prematch, "prematch_steps": reports[0].prematch_steps}
+           if reports and reports[0].prematch else {}),
         "compute_utilization": compute / walls if walls > 0 else 0.0,
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,

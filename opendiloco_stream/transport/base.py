@@ -221,6 +221,12 @@ class SwarmView(Protocol):
         ``expect_rounds``'s ``since``). None: nothing reserved."""
         return None
 
+    def groupmate_rtt_s(self) -> Optional[float]:
+        """The largest round-trip time (s) to this peer's groupmates as the transport measured it in
+        its rounds (what ``prematch_steps = "auto"`` sizes the lead from); None while nothing is
+        measured. Must answer at once. Transports without a network say None."""
+        return None
+
     def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0,
                  digest: Optional[OuterDigest] = None) -> None:
         """Round ``key`` comes soon, in about ``lead_s`` seconds: a transport with matchmaking may

@@ -23,7 +23,9 @@ back on the same connection. Discovery, matchmaking and peer authentication stay
   ``END``, unsealed); the reducer reads it, writes its results and DONE. The connection then stays
   open for the next round between the two (a new hello, new keys): a connection kept open costs
   no handshake (one round trip) per round, and keeps the window it grew where the kernel lets it
-  (``net.ipv4.tcp_slow_start_after_idle = 0``). The sender keeps it in its ``ConnectionPool``
+  (``net.ipv4.tcp_slow_start_after_idle = 0``, or a congestion control that never restarts it:
+  each connection switches itself to BBR where the kernel restarts others and lets any process
+  choose BBR, ``net.tcp.keep_window``). The sender keeps it in its ``ConnectionPool``
   only after a clean exchange (DONE read), and checks it is still open before reusing it; a
   reducer waits ``IDLE_S`` for the next hello, then closes. Each side knows how many messages to
   expect, so a connection cut short reads as a broken exchange, never as a shorter one.
@@ -53,7 +55,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, Optional
 from hivemind.proto import averaging_pb2
 
 from opendiloco_stream.net.dht import NetError, ip4_of
-from opendiloco_stream.net.tcp import TcpInfo, tcp_info
+from opendiloco_stream.net.tcp import TcpInfo, keep_window, tcp_info
 from opendiloco_stream.transport.hivemind.protocol import DONE, Message, ProtocolError, frame_kind, parse_message
 from opendiloco_stream.transport.hivemind.seal import TAG_BYTES, Channel, DirectSecurity
 
@@ -304,6 +306,7 @@ async def write_message(sock: socket.socket, msg: Any, channel: Optional[Channel
 def _configure(sock: socket.socket) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle stall on a frame's tail
+    keep_window(sock)  # no slow start after each idle gap between rounds, where the kernel lets us
 
 
 def is_open(sock: socket.socket) -> bool:

@@ -32,7 +32,7 @@ from opendiloco_stream.transport.hivemind.direct import (
     ConnectionPool, DirectListener, FailedAddresses, RunningGroups, serve_accepted, serve_connections,
 )
 from opendiloco_stream.transport.hivemind.punch import Puncher
-from opendiloco_stream.transport.hivemind.link import LinkBook
+from opendiloco_stream.transport.hivemind.link import LinkBook, notice_slow_start
 from opendiloco_stream.transport.hivemind.matchmaking import Group, Matchmaker, MatchmakingFailed
 from opendiloco_stream.transport.hivemind.protocol import RoundError, as_protobufs
 from opendiloco_stream.transport.hivemind.round_report import RoundSummary
@@ -206,6 +206,8 @@ class FragmentEndpoint:
         """The next rounds' bounds from the worst link measured to the groupmates (``link_timeouts``);
         the current ones where nothing is measured, or where the measure does not fit the window
         (said once: rounds at that distance will likely time out)."""
+        if len(self.links):
+            notice_slow_start(self.links.worst()[0])  # once per process, where it applies
         if self.timeout_base is None or self.link_mbit is None or not len(self.links):
             return self.timeouts
         rtt, rate = self.links.worst()

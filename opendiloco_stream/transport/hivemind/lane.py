@@ -247,8 +247,12 @@ class _Lane:
 
     def _prematch(self, key: tuple, weight: float, lead_s: float, digest: Optional[OuterDigest] = None) -> None:
         self._drop_early()
-        if not self._previous_over(0.0) or self.endpoint.closed:
+        # the fragment's previous round may still be exchanging (eager, overlap: it runs behind the
+        # steps); wait for it until the round is due at most, then form the group with what is left
+        t0 = time.monotonic()
+        if not self._previous_over(lead_s) or self.endpoint.closed:
             return  # the round matches when it is submitted
+        lead_s = max(0.0, lead_s - (time.monotonic() - t0))
         plan = self.presence.plan_round(self.fragment, int(key[1])) if self.live_target else None
         if plan is not None and plan.skip:
             return  # the round is skipped (``_run`` says why)

@@ -12,16 +12,36 @@ own rounds (the kernel's side of it, ``TCP_INFO`` and socket buffers, is ``net/t
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Hashable, Optional
 
 from opendiloco_stream.net.tcp import (  # noqa: F401 (re-exported: what the direct path uses)
-    TcpInfo, bdp_bytes, buffer_bytes, kernel_buffer_limits, parse_tcp_info, size_buffers, slow_start_after_idle,
-    tcp_info,
+    TcpInfo, bdp_bytes, buffer_bytes, kernel_buffer_limits, parse_tcp_info, restarts_after_idle, size_buffers,
+    slow_start_after_idle, tcp_info,
 )
 
 EWMA = 0.3  # weight of a new sample in a groupmate's estimate
+SLOW_START_NOTICE_RTT_S = 0.02  # from this RTT on, a slow start per round costs a visible part of it
+
+logger = logging.getLogger(__name__)
+_slow_start_noticed = threading.Event()  # the notice below is said once per process
+
+
+def notice_slow_start(rtt_s: float) -> None:
+    """Say once, at the first groupmate measured ``SLOW_START_NOTICE_RTT_S`` or more away, that this
+    machine's kept-open connections restart from the initial window after each idle gap between
+    rounds and the peer cannot avoid it (``net.tcp.restarts_after_idle``), with the fix: it needs root."""
+    if rtt_s < SLOW_START_NOTICE_RTT_S or _slow_start_noticed.is_set() or not restarts_after_idle():
+        return
+    _slow_start_noticed.set()
+    logger.warning("a groupmate is %.0f ms away and this machine's TCP restarts each kept-open connection from its "
+                   "initial window after the idle gap between rounds (net.ipv4.tcp_slow_start_after_idle = 1, and "
+                   "BBR, which never does, is not in net.ipv4.tcp_allowed_congestion_control): each round pays a few "
+                   "round trips of slow start; fix (root): sysctl -w net.ipv4.tcp_slow_start_after_idle=0, or allow "
+                   "bbr (modprobe tcp_bbr; add it to net.ipv4.tcp_allowed_congestion_control)", rtt_s * 1e3)
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,10 @@ class HivemindTransport(Transport):
         _check_weight(weight)
         lane.prematch(key, float(weight), max(0.0, float(lead_s)), digest)
 
+    def groupmate_rtt_s(self) -> Optional[float]:
+        rtts = [lane.endpoint.links.worst()[0] for lane in list(self._lanes.values()) if len(lane.endpoint.links)]
+        return max(rtts) if rtts else None
+
     @property
     def watches_swarm(self) -> bool:
         return self._presence is not None and not self._closed
