@@ -18,7 +18,7 @@ from opendiloco_stream.transport.base import OuterDigest, SwarmView
 
 class Prematcher:
     """Tells ``transport`` of each round ``steps`` inner steps ahead (nothing if ``steps`` is 0);
-    ``digest(fragment)``: theta_bar's fingerprint for the group, if already final (``repair.py``)."""
+    ``digest(fragment)``: the fingerprint of the latest theta_bar and the round it follows (``repair.py``)."""
 
     def __init__(self, transport: SwarmView, steps: int, weight: Callable[[int], float],
                  digest: Optional[Callable[[int], Optional[OuterDigest]]] = None):
