@@ -25,9 +25,9 @@ winning digest, as that groupmate holds them after consuming the same round as t
 (the round just checked, which may be a round or two after j: both applied the same averages
 since, so the holder's is still the group's; ``Transport.fetch_fragment``: over hivemind, the
 joiners' state download scoped to one fragment, moving only the tensors that differ), on a
-worker thread, bounded in time; the training thread
-adopts it at the start of a later step (:meth:`Repairs.poll`, :func:`adopt`). A fetch that fails,
-or whose state is not of that round, is recorded and left to the fragment's next round's check.
+worker thread, bounded in time; the training thread adopts it at the start of a later step
+(:meth:`Repairs.poll`, :func:`adopt`). A fetch that fails, or whose state is not of that round,
+is recorded and left to the fragment's next round's check.
 
 Only rules whose theta_bar steps with group averages alone take part (``SyncRule.shares_outer``):
 eager 'paper' and naive-delayed step theta_bar with each peer's own estimate, so theirs differ by
