@@ -157,7 +157,8 @@ def test_a_group_formed_ahead_carries_the_latest_digest_with_the_round_it_follow
     later = [k for k in transport.early if k[1] >= 1]  # a fragment's first round has nothing in flight
     assert later
     for key in later:
-        early, launched, previous = transport.early[key], transport.launched[key], transport.launched[key[0], key[1] - 1]
+        early, launched = transport.early[key], transport.launched[key]
+        previous = transport.launched[key[0], key[1] - 1]
         assert launched.round == key[1] - 1
         if mode == "blocking":
             assert (early.digest, early.round) == (launched.digest, launched.round)
