@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.harness.loopback import LoopbackSwarm
 from opendiloco_stream import DiLoCoConfig, wrap
-from opendiloco_stream.algorithm.repair import adopt, outer_digest, winning_digest
+from opendiloco_stream.algorithm.repair import adopt, outer_digest, voting_round, winning_digest
 from opendiloco_stream.net.prometheus import PeerMetrics, samples
 from opendiloco_stream.transport.base import OuterDigest
 from opendiloco_stream.transport.local import LinkModel, LocalSwarm, LocalTransport
@@ -44,10 +44,38 @@ def test_the_winner_is_the_digest_most_members_hold_and_a_tie_goes_to_the_most_s
     assert winning_digest({"b": D("x", 3), "c": D("x", 3), "a": D("y", 3), "d": D("y", 3)}) == "y"
 
 
+def test_only_digests_after_the_round_most_members_consumed_vote_and_a_tie_goes_to_the_later_round():
+    D = OuterDigest
+    # two members' digests follow round 4, one's round 5 (a group formed ahead while round 5 was
+    # in flight for two of them): only round 4's vote, the odd one out of round 4 loses
+    mixed = {"a": D("x", 9, 4), "b": D("y", 9, 4), "c": D("y", 1, 5), "d": D("x", 1, 4)}
+    assert voting_round(mixed) == 4 and winning_digest(mixed) == "x"
+    # a digest of another round would have tipped a count it may not take part in
+    assert winning_digest({"a": D("x", 1, 4), "b": D("y", 1, 5), "c": D("y", 1, 5), "d": D("z", 1, 3)}) == "y"
+    # as many after each round: the later round, then the existing rule among its digests
+    tie = {"a": D("x", 1, 2), "b": D("y", 7, 3), "c": D("z", 1, 2), "d": D("w", 2, 3)}
+    assert voting_round(tie) == 3 and winning_digest(tie) == "y"
+    assert voting_round({"a": D("x", 1, -1), "b": D("y", 1, 0)}) == 0  # -1: no round consumed yet
+    # an older release's digest (no round) neither votes nor sets the round
+    old = {"a": D("x", 1, None), "b": D("x", 1, None), "c": D("y", 1, 2)}
+    assert voting_round(old) == 2 and winning_digest(old) == "y"
+    assert voting_round({"a": D("x", 1, None)}) is None and winning_digest({"a": D("x", 1, None)}) is None
+
+
+def test_the_digest_travels_with_its_round_and_an_older_releases_has_none():
+    d = OuterDigest("00ff00ff00ff00ff", 12, 3)
+    assert OuterDigest.from_wire(d.to_wire()) == d and OuterDigest.from_wire(tuple(d.to_wire())) == d
+    assert OuterDigest.from_wire(["00ff00ff00ff00ff", 12]) == OuterDigest("00ff00ff00ff00ff", 12, None)
+    assert OuterDigest("a", 1).round == -1  # none consumed yet
+    for garbage in (None, "x", ["a"], ["a", 1, "3"], ["a", 1, True], ["a", True], [1, 2], ["a", 1, 2, 3]):
+        assert OuterDigest.from_wire(garbage) is None
+
+
 def test_the_digest_is_of_theta_bars_fp32_bytes():
     a = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
     b = [t.clone() for t in a]
     assert outer_digest(a, 3) == outer_digest(b, 3) and outer_digest(a, 3).steps == 3
+    assert outer_digest(a, 3, 7).round == 7 and outer_digest(a, 3, 7).digest == outer_digest(a, 3).digest
     b[1][2] = torch.nextafter(b[1][2], torch.tensor(2.0))  # one ulp
     assert outer_digest(a, 3).digest != outer_digest(b, 3).digest
     assert len(outer_digest(a, 0).digest) == 16  # 8 bytes, hex
@@ -110,11 +138,11 @@ class _Recording(LocalTransport):
 
 
 @pytest.mark.parametrize("mode,extra", [("blocking", {}), ("eager", {"eager_rule": "merge"})])
-def test_a_group_formed_ahead_carries_the_digest_only_when_nothing_can_change_theta_bar_before_the_launch(mode, extra):
+def test_a_group_formed_ahead_carries_the_latest_digest_with_the_round_it_follows(mode, extra):
     """prematch_steps = 1, H = 4, P = 2: blocking has no round in flight a step before the sync, so
-    the group formed ahead carries the digest the launch sends; eager with rounds landing 4 steps
-    late (at the next sync) still has the previous round in flight then (its landing will change
-    theta_bar): none."""
+    the group formed ahead of round k carries the digest the launch sends (after round k - 1);
+    eager with rounds landing 4 steps late (at the next sync) still has round k - 1 in flight then:
+    the digest after round k - 2, the one round k - 1's launch sent."""
     model, data = _model_and_data()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     transport = _Recording(LocalSwarm(1, link=LinkModel(delay_steps=4)))
@@ -129,10 +157,13 @@ def test_a_group_formed_ahead_carries_the_digest_only_when_nothing_can_change_th
     later = [k for k in transport.early if k[1] >= 1]  # a fragment's first round has nothing in flight
     assert later
     for key in later:
+        early, launched = transport.early[key], transport.launched[key]
+        previous = transport.launched[key[0], key[1] - 1]
+        assert launched.round == key[1] - 1
         if mode == "blocking":
-            assert transport.early[key] is not None and transport.early[key].digest == transport.launched[key].digest
+            assert (early.digest, early.round) == (launched.digest, launched.round)
         else:
-            assert transport.early[key] is None and transport.launched[key] is not None
+            assert (early.digest, early.round) == (previous.digest, previous.round) == (previous.digest, key[1] - 2)
 
 
 def test_repair_records_count_in_prometheus_by_fragment_and_outcome():
@@ -212,6 +243,49 @@ def test_a_drifted_fragment_is_repaired_from_the_group_and_training_goes_on_from
     assert f0[0][0] != f0[1][0]  # round 0 was averaged onto two different theta_bars
     assert all(f0[0][k] == f0[1][k] for k in range(1, 4))  # repaired: the same from the next round on
     assert _digests(d0, 1) == _digests(d1, 1)  # the other fragment: always the same
+
+
+class _FormedAhead(LocalTransport):
+    """A LocalSwarm transport whose round tells the group the digest given at ``prematch`` when
+    the round was announced ahead, as the hivemind transport does for a group formed ahead (its
+    member metadata is sent when the group forms; LocalSwarm forms no group ahead): the fake of
+    that one behaviour, everything else is LocalSwarm's."""
+
+    def __init__(self, swarm: LocalSwarm, rank: int):
+        super().__init__(swarm, rank)
+        self.early: dict = {}
+
+    def prematch(self, key, weight=1.0, lead_s=0.0, digest=None):
+        self.early[tuple(key)] = digest
+
+    def all_reduce(self, key, tensor, weight=1.0, digest=None):
+        key = tuple(key)
+        return super().all_reduce(key, tensor, weight, self.early.pop(key) if key in self.early else digest)
+
+
+def test_eager_with_groups_formed_ahead_repairs_a_drifted_fragment_a_round_later_in_process():
+    """Eager 'merge', rounds landing at the next sync (4 steps late), groups formed a step ahead:
+    each group is told the digest after the round before the one in flight. H = 4, P = 2 (fragment
+    0 syncs at steps 2, 6, 10, 14, 18); worker 1's theta_bar of fragment 0 is moved after step 1,
+    after round 0's group was formed (round 0 and round 1 carry the digest from before: equal).
+    Round 0 lands on two theta_bars (at step 6); round 2 (formed ahead at step 9) carries both
+    digests after round 0; the tie goes to ``local-0``, and worker 1 fetches its state after round
+    2, the round it just consumed. Round 3, in flight then, was told of worker 1's theta_bar from
+    before the repair: not judged again. From round 3 on both hold the same theta_bar."""
+    config = DiLoCoConfig(mode="eager", eager_rule="merge", inner_steps=4, num_fragments=2, prematch_steps=1,
+                          record_digests=True)
+    swarm, made = LocalSwarm(2, link=LinkModel(delay_steps=4)), [_model_and_data() for _ in range(2)]
+    out = swarm.run(lambda rank: _train(rank, _FormedAhead(swarm, rank), config, steps=24, perturb_at=1, step_s=0.02,
+                                        model_and_data=made[rank]))
+    (d0, _), (d1, touched1) = out
+    assert [e for e in d0.events if e["event"] == "repair"] == [] and d0.stats.repairs == 0
+    repairs = [e for e in d1.events if e["event"] == "repair"]
+    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 2, "local-0", "repaired")]
+    assert d1.stats.repairs == 1 and d1.stats.failed_repairs == 0 and touched1 == [False]
+    f0 = (_digests(d0, 0), _digests(d1, 0))
+    assert all(f0[0][k] != f0[1][k] for k in range(3))  # rounds 0-2 were averaged onto two theta_bars
+    assert all(f0[0][k] == f0[1][k] for k in range(3, 5))  # repaired: the same from round 3 on
+    assert _digests(d0, 1) == _digests(d1, 1)
 
 
 def test_repair_off_or_a_rule_whose_theta_bar_is_its_own_sends_no_digest_and_repairs_nothing():

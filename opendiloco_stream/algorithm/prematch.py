@@ -70,7 +70,7 @@ class Prematcher:
     """Tells ``transport`` of each round ``steps`` inner steps ahead (nothing at 0; ``"auto"``: a
     number of steps sized from the measured link, see the module docstring). ``on_change`` hears a
     ``{"event": "prematch"}`` record when "auto" starts or stops forming groups ahead.
-    ``digest(fragment)``: theta_bar's fingerprint for the group, if already final (``repair.py``)."""
+    ``digest(fragment)``: the fingerprint of the latest theta_bar and the round it follows (``repair.py``)."""
 
     def __init__(self, transport: SwarmView, steps: int | str, weight: Callable[[int], float],
                  digest: Optional[Callable[[int], Optional[OuterDigest]]] = None,

@@ -7,24 +7,31 @@ member take its own local-only outer step, and a peer that missed a round its gr
 steps alone too: from then on each applies the same later averages to a different theta_bar_p,
 and the replicas never meet again.
 
-*Detect.* At every launch each member fingerprints theta_bar_p as it is then (what the round's
-average will be applied to): :func:`outer_digest`, BLAKE2b-8 of its fp32 bytes (hashed on a worker
-thread as soon as a round changed theta_bar, so the launch finds it ready), sent to the group in
-the round's member metadata (``Transport.all_reduce``'s ``digest``). After the round every
-member reads everyone's (``SyncResult.digests``) and computes the same winner
-(:func:`winning_digest`); a member whose own digest is not it is out of sync for fragment p.
+*Detect.* With every round each member tells the group the fingerprint of the latest theta_bar_p
+it hashed and the round of p it follows (``OuterDigest.round``, j: theta_bar "after consuming
+round j"): :func:`outer_digest`, BLAKE2b-8 of its fp32 bytes (hashed on a worker thread as soon as
+a round changed theta_bar, so the launch finds it ready), in the round's member metadata
+(``Transport.all_reduce``'s or ``prematch``'s ``digest``). At a launch that is theta_bar as the
+round's average will find it; a group formed ahead (``prematch_steps``) while the previous round
+is still in flight (eager, overlap) tells the one before that round lands, one round older. After
+the round every member reads everyone's (``SyncResult.digests``) and computes the same round
+(:func:`voting_round`: the j most members told, a tie to the later) and winner among the digests
+of that j (:func:`winning_digest`); a member whose own digest of that j is not the winner is out
+of sync for fragment p. A member whose digest follows another j neither votes nor is judged this
+time (it is at a later round), nor is one whose digest a repair has replaced since.
 
 *Repair.* It fetches fragment p's theta_bar and outer optimizer state from a groupmate holding the
-winning digest, as that groupmate holds them after consuming the same round
-(``Transport.fetch_fragment``: over hivemind, the joiners' state download scoped to one fragment,
-moving only the tensors that differ), on a worker thread, bounded in time; the training thread
-adopts it at the start of a later step (:meth:`Repairs.poll`, :func:`adopt`). A fetch that fails,
-or whose state is not of that round, is recorded and left to the fragment's next round's check.
+winning digest, as that groupmate holds them after consuming the same round as the requester has
+(the round just checked, which may be a round or two after j: both applied the same averages
+since, so the holder's is still the group's; ``Transport.fetch_fragment``: over hivemind, the
+joiners' state download scoped to one fragment, moving only the tensors that differ), on a
+worker thread, bounded in time; the training thread adopts it at the start of a later step
+(:meth:`Repairs.poll`, :func:`adopt`). A fetch that fails, or whose state is not of that round,
+is recorded and left to the fragment's next round's check.
 
 Only rules whose theta_bar steps with group averages alone take part (``SyncRule.shares_outer``):
 eager 'paper' and naive-delayed step theta_bar with each peer's own estimate, so theirs differ by
-design. A round whose group was formed ahead (``prematch_steps``) carries the digest known then:
-none while the previous round is still in flight, and that member is then judged but casts no vote.
+design. A digest of an older release (no round) neither votes nor is judged.
 """
 
 from __future__ import annotations
@@ -62,9 +69,10 @@ class RepairOutcome(str, enum.Enum):
     STALE = "stale"  # the state came, but not of the round this peer consumed (either side moved on)
 
 
-def outer_digest(tensors: Sequence[torch.Tensor], steps: int) -> OuterDigest:
-    """theta_bar's fingerprint with the inner step count ``steps`` (:func:`theta_digest`)."""
-    return OuterDigest(theta_digest(tensors), int(steps))
+def outer_digest(tensors: Sequence[torch.Tensor], steps: int, round_index: int = -1) -> OuterDigest:
+    """theta_bar's fingerprint (:func:`theta_digest`) with the inner step count ``steps``, as it
+    stands after consuming round ``round_index`` (-1: none yet)."""
+    return OuterDigest(theta_digest(tensors), int(steps), int(round_index))
 
 
 def theta_digest(tensors: Sequence[torch.Tensor]) -> str:
@@ -79,11 +87,25 @@ def theta_digest(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def voting_round(digests: dict[str, OuterDigest]) -> Optional[int]:
+    """The round the group's digests are compared after: the one most members' digests follow (a
+    tie: the later round); None if no member told one. Only the members whose digest follows it
+    vote and are judged: theta_bar after different rounds differs by design."""
+    counts = Counter(d.round for d in digests.values() if d.round is not None)
+    if not counts:
+        return None
+    best = max(counts.values())
+    return max(j for j, n in counts.items() if n == best)
+
+
 def winning_digest(digests: dict[str, OuterDigest]) -> Optional[str]:
-    """The group's theta_bar: the digest most members hold. A tie goes to the digest of the
-    member with the most inner steps (the one furthest along, likely the one that averaged the
-    rounds the others missed), and among those to the smallest peer id: every member computes the
-    same winner from the same digests. None for no digests."""
+    """The group's theta_bar, among the digests that follow the :func:`voting_round`: the digest
+    most of those members hold. A tie goes to the digest of the member with the most inner steps
+    (the one furthest along, likely the one that averaged the rounds the others missed), and among
+    those to the smallest peer id: every member computes the same winner from the same digests.
+    None for no digests."""
+    j = voting_round(digests)
+    digests = {p: d for p, d in digests.items() if d.round is not None and d.round == j}
     counts = Counter(d.digest for d in digests.values())
     if not counts:
         return None
@@ -93,6 +115,11 @@ def winning_digest(digests: dict[str, OuterDigest]) -> Optional[str]:
         return next(iter(tied))
     member = min((p for p, d in digests.items() if d.digest in tied), key=lambda p: (-digests[p].steps, p))
     return digests[member].digest
+
+
+def _after(s: "Repairable") -> int:
+    """The round ``s``'s theta_bar is after (-1: none consumed yet)."""
+    return -1 if s.consumed is None else int(s.consumed)
 
 
 class Repairable(Protocol):
@@ -171,13 +198,20 @@ class Repairs:
         # theta_bar's digest per fragment, hashed on a thread of its own since theta_bar last changed
         # (a download may take the other one for a minute); theta_bar stays as it is until the
         # training thread takes the digest (``_hash``) or waits for it (``_settle``)
-        self._hashes: dict[int, concurrent.futures.Future] = {}
+        # (the round theta_bar is after, its hash)
+        self._hashes: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        # per fragment, the round whose state the last repair adopted and that state's hash: a
+        # digest this peer told of an earlier theta_bar is no longer its own (not judged)
+        self._adopted: dict[int, tuple[int, concurrent.futures.Future]] = {}
         self._hasher: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._closing = threading.Event()  # close(): a download under way asks no more
 
     def digest(self, s: Repairable) -> Optional[OuterDigest]:
         """theta_bar's digest to send with a round of ``s`` launched now (None when off)."""
-        return OuterDigest(self._hash(s), int(self.now())) if self.enabled else None
+        if not self.enabled:
+            return None
+        j, job = self._hash(s)
+        return OuterDigest(job.result(), int(self.now()), j)
 
     def changed(self, s: Repairable) -> None:
         """theta_bar of ``s`` has just changed (a round landed, a state was loaded): hash it now on
@@ -187,55 +221,73 @@ class Repairs:
         self._settle(s)
         if self._hasher is None:
             self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ods-digest")
-        self._hashes[s.f.index] = self._hasher.submit(theta_digest, list(s.f.outer))
+        self._hashes[s.f.index] = (_after(s), self._hasher.submit(theta_digest, list(s.f.outer)))
 
     def forget(self, s: Repairable) -> None:
         """theta_bar of ``s`` is about to be overwritten (a checkpoint, a joiner's state): the next
         launch hashes it anew."""
         self._settle(s)
+        self._adopted.pop(s.f.index, None)
 
-    def _hash(self, s: Repairable) -> str:
-        job = self._hashes.get(s.f.index)
-        if job is None:  # not hashed since it last changed (the first launch)
-            job = self._hashes[s.f.index] = concurrent.futures.Future()
+    def _hash(self, s: Repairable) -> tuple[int, concurrent.futures.Future]:
+        """(the round theta_bar is after, the job hashing it) of ``s``'s latest theta_bar."""
+        entry = self._hashes.get(s.f.index)
+        if entry is None:  # not hashed since it last changed (the first launch)
+            job: concurrent.futures.Future = concurrent.futures.Future()
             job.set_result(theta_digest(s.f.outer))
-        return job.result()
+            entry = self._hashes[s.f.index] = (_after(s), job)
+        return entry
 
     def _settle(self, s: Repairable) -> None:
         """Wait for a hash of ``s``'s theta_bar still running: theta_bar is about to change."""
-        job = self._hashes.pop(s.f.index, None)
-        if job is not None:
-            concurrent.futures.wait([job])
+        entry = self._hashes.pop(s.f.index, None)
+        if entry is not None:
+            concurrent.futures.wait([entry[1]])
 
     def early_digest(self, s: Repairable) -> Optional[OuterDigest]:
-        """The digest for a group formed ahead of ``s``'s next round: only if nothing can change
-        theta_bar before that launch (no round in flight, no repair under way)."""
-        if not self.enabled or s.in_flight or s.f.index in self._fetches:
+        """The digest for a group formed ahead of ``s``'s next round: that of the latest theta_bar
+        hashed, with the round it follows (a round still in flight lands later: the group compares
+        the digests after the round most of them consumed, :func:`voting_round`); none while a
+        repair is under way (this theta_bar is about to be replaced)."""
+        if not self.enabled or s.f.index in self._fetches:
             return None
         return self.digest(s)
 
     # ------------------------------------------------------------------ detect (training thread)
     def check(self, s: Repairable, k: int, result: Optional[SyncResult]) -> None:
-        """Round ``k`` of ``s`` was consumed with ``result``: start a repair if this peer's
-        theta_bar at the launch was not the group's."""
-        mine = s.launch_digest
-        if not self.enabled or result is None or not result.digests or mine is None:
+        """Round ``k`` of ``s`` was consumed with ``result``: start a repair if the digest this
+        peer told the group (after the round the group compares, :func:`voting_round`; for a group
+        formed ahead while a round was in flight, one round before the launch) was not the group's.
+        The repair fetches the state after round ``k``: a holder of the group's theta_bar then
+        applied the same averages since as this peer, so detection may lag a round."""
+        me = self.transport.peer_id
+        if not self.enabled or result is None or not result.digests:
+            return
+        mine = result.digests.get(me, s.launch_digest)  # what the group saw of this peer
+        j = voting_round(result.digests)
+        if mine is None or j is None or mine.round != j or s.f.index in self._fetches or self._superseded(s, mine):
             return
         winner = winning_digest(result.digests)
-        me = self.transport.peer_id
-        if winner is None or winner == mine.digest or s.f.index in self._fetches:
+        if winner is None or winner == mine.digest:
             return
-        holders = sorted(p for p, d in result.digests.items() if d.digest == winner and p != me)
+        holders = sorted(p for p, d in result.digests.items() if d.digest == winner and d.round == j and p != me)
         if not holders:
             return
         peer = holders[zlib.crc32(f"{me}/{k}".encode()) % len(holders)]  # spread the odd ones over the holders
-        logger.info("fragment %d: theta_bar differs from the group's after round %d (%s, the group's %s): "
-                    "fetching it from %s", s.f.index, k, mine.digest, winner, peer)
+        logger.info("fragment %d: theta_bar after round %d differs from the group's (%s, the group's %s; seen "
+                    "in round %d): fetching it from %s", s.f.index, j, mine.digest, winner, k, peer)
         since = {"outer_params": [t.clone() for t in s.f.outer]}  # what we hold: equal tensors do not move
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ods-repair")
         future = self._pool.submit(self._fetch, peer, s.f.index, k, since)
         self._fetches[s.f.index] = _Fetch(s.f.index, k, peer, future)
+
+    def _superseded(self, s: Repairable, mine: OuterDigest) -> bool:
+        """Whether ``mine`` describes a theta_bar a repair has replaced since (told before it)."""
+        adopted = self._adopted.get(s.f.index)
+        if adopted is None or mine.round is None or mine.round > adopted[0]:
+            return False
+        return mine.round < adopted[0] or mine.digest != adopted[1].result()
 
     def _fetch(self, peer: str, fragment: int, k: int, since: dict) -> tuple[Optional[FetchedFragment], int]:
         """(Worker thread.) The groupmate's state of fragment ``fragment``, asked again (bounded)
@@ -280,10 +332,9 @@ class Repairs:
                 self._settle(s)
                 adopt(s, list(state["outer_params"]), state["outer_opt"])
                 self.changed(s)
-                if s.in_flight and s.launch_digest is not None:
-                    # the round in flight was launched on the old theta_bar; its average lands on
-                    # the adopted one, which is what the group's digest for it describes
-                    s.launch_digest = OuterDigest(self._hash(s), s.launch_digest.steps)
+                # a digest told of this fragment's theta_bar before (a round in flight, a group
+                # formed ahead) no longer describes it: not judged (``_superseded``)
+                self._adopted[s.f.index] = self._hash(s)
                 outcome = RepairOutcome.REPAIRED
         stats = self.log.stats
         if outcome is RepairOutcome.REPAIRED:

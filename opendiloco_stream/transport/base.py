@@ -33,24 +33,36 @@ from opendiloco_stream.transport.failure import FailureReason
 
 @dataclass(frozen=True)
 class OuterDigest:
-    """A member's fingerprint of the fragment's theta_bar as its round launched (what the round's
-    average is applied to): equal digests, bit-identical theta_bar. ``steps``: the member's inner
-    steps then (the repair's tie break, ``algorithm/repair.py``). Carried in the round's member
-    metadata, so that after the round every member knows every groupmate's."""
+    """A member's fingerprint of the fragment's theta_bar as it stood after the last round of that
+    fragment it consumed (``round``): equal digests of the same round, bit-identical theta_bar.
+    ``steps``: the member's inner steps when it told it (the repair's tie break,
+    ``algorithm/repair.py``). Carried in the round's member metadata, so that after the round
+    every member knows every groupmate's."""
 
     digest: str  # BLAKE2b-8 of theta_bar's fp32 bytes, hex
     steps: int
+    #: the last round of the fragment consumed before theta_bar was hashed (-1: none yet); None:
+    #: not told (a member of an older release, which sends [digest, steps]): it neither votes nor
+    #: is judged
+    round: Optional[int] = -1
 
     def to_wire(self) -> list:
-        return [self.digest, int(self.steps)]
+        return [self.digest, int(self.steps), self.round]
 
     @classmethod
     def from_wire(cls, value: Any) -> Optional["OuterDigest"]:
-        """The digest a groupmate sent, or None where it sent none (or garbage)."""
-        if (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str)
-                and isinstance(value[1], int) and not isinstance(value[1], bool)):
-            return cls(value[0], value[1])
-        return None
+        """The digest a groupmate sent, or None where it sent none (or garbage); an older release's
+        [digest, steps] comes with ``round`` None."""
+        if not (isinstance(value, (list, tuple)) and len(value) in (2, 3) and isinstance(value[0], str)
+                and _is_int(value[1])):
+            return None
+        if len(value) == 2:
+            return cls(value[0], value[1], None)
+        return cls(value[0], value[1], value[2]) if _is_int(value[2]) else None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
