@@ -9,7 +9,6 @@ landed round does to the fragment's state, so neither calls back into ``Streamin
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
@@ -71,17 +70,19 @@ class Rounds:
         return _Pending(handle, k, t, t + self.config.overlap_steps, d, send)
 
     def wait(self, f: FragmentState, pending: _Pending) -> tuple[Optional[SyncResult], Optional[str], float]:
-        """Wait for a round (bounded by ``sync_timeout``): its result on the outer device, or None
-        and why; the error-feedback residual (or the unsent part) follows what went on the wire."""
+        """Wait for a round (bounded by ``sync_timeout``): its result, or None and why; the
+        error-feedback residual (or the unsent part) follows what went on the wire.
+
+        The result's tensors stay where the transport left them (its host buffers on a GPU peer):
+        the rule reads them one parameter at a time on the outer device (``staging.OuterView``).
+        One exception: error feedback in a buffer moves what was sent to the outer device whole
+        for its residual (``ErrorFeedback.update``: one fragment-sized temporary at the landing)."""
         if self.catching_up() and not pending.handle.done() and self.round_late(f.index, pending.round + 1):
             # the others launched this fragment's next round a while ago: this round is over for
             # them, and waiting for its group would only make this peer late again
             pending.handle.abandon()
         give_up = self.swarm_past if self.transport.watches_swarm else None
         result, reason, waited = self.log.wait(pending.handle, self.config.sync_timeout, give_up=give_up)
-        if result is not None and result.average.device != f.device:  # transports hand back CPU tensors
-            result = dataclasses.replace(result, average=f.to_outer_device(result.average),
-                                         sent=f.to_outer_device(result.sent))
         if self.error_feedback is not None:
             # residual = what we meant to send minus what went on the wire; dropped if the round failed
             if result is not None:

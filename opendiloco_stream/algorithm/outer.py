@@ -11,6 +11,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from opendiloco_stream.algorithm.staging import OuterView
+
 
 class OuterOptimizer:
     """SGD with (Nesterov) momentum on one fragment's fp32 outer parameters.
@@ -29,6 +31,8 @@ class OuterOptimizer:
     def __init__(self, outer_params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool = True):
         self.params = outer_params
         self.steps = 0  # outer steps taken since construction (a restored state counts as one)
+        # flat fragment tensors (a landed average, what was sent, an outer gradient) per parameter
+        self.view = OuterView(outer_params)
         self.opt = torch.optim.SGD(outer_params, lr=lr, momentum=momentum,
                                    nesterov=nesterov and momentum > 0)
 
@@ -37,15 +41,11 @@ class OuterOptimizer:
         return list(self.pieces(outer_grad))
 
     def pieces(self, outer_grad: torch.Tensor) -> Iterator[torch.Tensor]:
-        """:meth:`split` one parameter at a time: a piece on another device or in another dtype is
-        converted only when it is reached, so at most one converted piece exists at once."""
-        total = sum(p.numel() for p in self.params)
-        if total != outer_grad.numel():
-            raise ValueError(f"outer gradient has {outer_grad.numel()} elements, fragment has {total}")
-        offset = 0
-        for p in self.params:
-            yield outer_grad[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
-            offset += p.numel()
+        """:meth:`split` one parameter at a time (:meth:`OuterView.pieces`): a piece on another
+        device (a landed average in the transport's host buffer, for a GPU outer state) or in
+        another dtype is copied only when it is reached, so at most one copied piece exists at
+        once; a piece already where the parameter is, is a view (zero copies)."""
+        return self.view.pieces(outer_grad)
 
     def step(self, outer_grad: torch.Tensor) -> None:
         self.step_each(self.pieces(outer_grad))

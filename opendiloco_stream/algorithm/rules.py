@@ -20,12 +20,17 @@ docs/algorithm.md states each rule's formulas.
 
 Memory: a rule applies a landed round one parameter at a time, in place where it can (the outer
 step: ``OuterOptimizer.step_param``; the merges and restarts: ``FragmentState.update_local``), and
-reads the average as per-parameter views of the transport's result. Besides the state it keeps,
-a landing holds at most two temporaries shaped like one parameter (e.g. theta_bar before its step
-and the merge's term), never one shaped like the fragment (tests/test_landing_memory.py). The one
-exception is eager 'corrected' with the 'scaled' estimate: its coefficient is two reductions over
-the whole fragment (``projection_coefficient``), kept as they are because the coefficient's bits
-decide the next estimate's; each makes one fragment-sized temporary, one after the other.
+reads the average (and what this peer sent) only through ``f.opt.pieces``
+(``staging.OuterView``): per-parameter views of the transport's result on the CPU, one
+parameter's copy at a time from the transport's host buffer on a GPU peer, never the whole
+fragment on the device. Besides the state it keeps, a landing holds at most two temporaries
+shaped like one parameter (e.g. theta_bar before its step and the merge's term), never one shaped
+like the fragment (tests/test_landing_memory.py); the record's comparison of the estimate with
+the average is summed parameter by parameter. The one exception is eager 'corrected' with the
+'scaled' estimate: its coefficient is two reductions over the whole fragment
+(``projection_coefficient``), kept as they are because the coefficient's bits decide the next
+estimate's; they read whole copies on the outer device (on a GPU peer the average and what was
+sent, copied whole) and each makes one fragment-sized temporary, one after the other.
 """
 
 from __future__ import annotations
@@ -176,19 +181,20 @@ class Overlap(SyncRule):
         # per-parameter pieces, each made (if it must be converted) when it is reached
         grads = f.opt.pieces(result.average if result is not None else pending.outer_grad)
         outgrads = f.opt.pieces(pending.outer_grad)
-        fields = None
-        if result is not None:
-            fields = _Fields()
-            fields.compare(pending.outer_grad, result.average)
+        fields = None if result is None else _Fields()
 
         def land_one(i: int, q: torch.Tensor) -> torch.Tensor:
             before = f.outer[i].clone()
-            f.opt.step_param(i, next(grads))
+            g, d = next(grads), next(outgrads)
+            if fields is not None:
+                fields.compare(d, g)  # the round's outer gradient against the average, summed per parameter
+            f.opt.step_param(i, g)
+            del g
             if fields is not None:
                 change = torch.sub(before, f.outer[i])
                 fields.sq_step += _sq(change)
                 del change
-            return self.merge_into(q, before, f.outer[i], next(outgrads), fields)
+            return self.merge_into(q, before, f.outer[i], d, fields)
 
         f.update_local(land_one)
         f.opt.count_step()
@@ -353,8 +359,18 @@ class EagerCorrected(SyncRule):
         return self.f.opt.pieces(pending.outer_grad)
 
     def keep_last(self, result: Optional[SyncResult]) -> None:
-        self.last = None if result is None or not result.included_self else _Last.of(
-            result.average, result.sent, result.weight_share, result.group_size, self.config.eager_estimate)
+        """What the next estimate needs of a landed round. 'mixed' keeps the round's two tensors
+        where the transport left them (host buffers on a GPU peer: read per parameter when the
+        estimate is made). 'scaled' computes its coefficient from whole copies on the outer device
+        (none on the CPU): the two reductions' bits depend on where and how they run, so they run
+        as they always did; on a GPU that is two fragment-sized temporaries at the landing."""
+        if result is None or not result.included_self:
+            self.last = None
+            return
+        average, sent, rule = result.average, result.sent, self.config.eager_estimate
+        if rule == "scaled":
+            average, sent = self.f.to_outer_device(average), self.f.to_outer_device(sent)
+        self.last = _Last.of(average, sent, result.weight_share, result.group_size, rule)
 
     def state_dict(self) -> dict[str, Any]:
         last = self.last

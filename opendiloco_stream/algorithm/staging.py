@@ -10,16 +10,22 @@ On a CUDA outer device (the outer state on the model's GPU):
   host memory, waits for that copy (its own wait, not the trainer's), decodes it on the host into
   a pinned fp32 buffer and hands that to the transport's ``all_reduce``, whose encode of those
   values sends the values it would have sent for ``d`` (up to the sign of a zero).
-* **landing** (:class:`StagedHandle`): once the round is done, the first ``done()`` that sees it
-  issues the copies of the average (and of what this peer sent) from the transport's host buffers
-  (pinned on a GPU peer) to the GPU on the side stream and answers True once they finished; the
-  training thread applies them after making its stream wait on their event (a GPU-side wait: the
-  host thread does not block). The host buffers are kept alive until those copies finished.
+* **landing** (:class:`StagedHandle`, :class:`OuterView`): the round counts as landed once the
+  transport's round is done; its average (and, for a lossy codec, what this peer sent) stay where
+  the transport decoded them, in its host buffers (pinned on a GPU peer). The rule that applies
+  the round reads them through :class:`OuterView`, one parameter at a time: each parameter's
+  piece is copied to the GPU when the rule reaches it (``non_blocking`` from pinned memory, on the
+  training thread's current stream, so the kernels that read it come after it in stream order and
+  the host thread does not block), and the host buffer is held until that copy finished. Never
+  more than one parameter of a landed round is on the GPU because of the landing, never the whole
+  fragment. (For fp32 on the wire, what this peer sent is its outer gradient itself, already on
+  the device.)
 
 On the CPU the same code runs with the streams and events as no-ops: nothing moves (the transport
-takes the outer gradient itself, the average is applied as the transport returned it), and the
-launch runs inline, so every CPU test goes through :class:`StagedHandle`. With ``encode=`` given,
-a CPU staging also takes the encode-copy-decode path (tests check its values are exact).
+takes the outer gradient itself, the average is read as per-parameter views of the tensor the
+transport returned: zero copies), and the launch runs inline, so every CPU test goes through
+:class:`StagedHandle` and :class:`OuterView`. With ``encode=`` given, a CPU staging also takes the
+encode-copy-decode path (tests check its values are exact).
 
 :func:`place_outer_state` decides ``outer_device = "auto"``: the model's GPU when the outer state
 fits in its free memory next to the model and its AdamW state, else pinned host memory.
@@ -172,8 +178,6 @@ class Staging:
         # the side stream (CUDA only). Typed Any: torch's stubs declare ``record_stream``'s argument a
         # ``torch._C.Stream``, which ``torch.cuda.Stream`` is not declared to be (torch 2.x)
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
-        self._held: list[tuple[Ready, list[torch.Tensor]]] = []  # host buffers a side copy still reads
-        self._held_lock = threading.Lock()
         self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
@@ -196,13 +200,6 @@ class Staging:
     def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A host buffer (pinned when staging for a GPU: the copies are then DMA, asynchronous)."""
         return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
-
-    def hold(self, ready: Ready, tensors: list[torch.Tensor]) -> None:
-        """Keep ``tensors`` alive until ``ready``: a copy on the side stream still reads them."""
-        with self._held_lock:
-            self._held = [(r, ts) for r, ts in self._held if not r.query()]
-            if not ready.query():
-                self._held.append((ready, tensors))
 
     # ------------------------------------------------------------------ outer gradients -> host
     def to_host(self, flat: torch.Tensor, after: Optional[Ready] = None) -> torch.Tensor:
@@ -269,22 +266,6 @@ class Staging:
                 return
             job()
 
-    # ------------------------------------------------------------------ averages -> outer device
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Ready]:
-        """``host`` on the outer device: the copy runs on the side stream (issued here, not waited
-        for); the result is allocated on the caller's stream, which must wait on the returned
-        :class:`Ready` before it reads it. The CPU form: ``host`` itself."""
-        if not self.cuda:
-            return (host if host.device == self.device else host.to(self.device)), Ready()
-        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # owned by the caller's stream
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # its previous user is done with it
-        with self._side():
-            out.copy_(host, non_blocking=True)
-        out.record_stream(self.stream)
-        ready = self._record()
-        self.hold(ready, [host])
-        return out, ready
-
     def close(self) -> None:
         if self._thread is not None:
             self._jobs.put(None)
@@ -294,14 +275,16 @@ class Staging:
 
 class StagedHandle(SyncHandle):
     """A round as the algorithm sees it: launched by :meth:`Staging.launch` (maybe still being
-    copied to the host), its result landed on the outer device (``done()`` only once the landing
-    copies finished). Delegates the transport's answers to the transport's handle."""
+    copied to the host), landed once the transport's round is done. Its result's tensors are the
+    transport's (host buffers on a GPU peer; ``sent`` the outer gradient itself for fp32 on the
+    wire): the rules read them per parameter on the outer device (:class:`OuterView`). Delegates
+    the transport's answers to the transport's handle."""
 
     def __init__(self, key: Any, staging: Staging, sent: Optional[torch.Tensor] = None):
         self.key, self.staging, self._sent = key, staging, sent  # _sent: what was sent, on the device (fp32)
         self._launched = threading.Event()
         self._inner: Optional["concurrent.futures.Future[SyncHandle]"] = None
-        self._landed: Optional[tuple[SyncResult, Ready]] = None
+        self._landed: Optional[SyncResult] = None
         self._failure: Optional[BaseException] = None
 
     def started(self, inner: "concurrent.futures.Future[SyncHandle]") -> None:
@@ -320,18 +303,14 @@ class StagedHandle(SyncHandle):
         future = self._launch_future()
         return None if future.exception() is not None else future.result()
 
-    def _land(self, result: SyncResult) -> tuple[SyncResult, Ready]:
+    def _land(self, result: SyncResult) -> SyncResult:
         if self._landed is None:
-            average, ready = self.staging.to_device(result.average)
-            sent = result.sent if self._sent is None else self._sent.view(-1)
-            if sent is not None and sent.device != average.device:
-                sent, ready = self.staging.to_device(sent)  # issued after the average's: its event covers both
-            self._landed = (dataclasses.replace(result, average=average, sent=sent), ready)
+            self._landed = result if self._sent is None else dataclasses.replace(result, sent=self._sent.view(-1))
         return self._landed
 
     def done(self) -> bool:
         if self._landed is not None:
-            return self._landed[1].query()
+            return True
         if not self._launched.is_set():
             return False
         inner = self._transport_handle()
@@ -340,9 +319,10 @@ class StagedHandle(SyncHandle):
         if not inner.done():
             return False
         try:
-            return self._land(inner.wait(0.0))[1].query()
+            self._land(inner.wait(0.0))
         except SyncFailed:
-            return True
+            pass
+        return True
 
     def wait(self, timeout: Optional[float] = None) -> SyncResult:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -357,9 +337,7 @@ class StagedHandle(SyncHandle):
                 raise failure
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             landed = self._land(future.result().wait(left))
-        result, ready = landed
-        ready.wait_here()
-        return result
+        return landed
 
     def settle(self, timeout: float) -> bool:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -379,3 +357,64 @@ class StagedHandle(SyncHandle):
     def abandon(self) -> bool:
         inner = self._transport_handle()
         return inner is not None and inner.abandon()
+
+
+# ---------------------------------------------------------------------- landed rounds, per parameter
+class OuterView:
+    """A landed round's tensors, per parameter, on the outer device: flat fragment tensors (an
+    average, what this peer sent, an outer gradient) read as one tensor per parameter of ``like``
+    (the outer parameters: their shapes, device and dtype), in order.
+
+    A piece already on the parameter's device, in its dtype, is a view of the flat tensor (the
+    CPU's case, and a GPU outer gradient's: zero copies). Any other piece is copied when it is
+    reached (:meth:`fetch`), so a landing holds one converted parameter at a time, never the
+    fragment. From host memory to a CUDA device the copy is ``non_blocking`` on the calling
+    thread's current stream: stream order puts it before the kernels that then read the piece (no
+    event to wait on, no host-side wait), and from pinned memory it is an asynchronous DMA; the host
+    tensor is held here until an event recorded after the copy has completed, since the transport's
+    buffer pool reuses a block as soon as nothing refers to it. It is not on the side stream: a copy
+    issued there ahead of its use would need the piece's device memory ahead of its use too (the
+    whole fragment, unless the copies were paced), and it would still make the training stream wait
+    for it.
+
+    ``copies`` and ``largest_copy`` count the pieces copied and the largest of them (elements):
+    what tests can check of the per-parameter contract without a GPU."""
+
+    def __init__(self, like: list[torch.Tensor]):
+        self.like = like
+        self.copies = 0
+        self.largest_copy = 0
+        self._held: list[tuple[Ready, torch.Tensor]] = []  # host pieces an H2D copy may still read
+        self._held_lock = threading.Lock()
+
+    def pieces(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``flat`` one parameter at a time on the outer device (each copied, if it must be, only
+        when it is reached)."""
+        total = sum(p.numel() for p in self.like)
+        if total != flat.numel():
+            raise ValueError(f"outer gradient has {flat.numel()} elements, fragment has {total}")
+        offset = 0
+        for p in self.like:
+            v = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            yield v if v.device == p.device and v.dtype == p.dtype else self.fetch(v, p)
+
+    def fetch(self, piece: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``piece`` as a new tensor on ``like``'s device, in its dtype (the class docstring says
+        how a host-to-GPU copy is made)."""
+        self.copies += 1
+        self.largest_copy = max(self.largest_copy, piece.numel())
+        if like.device.type != "cuda" or piece.device.type != "cpu":
+            return piece.to(like.device, like.dtype)
+        out = torch.empty(piece.shape, dtype=piece.dtype, device=like.device)  # on the current stream
+        out.copy_(piece, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(like.device))
+        self._hold(Ready(event, like.device), piece)
+        return out if out.dtype == like.dtype else out.to(like.dtype)
+
+    def _hold(self, ready: Ready, host: torch.Tensor) -> None:
+        with self._held_lock:
+            self._held = [(r, t) for r, t in self._held if not r.query()]
+            if not ready.query():
+                self._held.append((ready, host))
