@@ -2,22 +2,24 @@
 outer gradients reach the transport and averages come back with exact values, the device-encode
 path (encode, copy, decode before the transport) puts the same bytes on the wire, a launch still
 on its way to the transport is a round that is not done, and the outer state's placement follows
-the free-memory rule. No GPU here: the CUDA side of these paths runs only on a GPU machine
+the free-memory rule, and a landed round is read one parameter at a time (``OuterView``). No GPU here: the CUDA side of these paths runs only on a GPU machine
 (benchmarks/gpu.py); the memory figures of the placement tests are given, not measured."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 import pytest
 import torch
 
 from opendiloco_stream import DiLoCoConfig, wrap
 from opendiloco_stream.algorithm.staging import (
-    DEVICE_CODECS, Ready, StagedHandle, Staging, adamw_pending_bytes, device_encodes, outer_state_bytes, place_outer_state,
+    DEVICE_CODECS, OuterView, Ready, StagedHandle, Staging, adamw_pending_bytes, device_encodes, outer_state_bytes,
+    place_outer_state,
 )
 from opendiloco_stream.compression import CODEC_NAMES, get_codec
-from opendiloco_stream.transport.base import SyncFailed
+from opendiloco_stream.transport.base import SyncFailed, SyncHandle, SyncResult
 from opendiloco_stream.transport.local import LocalSwarm
 from tests.support.two_workers import mlp, train_two_workers
 
@@ -119,6 +121,99 @@ def test_training_through_the_device_encode_path_is_bit_identical(extra):
     for a, b in zip(plain, staged):
         for p, q in zip(a.parameters(), b.parameters()):
             assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------------- a landed round, per parameter
+def test_the_outer_view_reads_a_flat_tensor_already_in_place_as_views_one_parameter_at_a_time():
+    """The CPU's case (and a GPU outer gradient's): every piece is a view of the flat tensor, in
+    the parameter's shape, made when it is asked for; nothing is copied. A flat tensor of the wrong
+    size is refused when the first piece is asked for."""
+    like = [torch.zeros(3, 4), torch.zeros(5), torch.zeros(2, 2)]
+    view = OuterView(like)
+    flat = torch.arange(21, dtype=torch.float32)
+    pieces = view.pieces(flat)
+    first = next(pieces)
+    assert first.shape == (3, 4) and first.data_ptr() == flat.data_ptr()
+    rest = list(pieces)
+    assert [tuple(t.shape) for t in rest] == [(5,), (2, 2)]
+    assert rest[1].data_ptr() == flat.data_ptr() + 17 * 4 and torch.equal(rest[1].reshape(-1), flat[17:])
+    assert view.copies == 0
+    with pytest.raises(ValueError, match="outer gradient has 20 elements, fragment has 21"):
+        next(view.pieces(flat[:20]))
+
+
+class _Elsewhere(SyncHandle):
+    """The transport's handle, with the landed average (and what was sent) handed back in float64:
+    a stand-in for "not where the outer state is" (every fp32 value is exact in float64, and
+    converts back exactly)."""
+
+    def __init__(self, inner: SyncHandle):
+        self.inner, self.key = inner, getattr(inner, "key", None)
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def wait(self, timeout=None) -> SyncResult:
+        r = self.inner.wait(timeout)
+        return dataclasses.replace(r, average=r.average.double(), sent=None if r.sent is None else r.sent.double())
+
+    def settle(self, timeout: float) -> bool:
+        return self.inner.settle(timeout)
+
+    def takes_newcomers(self) -> bool:
+        return self.inner.takes_newcomers()
+
+    def abandon(self) -> bool:
+        return self.inner.abandon()
+
+
+class _ElsewhereStaging(Staging):
+    def launch(self, key, flat, start):
+        return super().launch(key, flat, lambda host: _Elsewhere(start(host)))
+
+
+@pytest.mark.parametrize("extra", [
+    {"mode": "blocking"},
+    {"mode": "overlap", "overlap_steps": 1},
+    {"mode": "naive-delayed"},
+    {"mode": "eager", "eager_rule": "merge"},
+    {"mode": "eager", "eager_rule": "overlap"},
+    {"mode": "eager", "eager_rule": "paper"},
+    {"mode": "eager", "eager_rule": "corrected", "eager_estimate": "own"},
+    {"mode": "eager", "eager_rule": "corrected", "eager_estimate": "mixed"},
+    {"mode": "eager", "eager_rule": "corrected", "eager_estimate": "own", "eager_correction": "on-arrival"},
+    {"mode": "eager", "eager_rule": "merge", "error_feedback": True, "error_feedback_mode": "parameters"},
+])
+def test_a_landing_reads_the_average_and_what_was_sent_only_per_parameter_through_the_outer_view(extra):
+    """Every rule reads a landed round (its average and, for a lossy codec, what this peer sent)
+    only through ``OuterView``, one parameter at a time: with the round handed back in another
+    dtype than the outer state's, each piece is converted when it is reached (the view counts the
+    copies; none is larger than the largest parameter), and training ends bit for bit where it ends
+    with the round handed back in place, so no rule read the round whole and did arithmetic on it.
+
+    What it cannot show without a GPU: the other dtype stands in for the other device, so the
+    copy itself (host to GPU, ``non_blocking`` on the current stream), its order before the kernels
+    that read it, the host buffer held until it finished, and the GPU's peak memory are not run
+    here (benchmarks/gpu.py reports the peak on a GPU). Not covered either: the 'scaled' estimate's
+    coefficient and error feedback in a buffer, which read the round whole on purpose (their docs
+    say why)."""
+    config = DiLoCoConfig(inner_steps=4, num_fragments=2, codec="fp4-e3m0", **extra)
+
+    def elsewhere(diloco, transport):
+        diloco.staging = _ElsewhereStaging(torch.device("cpu"))
+
+    plain, _ = train_two_workers(config, width=16, steps=12)
+    models, wrappers = train_two_workers(config, width=16, steps=12, prepare=elsewhere)
+    for a, b in zip(plain, models):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    largest = max(p.numel() for p in models[0].parameters())
+    fragment = min(sum(t.numel() for t in f.outer) for f in wrappers[0].frags)
+    assert largest < fragment
+    for diloco in wrappers:
+        for f in diloco.frags:
+            assert f.opt.view.copies > 0
+            assert f.opt.view.largest_copy <= largest
 
 
 # ---------------------------------------------------------------------------- a launch in flight
