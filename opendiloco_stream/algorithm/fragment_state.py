@@ -5,8 +5,10 @@ rule's (``algorithm/rules.py``).
 The outer state (theta_bar, its momentum, ``start``) is fp32 on the outer device
 (``DiLoCoConfig.outer_device``, decided by ``staging.place_outer_state``): the model's device when
 it fits there, or the CPU, in pinned memory when the model is on CUDA (copies to and from the GPU
-are then DMA transfers). Outer gradients leave it and transport results come back to it through
-``staging.py``; the local parameters are written back with ``copy_``, which casts and moves.
+are then DMA transfers). Outer gradients leave it through ``staging.py``; a landed round's tensors
+stay where the transport left them and come to it one parameter at a time, when a rule reads them
+(``self.opt.pieces``: ``staging.OuterView``); the local parameters are written back with
+``copy_``, which casts and moves.
 
 The outer gradient and every update of the local parameters go one parameter at a time
 (:meth:`FragmentState.outer_grad`, :meth:`FragmentState.update_local`): besides the flat outer

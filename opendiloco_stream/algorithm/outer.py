@@ -59,6 +59,7 @@ class OuterOptimizer:
         for i, g in enumerate(grads):
             self.step_param(i, g, owned)
             count += 1
+            del g  # before the next is made
         if count != len(self.params):
             raise ValueError(f"outer step with {count} gradients for {len(self.params)} parameters")
         self.count_step()
@@ -159,6 +160,7 @@ def eager_estimate_each(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torc
         t = torch.sub(d_, sent) if out is None else torch.sub(d_, sent, out=out[i])
         t.mul_(prev_share)
         yield t.add_(avg)
+        del t, d_, avg, sent  # before the next pieces are made (copies, on a GPU peer)
 
 
 def projected_estimate(d: torch.Tensor, prev_avg: torch.Tensor, prev_sent: torch.Tensor) -> torch.Tensor:
@@ -195,6 +197,7 @@ def joiner_estimate_each(d: torch.Tensor, prev_avg: torch.Tensor, prev_group_siz
         t = torch.sub(d_, avg)
         t.div_(prev_group_size + 1)
         yield t.add_(avg)
+        del t, d_, avg
 
 
 def overlap_merge(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:

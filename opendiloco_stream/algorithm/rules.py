@@ -322,7 +322,7 @@ class EagerCorrected(SyncRule):
             fields = _Fields()
             for est, avg in zip(self._estimates_of(pending), f.opt.pieces(result.average)):
                 fields.compare(est, avg)
-                del est
+                del est, avg  # before the next piece is made (a copy, on a GPU peer)
 
         def step_one(i: int) -> None:
             before = f.outer[i].clone() if fields is not None else None

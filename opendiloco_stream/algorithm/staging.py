@@ -16,10 +16,11 @@ On a CUDA outer device (the outer state on the model's GPU):
   the round reads them through :class:`OuterView`, one parameter at a time: each parameter's
   piece is copied to the GPU when the rule reaches it (``non_blocking`` from pinned memory, on the
   training thread's current stream, so the kernels that read it come after it in stream order and
-  the host thread does not block), and the host buffer is held until that copy finished. Never
-  more than one parameter of a landed round is on the GPU because of the landing, never the whole
-  fragment. (For fp32 on the wire, what this peer sent is its outer gradient itself, already on
-  the device.)
+  the host thread does not block), and the host buffer is held until that copy finished. A landed
+  round comes to the GPU one parameter at a time, never as a whole fragment (two exceptions that
+  read it whole on purpose: eager 'corrected''s 'scaled' coefficient, ``rules.py``; error feedback
+  in a buffer, ``fragment_sync.Rounds.wait``). For fp32 on the wire, what this peer sent is its
+  outer gradient itself, already on the device.
 
 On the CPU the same code runs with the streams and events as no-ops: nothing moves (the transport
 takes the outer gradient itself, the average is read as per-parameter views of the tensor the
@@ -161,7 +162,8 @@ def decode_parts(codec: Codec, parts: list[torch.Tensor], numel: int, out: torch
 
 # ---------------------------------------------------------------------- staging
 class Staging:
-    """Moves outer gradients to the host and landed averages to the outer device (module docstring).
+    """Moves outer gradients to the host, off the training thread (module docstring); landed
+    averages are read from the host per parameter by :class:`OuterView`.
 
     Args:
         device: the outer device (where outer gradients are taken and averages applied).
