@@ -1,9 +1,10 @@
 """The staging path (algorithm/staging.py) on the CPU, where its streams and events are no-ops:
 outer gradients reach the transport and averages come back with exact values, the device-encode
 path (encode, copy, decode before the transport) puts the same bytes on the wire, a launch still
-on its way to the transport is a round that is not done, and the outer state's placement follows
-the free-memory rule, and a landed round is read one parameter at a time (``OuterView``). No GPU here: the CUDA side of these paths runs only on a GPU machine
-(benchmarks/gpu.py); the memory figures of the placement tests are given, not measured."""
+on its way to the transport is a round that is not done, the outer state's placement follows
+the free-memory rule, and a landed round is read one parameter at a time (``OuterView``). No GPU
+here: the CUDA side of these paths runs only on a GPU machine (benchmarks/gpu.py); the memory
+figures of the placement tests are given, not measured."""
 
 from __future__ import annotations
 

@@ -316,17 +316,21 @@ class EagerCorrected(SyncRule):
         theta_bar - start, keeping the local progress made since the restart. Parameter by
         parameter: at most two of one parameter's temporaries at a time."""
         f = self.f
+        # the average is read once, piece by piece (one copy per parameter on a GPU peer): each
+        # piece is compared with the round's estimate, then steps theta_bar
         grads = f.opt.pieces(result.average if result is not None else pending.outer_grad)
-        fields = None
-        if result is not None:
-            fields = _Fields()
-            for est, avg in zip(self._estimates_of(pending), f.opt.pieces(result.average)):
-                fields.compare(est, avg)
-                del est, avg  # before the next piece is made (a copy, on a GPU peer)
+        fields = None if result is None else _Fields()
+        estimates = self._estimates_of(pending) if fields is not None else None
 
         def step_one(i: int) -> None:
+            g = next(grads)
+            if fields is not None and estimates is not None:
+                est = next(estimates)
+                fields.compare(est, g)
+                del est
             before = f.outer[i].clone() if fields is not None else None
-            f.opt.step_param(i, next(grads))
+            f.opt.step_param(i, g)
+            del g
             if fields is not None and before is not None:
                 # the correction: the true step minus the estimate's look-ahead step
                 fields.sq_step += _sq(torch.sub(f.outer[i], before, out=before))
