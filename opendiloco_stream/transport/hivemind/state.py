@@ -480,10 +480,11 @@ class StateSharing:
         """Every tensor of the manifest: reused from ``held``, or its parts from the ``lanes``
         streams (``first``: lane 0, the manifest's own), written in place, each checked whole."""
         lanes, digests = manifest["lanes"], manifest["digests"]
-        items = lane_items(manifest, set(have))
+        asked = set(have)  # what the donor skips: reused from ``held`` as it was when asked
+        items = lane_items(manifest, asked)
         tensors: list[Optional[torch.Tensor]] = [None] * len(digests)
         for i, digest in enumerate(digests):
-            if digest in held:
+            if digest in asked:
                 tensors[i] = held[digest]
                 self.last_load["reused_tensors"] += 1
                 self.last_load["reused_bytes"] += tensors[i].numel() * tensors[i].element_size()
@@ -508,8 +509,14 @@ class StateSharing:
             if failed is not None:
                 raise StateError(f"a lane of the download could not be opened: {failed!r}")
             its = [first] + [s.__aiter__() for s in streams]
-            await asyncio.gather(*(self._lane(its[lane], lane, lanes, manifest, items, tensors, parts_left, held,
-                                              report) for lane in range(lanes)))
+            tasks = [asyncio.ensure_future(self._lane(its[lane], lane, lanes, manifest, items, tensors, parts_left,
+                                                      held, report)) for lane in range(lanes)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # a lane that failed ends the others: none may write into ``held`` after this download
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for stream in streams:
                 await stream.aclose()
