@@ -222,6 +222,20 @@ def _digests(diloco, fragment: int) -> dict[int, str]:
             if e["event"] == "outer_digest" and e["fragment"] == fragment}
 
 
+def _one_repair_of_worker_1(out: list, round_: int) -> tuple[dict[int, str], dict[int, str]]:
+    """Worker 0 repaired nothing; worker 1 repaired fragment 0 once, from ``local-0`` after round
+    ``round_``, and never touched fragment 1 (whose digests are the same on both throughout).
+    Returns both workers' fragment-0 digests by round."""
+    (d0, _), (d1, touched1) = out
+    assert [e for e in d0.events if e["event"] == "repair"] == [] and d0.stats.repairs == 0
+    repairs = [e for e in d1.events if e["event"] == "repair"]
+    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == \
+        [(0, round_, "local-0", "repaired")]
+    assert d1.stats.repairs == 1 and d1.stats.failed_repairs == 0 and touched1 == [False]
+    assert _digests(d0, 1) == _digests(d1, 1)  # the other fragment: always the same
+    return _digests(d0, 0), _digests(d1, 0)
+
+
 @pytest.mark.parametrize("mode,extra", [("blocking", {}), ("overlap", {"overlap_steps": 1}),
                                         ("eager", {"eager_rule": "merge"}), ("eager", {"eager_rule": "corrected"})])
 def test_a_drifted_fragment_is_repaired_from_the_group_and_training_goes_on_from_it_in_process(mode, extra):
@@ -234,15 +248,9 @@ def test_a_drifted_fragment_is_repaired_from_the_group_and_training_goes_on_from
     swarm, made = LocalSwarm(2), [_model_and_data() for _ in range(2)]
     out = swarm.run(lambda rank: _train(rank, swarm.transport(rank), config, steps=16, perturb_at=1, step_s=0.02,
                                         model_and_data=made[rank]))
-    (d0, touched0), (d1, touched1) = out
-    assert [e for e in d0.events if e["event"] == "repair"] == [] and d0.stats.repairs == 0
-    repairs = [e for e in d1.events if e["event"] == "repair"]
-    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 0, "local-0", "repaired")]
-    assert d1.stats.repairs == 1 and d1.stats.failed_repairs == 0 and touched1 == [False]
-    f0 = (_digests(d0, 0), _digests(d1, 0))
+    f0 = _one_repair_of_worker_1(out, 0)
     assert f0[0][0] != f0[1][0]  # round 0 was averaged onto two different theta_bars
     assert all(f0[0][k] == f0[1][k] for k in range(1, 4))  # repaired: the same from the next round on
-    assert _digests(d0, 1) == _digests(d1, 1)  # the other fragment: always the same
 
 
 class _FormedAhead(LocalTransport):
@@ -277,15 +285,9 @@ def test_eager_with_groups_formed_ahead_repairs_a_drifted_fragment_a_round_later
     swarm, made = LocalSwarm(2, link=LinkModel(delay_steps=4)), [_model_and_data() for _ in range(2)]
     out = swarm.run(lambda rank: _train(rank, _FormedAhead(swarm, rank), config, steps=24, perturb_at=1, step_s=0.02,
                                         model_and_data=made[rank]))
-    (d0, _), (d1, touched1) = out
-    assert [e for e in d0.events if e["event"] == "repair"] == [] and d0.stats.repairs == 0
-    repairs = [e for e in d1.events if e["event"] == "repair"]
-    assert [(e["fragment"], e["round"], e["from"], e["outcome"]) for e in repairs] == [(0, 2, "local-0", "repaired")]
-    assert d1.stats.repairs == 1 and d1.stats.failed_repairs == 0 and touched1 == [False]
-    f0 = (_digests(d0, 0), _digests(d1, 0))
+    f0 = _one_repair_of_worker_1(out, 2)
     assert all(f0[0][k] != f0[1][k] for k in range(3))  # rounds 0-2 were averaged onto two theta_bars
     assert all(f0[0][k] == f0[1][k] for k in range(3, 5))  # repaired: the same from round 3 on
-    assert _digests(d0, 1) == _digests(d1, 1)
 
 
 def test_repair_off_or_a_rule_whose_theta_bar_is_its_own_sends_no_digest_and_repairs_nothing():
