@@ -22,7 +22,6 @@ No networking here: everything goes through a Transport. docs/algorithm.md state
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -36,7 +35,7 @@ from opendiloco_stream.algorithm.data_parallel import DataParallel
 from opendiloco_stream.algorithm.fragment_state import DirectAccess, FragmentState, ParamAccess
 from opendiloco_stream.algorithm.fragment_sync import FragmentSync, Rounds
 from opendiloco_stream.algorithm.prematch import PrematchChoice, Prematcher
-from opendiloco_stream.algorithm.repair import FETCH_TIMEOUT_S, SERVE_WAIT_S, Repairs
+from opendiloco_stream.algorithm.repair import FETCH_TIMEOUT_S, SERVE_WAIT_S, Repairs, theta_digest
 from opendiloco_stream.algorithm.rules import SyncRule, rule_class
 from opendiloco_stream.algorithm.staging import (
     OuterPlacement, Staging, adamw_pending_bytes, outer_state_bytes, place_outer_state,
@@ -192,12 +191,9 @@ class StreamingDiLoCo(HasSyncLog, StepHooked):
         consumed, self.log.consumed = self.log.consumed, []
         if not self.config.record_digests:
             return
-        for p, k in consumed:
-            h = hashlib.blake2b(digest_size=16)
-            for t in self.frags[p].outer:
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        for p, k in consumed:  # the repair's fingerprint of theta_bar, at 16 bytes
             self.log.emit({"event": "outer_digest", "fragment": p, "round": k, "step": self.step_count,
-                           "digest": h.hexdigest()})
+                           "digest": theta_digest(self.frags[p].outer, size=16)})
 
     def _late_sync_step(self) -> Optional[int]:
         """The latest sync step among fragments whose next round the swarm launched already: that

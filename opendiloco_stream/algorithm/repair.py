@@ -75,11 +75,12 @@ def outer_digest(tensors: Sequence[torch.Tensor], steps: int, round_index: int =
     return OuterDigest(theta_digest(tensors), int(steps), int(round_index))
 
 
-def theta_digest(tensors: Sequence[torch.Tensor]) -> str:
+def theta_digest(tensors: Sequence[torch.Tensor], size: int = 8) -> str:
     """BLAKE2b-8 of theta_bar's fp32 bytes, parameter after parameter (equal digests: bit-identical
     theta_bar); hex. ~5 ms per million parameters on one core of the 2-core test machine, so
-    :class:`Repairs` hashes on a worker thread as soon as theta_bar changed, not at the launch."""
-    h = hashlib.blake2b(digest_size=8)
+    :class:`Repairs` hashes on a worker thread as soon as theta_bar changed, not at the launch.
+    ``size``: the digest's bytes (the ``outer_digest`` records use 16)."""
+    h = hashlib.blake2b(digest_size=size)
     for t in tensors:
         flat = t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
         if flat.numel():
