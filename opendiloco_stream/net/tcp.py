@@ -83,10 +83,19 @@ def buffer_bytes(rate_mbit: float, rtt_s: float, autotune_max: int, core_max: in
     return min(want, core_max)
 
 
+def _sysctl_words(name: str) -> Optional[list[str]]:
+    """A sysctl's value as its words (None where unreadable)."""
+    try:
+        return Path("/proc/sys", *name.split(".")).read_text().split()
+    except OSError:
+        return None
+
+
 def _sysctl(name: str) -> Optional[list[int]]:
     try:
-        return [int(x) for x in Path("/proc/sys", *name.split(".")).read_text().split()]
-    except (OSError, ValueError):
+        words = _sysctl_words(name)
+        return None if words is None else [int(x) for x in words]
+    except ValueError:
         return None
 
 
@@ -109,10 +118,8 @@ NO_IDLE_RESTART = ("bbr",)
 def congestion_control() -> Optional[str]:
     """``net.ipv4.tcp_congestion_control``: the congestion control new connections of this network
     namespace use (None where unreadable)."""
-    try:
-        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() or None
-    except OSError:
-        return None
+    words = _sysctl_words("net.ipv4.tcp_congestion_control")
+    return words[0] if words else None
 
 
 def slow_start_after_idle() -> Optional[bool]:
@@ -129,10 +136,7 @@ def slow_start_after_idle() -> Optional[bool]:
 def allowed_congestion_controls() -> tuple[str, ...]:
     """``net.ipv4.tcp_allowed_congestion_control``: the congestion controls any process may choose
     for its own sockets (``TCP_CONGESTION``); others need ``CAP_NET_ADMIN``."""
-    try:
-        return tuple(Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split())
-    except OSError:
-        return ()
+    return tuple(_sysctl_words("net.ipv4.tcp_allowed_congestion_control") or ())
 
 
 def keep_window(sock: socket.socket) -> Optional[str]:
