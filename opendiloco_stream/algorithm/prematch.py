@@ -8,7 +8,8 @@ that it can form the round's group before the outer gradient exists.
 ``prematch_steps = "auto"`` (the default) sizes ``K`` from the link: matchmaking costs about
 ``PREMATCH_AUTO_RTTS`` round trips, so a group formed that long ahead leaves the round with its
 exchange only. ``K`` is 0 while the transport has measured no groupmate's round-trip time
-(``SwarmView.groupmate_rtt_s``: in-process transports never do) or while the worst is under
+(``SwarmView.groupmate_rtt_s``: over hivemind, DHT pings to the swarm's peers from its start until
+its rounds measure groupmates; in-process transports never measure one) or while the worst is under
 ``PREMATCH_AUTO_MIN_RTT_MS``, else ``ceil(PREMATCH_AUTO_RTTS x RTT / step time)``, at least 1 and at
 most H - 1 (a fragment's group forms after its previous round: ``DiLoCoConfig``'s check). The step
 time there is the median of the recent gaps between steps: a blocking round's wait lengthens only

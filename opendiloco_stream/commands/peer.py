@@ -284,10 +284,12 @@ def _wait_for_peers(cfg, gate, stop) -> None:
 
 
 def _prematch_line(steps: "int | str") -> str:
-    """What ``--prematch-steps`` will do, said at start (``"auto"`` decides once a round measured a groupmate)."""
+    """What ``--prematch-steps`` will do, said at start (``"auto"`` decides from the first inner step
+    on, from the swarm's RTTs pinged at start, and says what it chose then)."""
     if steps == "auto":
-        return (f"auto (none until a round measured a groupmate's RTT; from {PREMATCH_AUTO_MIN_RTT_MS:g} ms on, "
-                f"enough inner steps ahead to cover ~{PREMATCH_AUTO_RTTS} round trips of matchmaking)")
+        return (f"auto (from the worst RTT to the swarm's peers: DHT pings from the start, then the rounds' own "
+                f"measures; from {PREMATCH_AUTO_MIN_RTT_MS:g} ms on, enough inner steps ahead to cover "
+                f"~{PREMATCH_AUTO_RTTS} round trips of matchmaking)")
     return f"{steps} inner steps ahead (--prematch-steps {steps})" if steps else "off (--prematch-steps 0)"
 
 

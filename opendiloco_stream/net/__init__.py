@@ -9,6 +9,7 @@
 * :mod:`.doctor`       the preflight checks behind ``opendiloco-stream doctor``
 * :mod:`.lifecycle`    process groups, ``GracefulShutdown``, ``kill_process_tree``
 * :mod:`.tcp`, :mod:`.distance`  TCP socket options and round-trip probes to the initial peers
+* :mod:`.ping`         DHT pings to the swarm's peers: their RTT before any round measured it
 * :mod:`.flags`        the network command-line flags, mapped onto ``RunConfig.net``
 
 The package imports nothing above it (transport, algorithm, train, commands); ``keys`` and

@@ -235,8 +235,9 @@ class SwarmView(Protocol):
 
     def groupmate_rtt_s(self) -> Optional[float]:
         """The largest round-trip time (s) to this peer's groupmates as the transport measured it in
-        its rounds (what ``prematch_steps = "auto"`` sizes the lead from); None while nothing is
-        measured. Must answer at once. Transports without a network say None."""
+        its rounds (what ``prematch_steps = "auto"`` sizes the lead from), or before its first
+        rounds its own probe of the swarm's peers; None while nothing is measured. Must answer at
+        once. Transports without a network say None."""
         return None
 
     def prematch(self, key: tuple[int, int], weight: float = 1.0, lead_s: float = 0.0,

@@ -28,6 +28,9 @@ Design (docs/architecture.md, "hivemind transport"):
   never blocks.
 - Timeouts (``timeouts.py``): derived from ``link_mbit`` and ``window_s`` unless given, then from
   the RTT and rate each fragment measured to its groupmates in its rounds (``link.py``).
+- Before its rounds measured a groupmate, the RTT it reports (``groupmate_rtt_s``: how far ahead
+  ``prematch_steps = "auto"`` forms groups) is the worst of DHT pings to the swarm's peers, sent
+  from its start on (``start_rtt.py``), so a first round at a distance forms its group ahead too.
 - Late joiners (``state.py``): state served and downloaded on the same service loop.
 - Partitions (``net/routes.py``): the DHT re-pings the peers it dropped, so a healed link rejoins.
 """
@@ -45,6 +48,7 @@ import torch
 from hivemind.dht import DHT
 
 from opendiloco_stream.compression import Codec
+from opendiloco_stream.net.ping import ping_swarm
 from opendiloco_stream.net.routes import keep_routes
 from opendiloco_stream.transport.base import FetchedFragment, OuterDigest, Transport
 from opendiloco_stream.transport.failure import FailureReason
@@ -55,6 +59,7 @@ from opendiloco_stream.transport.hivemind.punch import find_echoes
 from opendiloco_stream.transport.hivemind.runner import HvAllReduceRunner
 from opendiloco_stream.transport.hivemind.service import AveragingService
 from opendiloco_stream.transport.hivemind.settings import HivemindSettings
+from opendiloco_stream.transport.hivemind.start_rtt import StartRtt
 from opendiloco_stream.transport.hivemind.state import StateSharing
 from opendiloco_stream.transport.hivemind.timeouts import RoundTimeouts, derive_timeouts
 from opendiloco_stream.transport.layout import resolve_chunk_bytes
@@ -62,6 +67,8 @@ from opendiloco_stream.transport.layout import resolve_chunk_bytes
 logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
+START_PING_TIMEOUT_S = 3.0  # one probe of the swarm's RTTs (start_rtt.py): 3 pings each at up to ~1 s RTT
+START_WAIT_S = 3.0  # prepare() waits this long at most for the first probe (the first rounds are sized from it)
 
 
 def _check_weight(weight: float) -> None:
@@ -119,6 +126,9 @@ class HivemindTransport(Transport):
         self.presence_ttl, self._presence = s.presence_ttl, None
         self._closed = False
         keep_routes(dht)  # a healed partition must not leave the run split in two (net/routes.py)
+        # the swarm's RTTs until a round measured groupmates (start_rtt.py); pings answer in ms near by
+        self._start_rtt = StartRtt(lambda: ping_swarm(dht, START_PING_TIMEOUT_S, lock=self._dht_lock),
+                                   measured=self._links_measured)
 
     def timeouts(self, numel: int) -> RoundTimeouts:
         """The timeouts a fragment of ``numel`` elements gets before any round measured its links."""
@@ -170,6 +180,7 @@ class HivemindTransport(Transport):
         self._lanes = {p: _Lane(p, endpoint, endpoint.timeouts, self._presence, self.target_group_size)
                        for p, endpoint in endpoints.items()}
         self._numels = numels
+        self._start_rtt.wait_first(START_WAIT_S)  # the first rounds' lead ("auto") is sized from it
 
     def service(self) -> AveragingService:
         """This peer's averaging service (started on first use)."""
@@ -228,8 +239,17 @@ class HivemindTransport(Transport):
         lane.prematch(key, float(weight), max(0.0, float(lead_s)), digest)
 
     def groupmate_rtt_s(self) -> Optional[float]:
+        """The worst groupmate RTT the rounds measured; before they measured any, the worst DHT
+        ping to the swarm's peers since the start (``start_rtt.py``; None before one answered)."""
         rtts = [lane.endpoint.links.worst()[0] for lane in list(self._lanes.values()) if len(lane.endpoint.links)]
-        return max(rtts) if rtts else None
+        return max(rtts) if rtts else self._start_rtt.rtt_s()
+
+    def start_rtts(self) -> dict[str, float]:
+        """The RTT (s) to each of the swarm's peers DHT-pinged before the rounds measured groupmates."""
+        return self._start_rtt.peers()
+
+    def _links_measured(self) -> bool:
+        return any(len(lane.endpoint.links) for lane in list(self._lanes.values()))
 
     @property
     def watches_swarm(self) -> bool:
@@ -296,6 +316,7 @@ class HivemindTransport(Transport):
     def close(self) -> None:
         """Fail pending rounds ("closed"), stop serving rounds and state, stop the service."""
         self._closed = True
+        self._start_rtt.close()
         if self._presence is not None:  # first: the others stop counting this peer at once
             self._presence.close()
         lanes, self._lanes = list(self._lanes.values()), {}

@@ -1,0 +1,71 @@
+"""The round-trip time to the swarm's peers before this peer's rounds measured its groupmates'.
+
+``prematch_steps = "auto"`` sizes how far ahead groups form from the worst groupmate RTT
+(``SwarmView.groupmate_rtt_s``), which the rounds measure (``link.py``); without an earlier figure
+a peer's first round of each fragment at a distance would form its group at the round, paying
+about four round trips of matchmaking. :class:`StartRtt` fills that gap: from the transport's
+start it DHT-pings the peers in the DHT's routing table (``net/ping.py``: the initial peers and
+the run's DHT servers met so far), again after 1, 2, 4 ... 30 s (so a peer that comes later is
+measured before the rounds with it), until the rounds measure groupmates (``measured()``); the
+transport answers with that figure until then. Its worst peer (the bootstrap counts too: each
+round's matchmaking reads and writes the DHT) is what it reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+REFRESH_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # waits between probes; the last repeats
+
+
+class StartRtt:
+    """Probes ``probe()`` (``{peer: RTT s}``) in a thread of its own, on the schedule of the
+    module docstring, until ``measured()`` is true or :meth:`close`; :meth:`rtt_s` answers at once
+    with the worst RTT of the latest probe of every peer (None before one answered)."""
+
+    def __init__(self, probe: Callable[[], dict[str, float]], measured: Callable[[], bool],
+                 refresh_s: tuple[float, ...] = REFRESH_S):
+        self.probe, self.measured, self.refresh_s = probe, measured, refresh_s
+        self._rtts: dict[str, float] = {}
+        self._first = threading.Event()  # the first probe finished (answered or not)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ods-start-rtt", daemon=True)
+        self._thread.start()
+
+    def rtt_s(self) -> Optional[float]:
+        rtts = dict(self._rtts)
+        return max(rtts.values()) if rtts else None
+
+    def peers(self) -> dict[str, float]:
+        """The latest RTT (s) probed to each peer."""
+        return dict(self._rtts)
+
+    def wait_first(self, timeout: float) -> Optional[float]:
+        """Wait up to ``timeout`` s for the first probe; :meth:`rtt_s` then."""
+        self._first.wait(timeout)
+        return self.rtt_s()
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the probing to end (the rounds measured, or closed); whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            try:
+                self._rtts.update(self.probe())
+            except Exception as e:  # a probe is a hint: the rounds measure anyway
+                logger.debug("start RTT probe failed: %r", e)
+            self._first.set()
+            if self._stop.wait(self.refresh_s[min(i, len(self.refresh_s) - 1)]) or self.measured():
+                return
+            i += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._first.set()
