@@ -19,7 +19,7 @@ import pytest
 from benchmarks.harness import netns
 from benchmarks.harness import wan_probes
 from benchmarks.harness.nat import NatTopology
-from benchmarks.harness.wan_emulator import Link, Regions
+from benchmarks.harness.wan_emulator import Link, Outage, Regions
 from opendiloco_stream.net.lifecycle import is_running
 from tests.support.peers import run_benchmark
 
@@ -100,6 +100,29 @@ def test_loss_rate_applies_per_packet_on_the_lossy_link_only():
         within = wan_probes.measure_udp(topo, "p0", "p2", mbit=5.0, seconds=1.0)
     assert across["sent"] > 800 and 0.05 < across["lost_fraction"] < 0.15, across
     assert within["lost_fraction"] == 0.0, within
+
+
+def test_an_outage_cuts_every_frame_across_the_link_until_restored_and_none_within_a_region():
+    """``topo.outage(True)``: nothing crosses between regions a and b (datagrams and echoes), while
+    two peers of one region still talk; ``outage(False)``: the link is back at its RTT. A scheduled
+    ``Outage`` cuts the same port pairs (its config)."""
+    regions = Regions.pair(20.0)
+    with netns.Topology(peers=3, regions=regions, place={"p0": "a", "p1": "b", "p2": "a"}) as topo:
+        topo.outage(True)
+        across = wan_probes.measure_rtt(topo, "p0", "p1", count=5, wait=0.3)
+        within = wan_probes.measure_rtt(topo, "p0", "p2", count=5, wait=0.3)
+        topo.outage(False)
+        echo = wan_probes.measure_rtt(topo, "p0", "p1", count=5)
+        time.sleep(0.6)  # the stats file is rewritten every half second
+        stats = topo.emulator_stats()
+    assert across["replies"] == 0 and within["replies"] == 5, (across, within)
+    assert echo["replies"] == 5 and abs(echo["median_ms"] - 20.0) < 2.0, echo
+    assert stats["outage_drops"] >= 6, stats  # the 6 echoes across (the first one too)
+    config = regions.forwarder_config({"va": "a", "vb": "b", "vc": "a"}, 0, "/dev/null",
+                                      (Outage(1.0, 2.0), Outage(3.0, 4.0, between=("a", "b"))))
+    across_ab = [[False, True, False], [True, False, True], [False, True, False]]
+    assert config["cut"] == across_ab and [o["cut"] for o in config["outages"]] == [across_ab, across_ab]
+    assert [(o["start_s"], o["end_s"]) for o in config["outages"]] == [(1.0, 2.0), (3.0, 4.0)]
 
 
 def test_nat_routers_sit_on_the_delayed_segment():

@@ -23,6 +23,10 @@ netem is not available on this kernel, so without ``regions`` links have no adde
 RTT is the sub-ms veth one plus whatever tbf queues, at most ``latency_ms``); with them the
 forwarder adds it, and the download ``tbf`` on ``v<node>`` sits after its delay line.
 
+Outages (with ``regions``): ``Topology(..., outages=[Outage(5, 9)])`` cuts every link between
+regions from 5 to 9 s after the forwarder started; ``topo.outage(True)`` / ``topo.outage(False)``
+cut and restore them on demand (the forwarder's SIGUSR1 / SIGUSR2), to hit a chosen round.
+
 Every name carries ``odsw<pid>``, so ``cleanup_leftovers`` can find what an earlier (killed) run
 left behind and only that; teardown first kills every process still inside our namespaces
 (``ip netns pids``), then deletes the namespaces, which destroys their veths and the bridge.
@@ -43,7 +47,7 @@ from types import FrameType
 from typing import Optional
 
 from benchmarks.harness import wan_emulator
-from benchmarks.harness.wan_emulator import Regions
+from benchmarks.harness.wan_emulator import Outage, Regions
 from opendiloco_stream.net.lifecycle import is_running, terminate_pids
 
 PREFIX = "odsw"
@@ -143,7 +147,7 @@ class Topology:
     """
 
     def __init__(self, peers: int, prefix: Optional[str] = None, *, regions: Optional[Regions] = None,
-                 place: Optional[dict[str, str]] = None, seed: int = 0):
+                 place: Optional[dict[str, str]] = None, seed: int = 0, outages: tuple[Outage, ...] = ()):
         if not 1 <= peers <= 200:
             raise ValueError(f"peers must be in 1..200, got {peers}")
         self.prefix = prefix or f"{PREFIX}{os.getpid()}"
@@ -159,6 +163,9 @@ class Topology:
             if region not in self.regions.names:
                 raise ValueError(f"{node} is placed in {region!r}, not one of the regions {self.regions.names}")
         self.seed = seed
+        self.outages = tuple(outages)
+        if self.outages and len(self.regions.names) < 2:
+            raise ValueError("an outage cuts a link between regions: give at least two regions")
         self.forwarder: Optional[subprocess.Popen] = None
         self._macs: dict[str, str] = {}
         self.stats_path = f"/tmp/{self.prefix}-wan-stats.json"
@@ -185,8 +192,8 @@ class Topology:
 
     @property
     def delayed(self) -> bool:
-        """Whether the forwarder (delay, jitter or loss) replaces the bridge."""
-        return self.regions.delayed()
+        """Whether the forwarder (delay, jitter, loss or outages) replaces the bridge."""
+        return self.regions.delayed() or bool(self.outages)
 
     def rtt_ms(self, a: str, b: str) -> float:
         """The round-trip time the emulator adds between nodes ``a`` and ``b``."""
@@ -251,7 +258,7 @@ class Topology:
     def _start_forwarder(self, timeout: float = 20.0) -> None:
         """Run ``wan_emulator.py`` in the bridge namespace over every ``v<node>``; wait for its ``ready``."""
         ports = {f"v{node}": self.region_of(node) for node in self.nodes}
-        config = self.regions.forwarder_config(ports, self.seed, self.stats_path)
+        config = self.regions.forwarder_config(ports, self.seed, self.stats_path, self.outages)
         config["macs"] = {f"v{node}": mac for node, mac in self._macs.items()}
         argv = ["ip", "netns", "exec", self.bridge, sys.executable, wan_emulator.__file__, json.dumps(config)]
         self.forwarder = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -260,6 +267,12 @@ class Topology:
         if line != "ready":
             self.forwarder.kill()
             raise RuntimeError(f"the WAN forwarder did not start: {line} {self.forwarder.stderr.read()[-1000:]}")
+
+    def outage(self, down: bool) -> None:
+        """Cut (``True``) or restore (``False``) every link between regions now."""
+        if self.forwarder is None or self.forwarder.poll() is not None:
+            raise RuntimeError("no WAN forwarder runs: an outage needs regions (Topology(..., regions=...))")
+        self.forwarder.send_signal(signal.SIGUSR1 if down else signal.SIGUSR2)
 
     def emulator_stats(self) -> dict:
         """The forwarder's counters (frames, drops by cause, lateness), at most half a second old."""

@@ -20,6 +20,12 @@ Why it is exact enough:
 - Jitter never reorders a pair's frames (a frame is due no earlier than the one before it on the
   same pair), because TCP takes reordering as loss, which real paths rarely cause.
 
+Outages: a link between two regions can go down, dropping every frame crossing it (in both
+directions) as a cut cable or a dead router would, either on a schedule (``Outage(start_s,
+end_s)``, seconds after the forwarder's ``ready``) or on demand (SIGUSR1: every link between
+regions down, SIGUSR2: up again; ``Topology.outage``). Frames already in flight are delivered
+(they left before the cut); frames within a region are never dropped. ``outage_drops`` counts them.
+
 Run standalone (stdlib only, so it starts in ~50 ms): ``python wan_emulator.py CONFIG_JSON``;
 it prints ``ready`` once every socket is bound and rewrites the stats file (``stats``) every
 half second and on SIGTERM. :class:`Regions` is the spec the topology turns into that config.
@@ -82,6 +88,22 @@ class Link:
         return self.rtt_ms / 2
 
 
+@dataclass(frozen=True)
+class Outage:
+    """Every link between regions (or only the link between the regions ``between``) drops every
+    frame from ``start_s`` to ``end_s`` seconds after the forwarder started."""
+
+    start_s: float
+    end_s: float
+    between: Optional[tuple[str, str]] = None
+
+    def __post_init__(self):
+        if not 0 <= self.start_s < self.end_s:
+            raise ValueError(f"an outage needs 0 <= start_s < end_s, got {self.start_s}, {self.end_s}")
+        if self.between is not None and (len(self.between) != 2 or self.between[0] == self.between[1]):
+            raise ValueError(f"an outage is between two regions, got {self.between}")
+
+
 #: RTTs between cloud regions (approximate public measurements): us-east, eu-west, ap-southeast
 PRESETS: dict[str, dict[tuple[str, str], float]] = {
     "us/eu/asia": {("us", "eu"): 75.0, ("us", "asia"): 230.0, ("eu", "asia"): 160.0},
@@ -138,14 +160,26 @@ class Regions:
                  + (f" {l.loss:.1%} loss" if l.loss else "") for p, l in self.links.items()]
         return ", ".join(parts) or "no delay"
 
-    def forwarder_config(self, ports: dict[str, str], seed: int, stats: str) -> dict:
-        """The forwarder's config: ``ports`` maps each veth end to its node's region."""
+    def forwarder_config(self, ports: dict[str, str], seed: int, stats: str,
+                         outages: tuple[Outage, ...] = ()) -> dict:
+        """The forwarder's config: ``ports`` maps each veth end to its node's region; ``outages``
+        become, per window, the matrix of port pairs it cuts (``True``: a pair across the link)."""
         names = list(ports)
         rows = [[self.link(ports[a], ports[b]) for b in names] for a in names]
+        for o in outages:
+            if o.between is not None and not set(o.between) <= set(self.names):
+                raise ValueError(f"outage between {o.between}: not regions of {self.names}")
+
+        def cut(o: Optional[Outage]) -> list[list[bool]]:
+            return [[ports[a] != ports[b] and (o is None or o.between is None or {ports[a], ports[b]} == set(o.between))
+                     for b in names] for a in names]
+
         return {"ports": names, "seed": seed, "stats": stats,
                 "delay_ms": [[l.one_way_ms for l in r] for r in rows],
                 "jitter_ms": [[l.jitter_ms for l in r] for r in rows],
-                "loss": [[l.loss for l in r] for r in rows]}
+                "loss": [[l.loss for l in r] for r in rows],
+                "cut": cut(None),  # what SIGUSR1 takes down
+                "outages": [{"start_s": o.start_s, "end_s": o.end_s, "cut": cut(o)} for o in outages]}
 
 
 # ---------------------------------------------------------------------- the forwarder
@@ -159,6 +193,7 @@ class Stats:
     frames_out: int = 0
     bytes_out: int = 0
     lost: int = 0          # dropped on purpose (the link's loss rate)
+    outage_drops: int = 0  # dropped because their link was down (an outage)
     send_errors: int = 0   # the output veth refused the frame (its tbf queue was full)
     kernel_drops: int = 0  # the raw socket's receive buffer overflowed: frames the emulator lost
     gso_frames: int = 0
@@ -208,6 +243,10 @@ class Forwarder:
         self.seq = itertools.count()
         self.stats = Stats()
         self.running = True
+        self.started = time.time()
+        self.cut_all: list[list[bool]] = config.get("cut") or [[False] * len(self.ports) for _ in self.ports]
+        self.outages: list[dict] = list(config.get("outages", []))
+        self.down_on_demand = False  # SIGUSR1 / SIGUSR2
 
     def run(self) -> None:
         # select(), not epoll: its timeout has microsecond steps where epoll's has milliseconds, and
@@ -247,6 +286,13 @@ class Forwarder:
                 self.stats.gso_frames += 1
             self._schedule(port, frame, stamp)
 
+    def _down(self, src: int, dst: int, stamp: float) -> bool:
+        """Whether the link from port ``src`` to ``dst`` is down at ``stamp`` (an outage)."""
+        if self.down_on_demand and self.cut_all[src][dst]:
+            return True
+        t = stamp - self.started
+        return any(o["start_s"] <= t < o["end_s"] and o["cut"][src][dst] for o in self.outages)
+
     def _schedule(self, src: int, frame: bytes, stamp: float) -> None:
         dst_mac, src_mac = frame[ETH:ETH + 6], frame[ETH + 6:ETH + 12]
         self.mac_port[src_mac] = src
@@ -254,6 +300,9 @@ class Forwarder:
         targets = range(len(self.ports)) if out is None or dst_mac[0] & 1 else (out,)
         for dst in targets:
             if dst == src:
+                continue
+            if (self.down_on_demand or self.outages) and self._down(src, dst, stamp):
+                self.stats.outage_drops += 1
                 continue
             if self.loss[src][dst] and self.rng.random() < self.loss[src][dst]:
                 self.stats.lost += 1
@@ -293,6 +342,12 @@ class Forwarder:
     def stop(self, *_args) -> None:
         self.running = False
 
+    def link_down(self, *_args) -> None:
+        self.down_on_demand = True
+
+    def link_up(self, *_args) -> None:
+        self.down_on_demand = False
+
 
 def _realtime() -> bool:
     """Ask for SCHED_FIFO: netem's delay runs in the kernel's softirq, ours in a process that must
@@ -311,7 +366,10 @@ def main(argv: list[str]) -> int:
     fwd.stats.realtime = _realtime()
     signal.signal(signal.SIGTERM, fwd.stop)
     signal.signal(signal.SIGINT, fwd.stop)
+    signal.signal(signal.SIGUSR1, fwd.link_down)
+    signal.signal(signal.SIGUSR2, fwd.link_up)
     fwd.write_stats()  # the stats file exists once the topology sees "ready"
+    fwd.started = time.time()  # outages count from here
     print("ready", flush=True)
     fwd.run()
     return 0

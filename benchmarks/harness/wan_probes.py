@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from benchmarks.harness.netns import Topology
 
@@ -148,13 +148,15 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return out.strip().splitlines()[-1] if out.strip() else ""
 
 
-def measure_rtt(topo: Topology, src: str, dst: str, count: int = 40, interval: float = 0.02) -> dict[str, Any]:
+def measure_rtt(topo: Topology, src: str, dst: str, count: int = 40, interval: float = 0.02,
+                wait: Optional[float] = None) -> dict[str, Any]:
     """``count`` ICMP echoes from ``src`` to ``dst`` (a ping): median, spread and how many came back.
 
     The reply comes from ``dst``'s kernel and its arrival is the kernel's receive timestamp, so no
     process but the forwarder has to wake up in time: what is measured is the emulated link. The
-    first echo also pays for ARP (one extra round trip on a fresh topology) and is left out."""
-    wait = 2.0 + topo.rtt_ms(src, dst) / 1e3 * 4
+    first echo also pays for ARP (one extra round trip on a fresh topology) and is left out.
+    ``wait``: how long each echo waits for its reply (default: 2 s + 4 RTT)."""
+    wait = 2.0 + topo.rtt_ms(src, dst) / 1e3 * 4 if wait is None else wait
     rtts = json.loads(_client(topo, src, _PING, topo.ip(dst), str(count + 1), str(interval), str(wait),
                               timeout=(count + 1) * (interval + wait) + 30))[1:]
     ordered = sorted(rtts) or [float("nan")]

@@ -26,8 +26,12 @@ winning digest, as that groupmate holds them after consuming the same round as t
 since, so the holder's is still the group's; ``Transport.fetch_fragment``: over hivemind, the
 joiners' state download scoped to one fragment, moving only the tensors that differ), on a
 worker thread, bounded in time; the training thread adopts it at the start of a later step
-(:meth:`Repairs.poll`, :func:`adopt`). A fetch that fails, or whose state is not of that round,
-is recorded and left to the fragment's next round's check.
+(:meth:`Repairs.poll`, :func:`adopt`). Rounds go on during the download (eager at a distance:
+a round can be shorter than the download), so the groupmate is asked for the state after the
+round this peer consumed last, and a state of a round this peer has not consumed yet is kept
+until it has, then adopted: what counts is that both hold theta_bar after the same round. A
+fetch that fails, or whose state is of a round this peer has passed, is recorded and left to the
+fragment's next round's check.
 
 Only rules whose theta_bar steps with group averages alone take part (``SyncRule.shares_outer``):
 eager 'paper' and naive-delayed step theta_bar with each peer's own estimate, so theirs differ by
@@ -177,7 +181,10 @@ class _Fetch:
     round: int
     peer: str
     future: concurrent.futures.Future
+    since: dict = field(default_factory=dict)  # what the peer held when it asked (equal tensors do not move)
     started: float = field(default_factory=time.monotonic)
+    asked: int = 1  # downloads started (one more each time this peer consumed a round during one)
+    received: int = 0  # bytes of the downloads before the last one
 
 
 class Repairs:
@@ -280,8 +287,8 @@ class Repairs:
         since = {"outer_params": [t.clone() for t in s.f.outer]}  # what we hold: equal tensors do not move
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ods-repair")
-        future = self._pool.submit(self._fetch, peer, s.f.index, k, since)
-        self._fetches[s.f.index] = _Fetch(s.f.index, k, peer, future)
+        future = self._pool.submit(self._fetch, peer, s.f.index, k, since, lambda: _after(s))
+        self._fetches[s.f.index] = _Fetch(s.f.index, k, peer, future, since)
 
     def _superseded(self, s: Repairable, mine: OuterDigest) -> bool:
         """Whether ``mine`` describes a theta_bar a repair has replaced since (told before it)."""
@@ -290,22 +297,28 @@ class Repairs:
             return False
         return mine.round < adopted[0] or mine.digest != adopted[1].result()
 
-    def _fetch(self, peer: str, fragment: int, k: int, since: dict) -> tuple[Optional[FetchedFragment], int]:
+    def _fetch(self, peer: str, fragment: int, k: int, since: dict, consumed: Callable[[], int],
+               timeout: Optional[float] = None) -> tuple[Optional[FetchedFragment], int]:
         """(Worker thread.) The groupmate's state of fragment ``fragment``, asked again (bounded)
-        while it has not consumed round ``k`` yet; and the bytes all tries received."""
-        deadline, received = time.monotonic() + self.timeout, 0
+        while it has not consumed round ``k`` yet, nor the round this peer consumed since
+        (``consumed()``: this peer's rounds go on during the download); and the bytes all tries
+        received."""
+        deadline, received = time.monotonic() + (self.timeout if timeout is None else timeout), 0
         for _ in range(RETRIES + 1):
             left = deadline - time.monotonic()
             if left <= 0 or self._closing.is_set():
                 break
-            fetched = self.transport.fetch_fragment(peer, fragment, k, left, since=since)
+            want = max(k, consumed())
+            fetched = self.transport.fetch_fragment(peer, fragment, want, left, since=since)
             if fetched is None:
                 return None, received
             received += fetched.received_bytes
             if fetched.state.get("fragment") != fragment:  # a groupmate of an older release served its whole state
                 return None, received
             served = fetched.state.get("round")
-            if isinstance(served, int) and served >= k:  # (later than k: stale, said by ``_finish``)
+            # later than this peer: adopted once it consumed that round too (``poll``); earlier (this
+            # peer consumed another round during the download): asked again
+            if isinstance(served, int) and served >= max(want, consumed()):
                 return fetched, received
             self._closing.wait(min(RETRY_S, max(0.0, deadline - time.monotonic())))
         return None, received
@@ -314,9 +327,42 @@ class Repairs:
     def poll(self, syncs: Sequence[Repairable]) -> None:
         """Adopt the repairs that arrived (call between steps, with the state's lock held)."""
         for p, fetch in list(self._fetches.items()):
-            if fetch.future.done():
-                del self._fetches[p]
-                self._finish(syncs[p], fetch)
+            if not fetch.future.done() or self._ahead(syncs[p], fetch) or self._ask_again(syncs[p], fetch):
+                continue
+            del self._fetches[p]
+            self._finish(syncs[p], fetch)
+
+    def _ask_again(self, s: Repairable, fetch: _Fetch) -> bool:
+        """Whether the state that came is of a round this peer consumed past while it came (eager
+        waits for its round in flight at the sync, and a download that lands meanwhile is one round
+        old at the next step): then it is asked again for the round consumed now, within the
+        repair's bound and at most ``RETRIES`` times."""
+        try:
+            fetched, received = fetch.future.result()
+        except Exception:
+            return False
+        served = None if fetched is None else fetched.state.get("round")
+        left = self.timeout - (time.monotonic() - fetch.started)
+        if not isinstance(served, int) or served >= _after(s) or fetch.asked > RETRIES or left <= 0 \
+                or self._closing.is_set() or self._pool is None:
+            return False
+        fetch.received += received
+        fetch.asked += 1
+        fetch.future = self._pool.submit(self._fetch, fetch.peer, s.f.index, _after(s), fetch.since,
+                                         lambda: _after(s), left)
+        return True
+
+    @staticmethod
+    def _ahead(s: Repairable, fetch: _Fetch) -> bool:
+        """Whether the state that came is of a round this peer has not consumed yet (the groupmate
+        moved on while it was asked: rounds shorter than the download, eager at a distance): it is
+        kept until this peer consumed that round too, and adopted then (``_finish``)."""
+        try:
+            fetched, _ = fetch.future.result()
+        except Exception:
+            return False
+        served = None if fetched is None else fetched.state.get("round")
+        return isinstance(served, int) and served > _after(s)
 
     def _finish(self, s: Repairable, fetch: _Fetch) -> None:
         try:
@@ -324,10 +370,14 @@ class Repairs:
         except Exception as e:  # a bug in the download must not stop training: recorded as a failure
             logger.warning("fragment %d: repair from %s failed: %r", fetch.fragment, fetch.peer, e)
             fetched, received = None, 0
-        outcome = RepairOutcome.FAILED
+        received += fetch.received
+        outcome, served = RepairOutcome.FAILED, None
         if fetched is not None:
+            served = fetched.state.get("round")
             state = fetched.state
-            if state.get("round") != fetch.round or s.consumed != fetch.round:
+            # the groupmate's theta_bar after the round this peer consumed last: the group's then (both
+            # applied the same averages since the round checked); another round's is not
+            if state.get("round") != s.consumed:
                 outcome = RepairOutcome.STALE
             else:
                 self._settle(s)
@@ -346,7 +396,8 @@ class Repairs:
                         fetch.fragment, fetch.round, fetch.peer, outcome.value)
         self.log.emit({"event": "repair", "fragment": fetch.fragment, "round": fetch.round, "step": self.now(),
                        "from": fetch.peer, "bytes": int(received),
-                       "seconds": round(time.monotonic() - fetch.started, 3), "outcome": outcome.value})
+                       "seconds": round(time.monotonic() - fetch.started, 3), "outcome": outcome.value,
+                       "served_round": served, "consumed": s.consumed, "asked": fetch.asked})
 
     def close(self) -> None:
         """Stop the worker (a download under way ends on its own bound, asking no more)."""
