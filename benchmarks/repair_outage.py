@@ -22,10 +22,8 @@ The transport's timeouts are set short (a round cut off fails in ~2-4 s instead 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -33,6 +31,7 @@ from torch import nn
 
 from benchmarks.harness import netns
 from benchmarks.harness.loopback import LoopbackSwarm, peer_signal
+from benchmarks.harness.results import write_result
 from benchmarks.harness.wan_emulator import Regions
 from opendiloco_stream import DiLoCoConfig, wrap
 
@@ -160,8 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{mode} at {args.rtt_ms:g} ms, link down {args.outage_s:g} s after step {args.cut_after}: "
               f"failed on both {c['failed_on_both']}, digests differed after {c['digests_differed_after']}, "
               f"repairs {c['repairs']}, equal at the end {c['equal_at_the_end']} ({res['seconds']} s)", flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(runs, indent=1) + "\n")
+        if args.out:  # after every run: a later one that fails keeps the earlier ones
+            write_result(args.out, settings=vars(args), rows=runs, benchmark="repair_outage")
     return 0 if all(r["checks"]["ok"] for r in runs) else 1
 
 
