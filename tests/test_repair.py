@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from benchmarks.harness import netns
-from benchmarks.repair_outage import run_scenario
+from benchmarks.harness.repair_outage import run_scenario
 from opendiloco_stream import DiLoCoConfig, wrap
 from opendiloco_stream.algorithm.repair import adopt, outer_digest, voting_round, winning_digest
 from opendiloco_stream.net.prometheus import PeerMetrics, samples
@@ -314,7 +314,7 @@ def test_a_round_cut_off_by_an_outage_fails_for_both_peers_and_repair_brings_the
     syncs at steps 2, 6, 10 ...), no fake: the link goes down for 4 s after peer 0's step 5, so
     fragment 0's round 1 fails for both (each takes its own local-only outer step) and their
     theta_bar of fragment 0 differ. A later round carries both digests; one peer repairs from the
-    other (``benchmarks/repair_outage.py``), and the last rounds' digests of both fragments agree.
+    other (``benchmarks/harness/repair_outage.py``), and the last rounds' digests of both fragments agree.
     Both peers also knew their swarm was far before their first round (DHT pings at start:
     ``prematch_steps = "auto"`` formed that round's group ahead)."""
     res = run_scenario(100.0, "blocking", steps=18, cut_after=5, outage_s=4.0, timeout=90.0)
