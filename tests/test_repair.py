@@ -331,7 +331,8 @@ def test_a_round_cut_off_by_an_outage_fails_for_both_peers_and_repair_brings_the
             assert repair["from"] == other["peer_id"], repair
             assert not any(r["fragment"] == repair["fragment"] for r in other["repairs"]), (a, b)
     assert c["equal_at_the_end"], c
-    assert int(c["last_compared"][0].split("/")[1]) >= 3, c  # compared after the repair's round
+    assert int(c["last_averaged_by_both"][0].split("/")[1]) >= 3, c  # compared after the repair's round
+    assert c["averaged_by_both_after_repair"] >= 2 and c["equal_after_repair"], c
     for peer in (a, b):
         first = peer["prematch_before_first_round"]
         assert first is not None and first["steps"] >= 1 and first["rtt_ms"] >= 20, peer

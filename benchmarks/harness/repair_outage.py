@@ -63,7 +63,7 @@ def peer_view(out: dict[str, Any]) -> dict[str, Any]:
             "rounds": [{"fragment": e["fragment"], "round": e["round"], "step": e.get("step"), "ok": e["ok"],
                         "group_size": e.get("group_size"), "reason": e.get("reason")} for e in syncs],
             "repairs": [{k: e.get(k) for k in ("fragment", "round", "step", "from", "outcome", "bytes", "seconds", "served_round", "asked",
-                                                "consumed")}
+                                                "consumed", "waited_s")}
                         for e in events if e["event"] == "repair"],
             "prematch_before_first_round": None if prematch is None else
             {k: prematch.get(k) for k in ("steps", "rtt_ms", "why")},
@@ -73,20 +73,32 @@ def peer_view(out: dict[str, Any]) -> dict[str, Any]:
 
 def checks(views: list[dict[str, Any]]) -> dict[str, Any]:
     """What the scenario must show: a round failed on both peers, their theta_bar then differed,
-    a repair brought them back, and the last rounds' digests agree."""
+    a repair brought them back, and the digests agree after the last round of each fragment both
+    averaged (a round both fail at the very end, as one peer finishes, leaves each its own local
+    step, which only the next round could repair)."""
     failed = [{(r["fragment"], r["round"]) for r in v["rounds"] if not r["ok"]} for v in views]
     both_failed = sorted(failed[0] & failed[1])
+    averaged = [{f"{r['fragment']}/{r['round']}" for r in v["rounds"] if r["ok"] and r["group_size"] == 2}
+                for v in views]
     d0, d1 = views[0]["digests"], views[1]["digests"]
     common = sorted(set(d0) & set(d1), key=lambda k: tuple(map(int, k.split("/"))))
     differ = [k for k in common if d0[k] != d1[k]]
-    last = {f: max((k for k in common if k.startswith(f"{f}/")), key=lambda k: int(k.split("/")[1]), default=None)
+    both = [k for k in common if k in averaged[0] & averaged[1]]
+    last = {f: max((k for k in both if k.startswith(f"{f}/")), key=lambda k: int(k.split("/")[1]), default=None)
             for f in (0, 1)}
     repaired = [r for v in views for r in v["repairs"] if r["outcome"] == "repaired"]
+    # every round both averaged after the round whose state a fragment's repair adopted (that
+    # round's own digest record came before the repair): one theta_bar
+    since = {r["fragment"]: max(x["round"], x.get("consumed") or 0) for r in repaired for x in repaired
+             if x["fragment"] == r["fragment"]}
+    after = [k for k in both if int(k.split("/")[0]) in since and int(k.split("/")[1]) > since[int(k.split("/")[0])]]
+    equal_end = all(k is not None and d0[k] == d1[k] for k in last.values())
     return {"failed_on_both": [list(k) for k in both_failed], "digests_differed_after": differ,
-            "repairs": len(repaired), "last_compared": last,
-            "equal_at_the_end": all(k is not None and d0[k] == d1[k] for k in last.values()),
-            "ok": bool(both_failed) and bool(differ) and bool(repaired)
-            and all(k is not None and d0[k] == d1[k] for k in last.values())}
+            "repairs": len(repaired), "last_averaged_by_both": last, "equal_at_the_end": equal_end,
+            "averaged_by_both_after_repair": len(after),
+            "equal_after_repair": all(d0[k] == d1[k] for k in after),
+            "ok": bool(both_failed) and bool(differ) and bool(repaired) and equal_end
+            and all(d0[k] == d1[k] for k in after)}
 
 
 def run_scenario(rtt_ms: float, mode: str = "blocking", steps: int = 26, cut_after: int = 5, outage_s: float = 4.0,

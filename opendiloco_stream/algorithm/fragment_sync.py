@@ -180,6 +180,7 @@ class FragmentSync:
             self._land(at_sync=False)
 
     def _land(self, at_sync: bool) -> None:
+        self.rounds.repairs.before_landing(self)  # a repair under way is of the round consumed last
         pending, self.pending = self.pending, None
         assert pending is not None, "no round in flight"
         landings: list[Landing] = []

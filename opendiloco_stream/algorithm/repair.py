@@ -63,6 +63,8 @@ FETCH_TIMEOUT_S = 60.0  # bound on one repair's download (and on sync_timeout, i
 SERVE_WAIT_S = 2.0  # how long a groupmate waits to have consumed the round asked for before it serves
 RETRY_S = 0.2  # a groupmate that still has not consumed it is asked again after this long
 RETRIES = 5  # ... at most this many times, then the repair waits for the fragment's next round
+#: the longest a landing of a fragment waits for that fragment's repair under way (``before_landing``)
+LANDING_WAIT_S = 10.0
 
 
 class RepairOutcome(str, enum.Enum):
@@ -185,6 +187,7 @@ class _Fetch:
     started: float = field(default_factory=time.monotonic)
     asked: int = 1  # downloads started (one more each time this peer consumed a round during one)
     received: int = 0  # bytes of the downloads before the last one
+    waited: float = 0.0  # seconds the training thread waited for it at landings (``before_landing``)
 
 
 class Repairs:
@@ -332,6 +335,32 @@ class Repairs:
             del self._fetches[p]
             self._finish(syncs[p], fetch)
 
+    def before_landing(self, s: Repairable) -> None:
+        """(Training thread, state lock held.) A round of ``s`` is about to be consumed while a
+        repair of ``s`` is under way: wait for it (up to ``LANDING_WAIT_S`` and the repair's bound)
+        and adopt it first. The download was asked for the state after the round this peer
+        consumed last; consumed later, it would be a round old on arrival, and asked again, and so
+        on: eager at a distance consumes a round of a fragment every few hundred milliseconds, less
+        than a download takes, and in runs with a real failed round its repairs chased the rounds
+        for their whole minute (``benchmarks/repair_outage.py``). Frozen here, the peer's last
+        round is the one asked for; the groupmate serves it once it consumed that round too."""
+        fetch = self._fetches.get(s.f.index)
+        if fetch is None:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + min(LANDING_WAIT_S, max(0.0, self.timeout - (t0 - fetch.started)))
+        while True:
+            concurrent.futures.wait([fetch.future], timeout=max(0.0, deadline - time.monotonic()))
+            if not fetch.future.done() or self._ahead(s, fetch):
+                break  # not in time (it goes on; ``poll`` takes it), or of a round still to come
+            if time.monotonic() < deadline and self._ask_again(s, fetch):
+                continue  # the groupmate had not consumed the round yet: asked again
+            fetch.waited += time.monotonic() - t0
+            del self._fetches[s.f.index]
+            self._finish(s, fetch)
+            return
+        fetch.waited += time.monotonic() - t0
+
     def _ask_again(self, s: Repairable, fetch: _Fetch) -> bool:
         """Whether the state that came is of a round this peer consumed past while it came (eager
         waits for its round in flight at the sync, and a download that lands meanwhile is one round
@@ -397,7 +426,8 @@ class Repairs:
         self.log.emit({"event": "repair", "fragment": fetch.fragment, "round": fetch.round, "step": self.now(),
                        "from": fetch.peer, "bytes": int(received),
                        "seconds": round(time.monotonic() - fetch.started, 3), "outcome": outcome.value,
-                       "served_round": served, "consumed": s.consumed, "asked": fetch.asked})
+                       "served_round": served, "consumed": s.consumed, "asked": fetch.asked,
+                       "waited_s": round(fetch.waited, 3)})
 
     def close(self) -> None:
         """Stop the worker (a download under way ends on its own bound, asking no more)."""
