@@ -135,7 +135,7 @@ def test_plaintext_mode_has_no_channel_and_says_so_in_its_hello():
     assert not read_hello(make_hello(DirectSecurity(), GROUP, PREFIX, 0, 1, b"s" * 16)).plaintext
     v1 = bytearray(make_hello(plain, GROUP, PREFIX, 0, 1, b"s" * 16))
     v1[4] = 1
-    with pytest.raises(HelloVersionError, match="v1 direct hello; this peer speaks v4"):
+    with pytest.raises(HelloVersionError, match="v1 direct hello; this peer speaks v3"):
         read_hello(bytes(v1))
 
 

@@ -63,12 +63,11 @@ logger = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<4sBBH16s16s32s")  # magic, version, flags, sender index, group tag, salt, MAC
 _HELLO_HEAD = struct.Struct("<4sB")  # magic, version: read first, so another version is named as such
-HELLO_MAGIC, HELLO_VERSION = b"ODDT", 4  # 4: READY; 3: kept-open connections, END; 2: sealed messages (seal.py)
+HELLO_MAGIC, HELLO_VERSION = b"ODDT", 3  # 3: kept-open connections, END; 2: sealed messages (seal.py)
 FLAG_PLAINTEXT = 1
 _LENGTH = struct.Struct("<I")
 NOTICE = 1 << 31  # in a length: an unsealed error notice follows (see the module docstring)
 END = 0xFFFFFFFF  # a length word alone: the sender's last message of this round (the connection stays open)
-READY = 0xFFFFFFFE  # a length word alone: the reducer's first word of an exchange, written once the hello checks
 IDLE_S = 300.0  # a reducer closes a kept-open connection with no new hello for this long
 POOL_IDLE_S = 120.0  # a sender reuses a connection idle for less than this (well below IDLE_S)
 OFF_LOOP_BYTES = 256 << 10  # messages from this size on are sealed and opened on a thread
@@ -233,21 +232,12 @@ async def _recv_exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> Op
     return buf
 
 
-async def read_message(sock: socket.socket, max_bytes: int, channel: Optional[Channel] = None,
-                       ready_ok: bool = False) -> Optional[Message]:
-    """The next message, or None at a clean end of stream; ``channel``: open it (sealed path);
-    ``ready_ok``: a READY word may come first (a sender's first read of an exchange), and is skipped."""
+async def read_message(sock: socket.socket, max_bytes: int, channel: Optional[Channel] = None) -> Optional[Message]:
+    """The next message, or None at a clean end of stream; ``channel``: open it (sealed path)."""
     head = await _recv_exactly(sock, _LENGTH.size, eof_ok=True)
     if head is None:
         return None
     (n,) = _LENGTH.unpack(head)
-    if n == READY and ready_ok:  # the reducer took the hello; its first reply follows
-        head = await _recv_exactly(sock, _LENGTH.size, eof_ok=True)
-        if head is None:
-            return None
-        (n,) = _LENGTH.unpack(head)
-    if n == READY:
-        raise ProtocolError("a READY word where a message was expected")
     if n == END:
         return None
     if n & NOTICE:
@@ -283,11 +273,6 @@ def _notice(body: bytes) -> Message:
 async def write_end(sock: socket.socket) -> None:
     """The end of this round's messages from the sender (the connection stays open)."""
     await asyncio.get_event_loop().sock_sendall(sock, _LENGTH.pack(END))
-
-
-async def write_ready(sock: socket.socket) -> None:
-    """The reducer's first word of an exchange (module docstring, "READY")."""
-    await asyncio.get_event_loop().sock_sendall(sock, _LENGTH.pack(READY))
 
 
 async def write_notice(sock: socket.socket, code: int) -> None:
@@ -376,7 +361,7 @@ class DirectStream:
         self.sock, self.max_bytes, self.channel = sock, max_bytes, channel
         self.pool, self.address, self.reused = pool, address, reused
         self.connect_s: Optional[float] = None  # the TCP handshake's time (one round trip), if we made one
-        self._done_read = self._end_written = self._replied = False
+        self._done_read = self._end_written = False
         self._writer = asyncio.ensure_future(self._write(outgoing))
 
     @classmethod
@@ -435,8 +420,7 @@ class DirectStream:
         return self
 
     async def __anext__(self) -> Message:
-        msg = await read_message(self.sock, self.max_bytes, self.channel, ready_ok=not self._replied)
-        self._replied = True
+        msg = await read_message(self.sock, self.max_bytes, self.channel)
         if msg is None:
             raise StopAsyncIteration
         if msg.code == averaging_pb2.AVERAGED_PART and msg.parts and frame_kind(msg.parts[0]) == DONE:
@@ -610,7 +594,6 @@ async def _serve_exchange(sock: socket.socket, groups: RunningGroups, prefix: st
             await write_notice(sock, averaging_pb2.PROTOCOL_VIOLATION)
             return False
         channel = security.channel(group_id, prefix, hello.sender, runner.me, hello.salt, "reducer")
-        await write_ready(sock)
         return await _serve_sender(sock, runner, hello.sender, channel)
     except HelloVersionError as e:
         logger.warning("%s: refusing a direct connection: %s", prefix, e)

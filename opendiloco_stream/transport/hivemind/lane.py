@@ -235,7 +235,7 @@ class _Lane:
         """Stop forming groups ahead (a group that formed loses this peer): all of them, or round
         ``key``'s, or (``before``) those of the rounds before ``key``."""
         for k in list(self._early):
-            if key is None or k == key or (before and k < key):
+            if key is None or (k < key if before else k == key):
                 early = self._early.pop(k)
                 if early.future.cancel():
                     logger.info("fragment %d: dropping the group being formed ahead for round %s", self.fragment, k)
