@@ -71,6 +71,14 @@ END = 0xFFFFFFFF  # a length word alone: the sender's last message of this round
 IDLE_S = 300.0  # a reducer closes a kept-open connection with no new hello for this long
 POOL_IDLE_S = 120.0  # a sender reuses a connection idle for less than this (well below IDLE_S)
 OFF_LOOP_BYTES = 256 << 10  # messages from this size on are sealed and opened on a thread
+# A message's head (length, protobuf prefix, frame head: tens of bytes) goes out with this much of
+# the bytes that follow, in one send. Sent alone after an idle gap it is a lone small segment whose
+# ACK the kernel takes for a delayed one ("maybe delayed"): BBR then ignores that RTT sample, its
+# restart-after-idle guard ends with that ACK, and the next ACK, with BBR's 10-second min-RTT filter
+# expired (a fragment's rounds are further apart), puts the connection in PROBE_RTT (4 segments in
+# flight for 200 ms and a round trip) in the middle of the round's bulk: +0.54 s per exchange at
+# 300 ms in the emulator (docs/benchmarks-wan.md, "A round at its transfer + 4 RTT by default").
+JOIN_BYTES = 64 << 10
 
 
 # ---------------------------------------------------------------------------------------- hello
@@ -298,6 +306,10 @@ async def write_message(sock: socket.socket, msg: Any, channel: Optional[Channel
     head += prefix
     while parts and len(parts[0]) <= 4096:  # small parts (a frame's head) go in one send with it
         head += bytes(parts.pop(0))
+    if parts:  # and the first bytes of the next: never a lone small segment ahead of a message's bulk
+        first = memoryview(parts[0]).cast("B")
+        head += first[:JOIN_BYTES]
+        parts[0] = first[JOIN_BYTES:]
     await loop.sock_sendall(sock, head)
     for part in parts:  # a chunk's bytes, as they are (or as sealed)
         await loop.sock_sendall(sock, part)
