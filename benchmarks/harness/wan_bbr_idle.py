@@ -11,7 +11,9 @@ answer starts with:
 - ``bulk``: N bytes in one send;
 - ``runt``: 60 bytes in one send, then the rest (a message's head sent alone: the direct path
   before ``direct.JOIN_BYTES``);
-- ``joined``: the 60 bytes and the rest in one send (``sendmsg``).
+- ``joined``: the 60 bytes and the rest in one send (``sendmsg``);
+- ``ready``: the bulk in one send, and before it a 4-byte word of its own as soon as the hello
+  arrived (a "ready" answer to the hello, tried and not kept).
 
 Prints one JSON line per mode: the client's round times and, per round, the smallest congestion
 window the server's socket showed while its answer drained (4: BBR's PROBE_RTT). The first round
@@ -60,7 +62,10 @@ def server(port: int, mode: str, n: int, rounds: int) -> list[dict]:
     _bbr(sock)
     out = []
     for r in range(rounds):
-        _recv_exactly(sock, HELLO + n)
+        _recv_exactly(sock, HELLO)
+        if mode == "ready":
+            sock.sendall(b"RDY!")
+        _recv_exactly(sock, n)
         t0 = time.monotonic()
         if mode == "runt":
             sock.sendall(b"h" * HEAD)
@@ -73,14 +78,14 @@ def server(port: int, mode: str, n: int, rounds: int) -> list[dict]:
         while True:  # watch the window until the answer is acknowledged
             raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 168)
             smallest = min(smallest, struct.unpack_from("<I", raw, _CWND_AT)[0])
-            if struct.unpack_from("<Q", raw, _BYTES_ACKED_AT)[0] >= (r + 1) * n:
+            if struct.unpack_from("<Q", raw, _BYTES_ACKED_AT)[0] >= (r + 1) * (n + (4 if mode == "ready" else 0)):
                 break
             time.sleep(0.005)
         out.append({"answer_acked_s": round(time.monotonic() - t0, 3), "smallest_cwnd": smallest})
     return out
 
 
-def client(host: str, port: int, n: int, rounds: int, gap_s: float) -> list[float]:
+def client(host: str, port: int, n: int, rounds: int, gap_s: float, mode: str) -> list[float]:
     sock = socket.create_connection((host, port))
     _bbr(sock)
     times = []
@@ -88,7 +93,7 @@ def client(host: str, port: int, n: int, rounds: int, gap_s: float) -> list[floa
         t0 = time.monotonic()
         sock.sendall(b"h" * HELLO)
         sock.sendall(b"c" * n)
-        _recv_exactly(sock, n)
+        _recv_exactly(sock, n + (4 if mode == "ready" else 0))
         times.append(round(time.monotonic() - t0, 3))
         time.sleep(gap_s)
     return times
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rtt-ms", type=float, default=300.0)
     p.add_argument("--rate", type=float, default=5.0, help="Mbit/s each way")
-    p.add_argument("--modes", default="bulk,runt,joined")
+    p.add_argument("--modes", default="bulk,runt,joined,ready")
     p.add_argument("--bytes", type=int, default=870_000, help="each way per round (a blocking fp32 round's half)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--gap", type=float, default=11.0, help="seconds idle between rounds")
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(server(args.port, args.modes, args.bytes, args.rounds)), flush=True)
         return 0
     if args.role == "client":
-        print(json.dumps(client(args.host, args.port, args.bytes, args.rounds, args.gap)), flush=True)
+        print(json.dumps(client(args.host, args.port, args.bytes, args.rounds, args.gap, args.modes)), flush=True)
         return 0
     me = [sys.executable, "-m", "benchmarks.harness.wan_bbr_idle", "--bytes", str(args.bytes),
           "--rounds", str(args.rounds), "--gap", str(args.gap)]
@@ -122,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                    stdout=subprocess.PIPE, text=True)
             time.sleep(1.0)
             cli = subprocess.Popen(topo.exec_argv("p0", [*me, "--role", "client", "--host", topo.ip("p1"),
-                                                         "--port", str(port)]), stdout=subprocess.PIPE, text=True)
+                                                         "--port", str(port), "--modes", mode]),
+                                   stdout=subprocess.PIPE, text=True)
             timeout = args.rounds * (args.gap + 30)
             rounds = json.loads(cli.communicate(timeout=timeout)[0])
             answers = json.loads(srv.communicate(timeout=60)[0])
