@@ -78,7 +78,8 @@ def server(port: int, mode: str, n: int, rounds: int) -> list[dict]:
         while True:  # watch the window until the answer is acknowledged
             raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 168)
             smallest = min(smallest, struct.unpack_from("<I", raw, _CWND_AT)[0])
-            if struct.unpack_from("<Q", raw, _BYTES_ACKED_AT)[0] >= (r + 1) * (n + (4 if mode == "ready" else 0)):
+            answered = (r + 1) * (n + (4 if mode == "ready" else 0))
+            if struct.unpack_from("<Q", raw, _BYTES_ACKED_AT)[0] >= answered:
                 break
             time.sleep(0.005)
         out.append({"answer_acked_s": round(time.monotonic() - t0, 3), "smallest_cwnd": smallest})

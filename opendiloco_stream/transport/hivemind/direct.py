@@ -386,8 +386,8 @@ class DirectStream:
                    connect: Optional[Callable[[], Awaitable[socket.socket]]] = None) -> "DirectStream":
         """Connect (or take a kept-open connection from ``pool``); ``OSError`` or
         ``asyncio.TimeoutError`` if that cannot be done within ``timeout`` (the caller falls back to
-        the p2p daemon). The hello goes out with the first message, in the same send (``JOIN_BYTES``). ``channel``: the sender's end of the sealed connection the hello announces
-        (None: plaintext). ``buffers(sock)``: sizes a new socket's buffers before it connects.
+        the p2p daemon). The hello goes out with the first message, in the same send (``JOIN_BYTES``).
+        ``channel``: the sender's end of the sealed connection the hello announces (None: plaintext). ``buffers(sock)``: sizes a new socket's buffers before it connects.
         ``connect()``: opens the connection instead of a plain connect to ``address`` (a punched
         one, ``punch.py``; ``address`` then only names it in ``pool``)."""
         loop = asyncio.get_event_loop()

@@ -163,9 +163,10 @@ class _Lane:
         """Form round ``key``'s group before the round is submitted (at once: while the fragment's
         previous round runs too), expected in ``lead_s`` seconds: the group waits for its
         members as long after that moment as a round's matchmaking does. ``weight`` goes into the
-        group's metadata now. If no group forms in time, or the next round submitted is another
-        one, the early group is dropped and the round matches as usual (a later round's stays). ``digest`` (theta_bar's
-        fingerprint, if known this early) goes into the metadata too."""
+        group's metadata now. If no group forms in time, or the next round submitted is a later
+        one, the early group is dropped and the round matches as usual (a later round's early
+        group stays). ``digest`` (theta_bar's fingerprint, if known this early) goes into the
+        metadata too."""
         self._queue.put(_Prematch(tuple(key), float(weight), float(lead_s), digest))
 
     def takes_newcomers(self, handle: HivemindSyncHandle) -> bool:
