@@ -7,6 +7,13 @@ round: averaged over the peers), the round's transfer time (the bytes a peer sen
 ``peak_bytes_per_sync``, at the link's nominal rate: with 2 peers each sends half its vector and
 the averaged half of the other, one vector in all, in two sequential halves), and ``(round -
 transfer) / RTT``: the issue's goal is a round within its transfer + 4 RTT.
+
+    python -m benchmarks.harness.wan_round_trips --records WORKDIR/streaming-eager-fp4-e3m0-P2-5mbit-rtt300
+
+``--records``: one run's directory (``benchmarks.wan --workdir``), its peers' sync records: per
+round, the peer that waited least for its group (the last to launch it: an eager peer ahead of the
+other waits in the background for the other to reach the round, drift and not round trips), its
+matchmaking and its round; medians over the rounds after each fragment's first.
 """
 
 from __future__ import annotations
@@ -37,10 +44,36 @@ def row(path: str, rec: dict[str, Any]) -> list[str]:
             f"{rec['rounds_with_all_after_first_min']}/{rec['rounds_after_first']}", Path(path).name]
 
 
+def last_launchers(run_dir: Path) -> dict[str, Any]:
+    """Per round of a run's directory, the phases of the peer that waited least for its group."""
+    rounds: dict[tuple, list[dict]] = {}
+    for path in sorted(run_dir.glob("peer-*.jsonl")):
+        first: dict[int, int] = {}
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("event") != "sync":
+                continue
+            first.setdefault(rec["fragment"], rec["round"])
+            if rec.get("ok") and rec.get("phases") and rec["round"] != first[rec["fragment"]]:
+                rounds.setdefault((rec["fragment"], rec["round"]), []).append(rec["phases"])
+    picked = [min(phases, key=lambda ph: ph.get("matchmaking", 0.0)) for phases in rounds.values() if len(phases) > 1]
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else float("nan")
+    return {"rounds": len(picked), "matchmaking_s": median([ph.get("matchmaking", 0.0) for ph in picked]),
+            "round_s": median([sum(ph.values()) for ph in picked])}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="+", help="benchmarks.wan --out files")
+    p.add_argument("files", nargs="*", help="benchmarks.wan --out files")
+    p.add_argument("--records", nargs="*", default=[], help="run directories: the last launcher's figures (docstring)")
     args = p.parse_args(argv)
+    for run_dir in args.records:
+        print(json.dumps({"run": run_dir, **last_launchers(Path(run_dir))}))
+    if not args.files:
+        return 0
     head = ["mode", "--prematch-steps (chosen per peer)", "TCP", "1-min load", "matchmaking (s)", "exchange (s)",
             "round (s)", "transfer (s)", "(round - transfer) / RTT", "compute util.", "rounds with all", "file"]
     print("| " + " | ".join(head) + " |")

@@ -71,6 +71,14 @@ END = 0xFFFFFFFF  # a length word alone: the sender's last message of this round
 IDLE_S = 300.0  # a reducer closes a kept-open connection with no new hello for this long
 POOL_IDLE_S = 120.0  # a sender reuses a connection idle for less than this (well below IDLE_S)
 OFF_LOOP_BYTES = 256 << 10  # messages from this size on are sealed and opened on a thread
+# A message's head (length, protobuf prefix, frame head: tens of bytes) goes out with this much of
+# the bytes that follow, in one send. Sent alone after an idle gap it is a lone small segment whose
+# ACK the kernel takes for a delayed one ("maybe delayed"): BBR then ignores that RTT sample, its
+# restart-after-idle guard ends with that ACK, and the next ACK, with BBR's 10-second min-RTT filter
+# expired (a fragment's rounds are further apart), puts the connection in PROBE_RTT (4 segments in
+# flight for 200 ms and a round trip) in the middle of the round's bulk: +0.54 s per exchange at
+# 300 ms in the emulator (docs/benchmarks-wan.md, "A round at its transfer + 4 RTT by default").
+JOIN_BYTES = 64 << 10
 
 
 # ---------------------------------------------------------------------------------------- hello
@@ -270,9 +278,10 @@ def _notice(body: bytes) -> Message:
     return msg
 
 
-async def write_end(sock: socket.socket) -> None:
-    """The end of this round's messages from the sender (the connection stays open)."""
-    await asyncio.get_event_loop().sock_sendall(sock, _LENGTH.pack(END))
+async def write_end(sock: socket.socket, lead: bytes = b"") -> None:
+    """The end of this round's messages from the sender (the connection stays open); ``lead``:
+    bytes that go out first, in the same send (a hello not sent yet)."""
+    await asyncio.get_event_loop().sock_sendall(sock, lead + _LENGTH.pack(END))
 
 
 async def write_notice(sock: socket.socket, code: int) -> None:
@@ -281,8 +290,9 @@ async def write_notice(sock: socket.socket, code: int) -> None:
     await asyncio.get_event_loop().sock_sendall(sock, _LENGTH.pack(NOTICE | len(body)) + body)
 
 
-async def write_message(sock: socket.socket, msg: Any, channel: Optional[Channel] = None) -> None:
-    """Write one message; ``channel``: sealed (the frame's parts encrypted one by one, not joined)."""
+async def write_message(sock: socket.socket, msg: Any, channel: Optional[Channel] = None, lead: bytes = b"") -> None:
+    """Write one message; ``channel``: sealed (the frame's parts encrypted one by one, not joined);
+    ``lead``: bytes that go out first, in the same send as the message's head (a sender's hello)."""
     loop = asyncio.get_event_loop()
     if isinstance(msg, Message):
         prefix, parts = msg.pb_prefix(), list(msg.parts)
@@ -295,9 +305,13 @@ async def write_message(sock: socket.socket, msg: Any, channel: Optional[Channel
         prefix = b""
     else:
         head = _LENGTH.pack(n)
-    head += prefix
+    head = lead + head + prefix
     while parts and len(parts[0]) <= 4096:  # small parts (a frame's head) go in one send with it
         head += bytes(parts.pop(0))
+    if parts:  # and the first bytes of the next: never a lone small segment ahead of a message's bulk
+        first = memoryview(parts[0]).cast("B")
+        head += first[:JOIN_BYTES]
+        parts[0] = first[JOIN_BYTES:]
     await loop.sock_sendall(sock, head)
     for part in parts:  # a chunk's bytes, as they are (or as sealed)
         await loop.sock_sendall(sock, part)
@@ -357,11 +371,12 @@ class DirectStream:
     (our END written, the reducer's DONE read) gives the connection back to ``pool``."""
 
     def __init__(self, sock: socket.socket, outgoing: AsyncIterator, max_bytes: int, channel: Optional[Channel] = None,
-                 pool: Optional[ConnectionPool] = None, address: Any = None, reused: bool = False):
+                 pool: Optional[ConnectionPool] = None, address: Any = None, reused: bool = False, hello: bytes = b""):
         self.sock, self.max_bytes, self.channel = sock, max_bytes, channel
         self.pool, self.address, self.reused = pool, address, reused
         self.connect_s: Optional[float] = None  # the TCP handshake's time (one round trip), if we made one
         self._done_read = self._end_written = False
+        self._hello = hello  # written with our first message (see JOIN_BYTES)
         self._writer = asyncio.ensure_future(self._write(outgoing))
 
     @classmethod
@@ -369,10 +384,10 @@ class DirectStream:
                    timeout: float, max_bytes: int, channel: Optional[Channel] = None,
                    pool: Optional[ConnectionPool] = None, buffers: Callable[[socket.socket], Any] = None,
                    connect: Optional[Callable[[], Awaitable[socket.socket]]] = None) -> "DirectStream":
-        """Connect (or take a kept-open connection from ``pool``) and say hello; ``OSError`` or
+        """Connect (or take a kept-open connection from ``pool``); ``OSError`` or
         ``asyncio.TimeoutError`` if that cannot be done within ``timeout`` (the caller falls back to
-        the p2p daemon). ``channel``: the sender's end of the sealed connection the hello announces
-        (None: plaintext). ``buffers(sock)``: sizes a new socket's buffers before it connects.
+        the p2p daemon). The hello goes out with the first message, in the same send (``JOIN_BYTES``).
+        ``channel``: the sender's end of the sealed connection the hello announces (None: plaintext). ``buffers(sock)``: sizes a new socket's buffers before it connects.
         ``connect()``: opens the connection instead of a plain connect to ``address`` (a punched
         one, ``punch.py``; ``address`` then only names it in ``pool``)."""
         loop = asyncio.get_event_loop()
@@ -396,20 +411,21 @@ class DirectStream:
                 connect_s = loop.time() - t0
                 if pool is not None:
                     pool.opened += 1
-            await asyncio.wait_for(loop.sock_sendall(sock, hello), timeout)
         except BaseException:
             if sock is not None:
                 sock.close()
             raise
-        stream = cls(sock, outgoing(), max_bytes, channel, pool, address, reused)
+        stream = cls(sock, outgoing(), max_bytes, channel, pool, address, reused, hello)
         stream.connect_s = connect_s
         return stream
 
     async def _write(self, outgoing: AsyncIterator) -> None:
         try:
             async for msg in outgoing:
-                await write_message(self.sock, msg, self.channel)
-            await write_end(self.sock)  # end of our messages: the reducer waits for it
+                await write_message(self.sock, msg, self.channel, lead=self._hello)
+                self._hello = b""
+            await write_end(self.sock, lead=self._hello)  # end of our messages: the reducer waits for it
+            self._hello = b""
             self._end_written = True
         except (OSError, ProtocolError) as e:  # the reading side will see the broken connection
             logger.debug("direct stream: writing failed: %r", e)
