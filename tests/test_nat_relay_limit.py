@@ -55,7 +55,13 @@ def test_the_probe_finds_a_relay_at_go_libp2p_default_limits_resetting_after_128
     relay = loop.run_until_complete(start())
     try:
         maddrs = [str(m) for m in loop.run_until_complete(relay.p2p.get_visible_maddrs())]
-        probe = probe_relay(maddrs)
+        # an inconclusive probe (its helper daemons could not reach the relay: seen once in a full
+        # suite on a loaded machine, "failed to connect to bootstrap peers") is repeated, as in the
+        # test below; the verdict, once there is one, must be "limited"
+        for _ in range(3):
+            probe = probe_relay(maddrs)
+            if probe.verdict is not RelayVerdict.UNKNOWN:
+                break
     finally:
         loop.run_until_complete(relay.stop())
         loop.close()
