@@ -4,11 +4,10 @@
 #   scripts/test.sh           everything (CI)
 #   scripts/test.sh --fast    the in-process tier: no test marked `network` (starts peer processes)
 #                             or `slow`; a few minutes, for everyday work
-# Three pytest-xdist workers run the tests (ODS_TEST_WORKERS=N for N, 0 for one process), a file at
-# a time each (`--dist loadfile`), except the files of peer swarms (tests/conftest.py SWARM_FILES):
-# one worker runs those first, one test at a time, while the others take the other files. Most
-# network tests wait on peers and round trips more than they compute: on 2 cores, three workers ran
-# the suite in 31 min where two took 41, both on the same loaded machine.
+# Two pytest-xdist workers run the tests (ODS_TEST_WORKERS=N for N, 0 for one process), a file at a
+# time each (`--dist loadfile`), except the files of peer swarms (tests/conftest.py SWARM_FILES):
+# one worker runs those first, one test at a time, while the other takes the other files. (Three
+# were faster on a machine loaded by other work, 31 against 41 min, but not on an idle one: 31:35.)
 # What the tests add to the main job's setup: the test extra (pytest, the loggers, the Compose
 # validator, the Grafana SDK) and, when run as root on Debian/Ubuntu, Debian's `prometheus`
 # (promtool and the server: tests/test_prometheus.py, benchmarks/prometheus_scrape.py) and
@@ -48,8 +47,8 @@ fi
 # images) each of them compiles those from source again (~0.35 s of CPU a process). The bytecode goes to
 # __pycache__/ (git-ignored) as without that variable.
 unset PYTHONDONTWRITEBYTECODE
-WORKERS=(-n "${ODS_TEST_WORKERS:-3}")
-[ "${ODS_TEST_WORKERS:-3}" = 0 ] || WORKERS+=(--dist loadfile --no-loadscope-reorder)
+WORKERS=(-n "${ODS_TEST_WORKERS:-2}")
+[ "${ODS_TEST_WORKERS:-2}" = 0 ] || WORKERS+=(--dist loadfile --no-loadscope-reorder)
 "$V" -m pytest -q -p no:cacheprovider --durations=30 "${WORKERS[@]}" "${SELECT[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -2,10 +2,10 @@
 (found from its code by ``tests/support/markers.py``) must carry the ``network`` marker, or
 collection fails. ``scripts/test.sh --fast`` runs the tests without ``network`` and ``slow``.
 
-``scripts/test.sh`` runs three pytest-xdist workers, a file at a time each (``--dist loadfile``: a
+``scripts/test.sh`` runs two pytest-xdist workers, a file at a time each (``--dist loadfile``: a
 module's shared fixtures start once), except the files of :data:`SWARM_FILES`: swarms of ``peer``
 processes whose assertions depend on when each peer reaches each round. Those files are one unit,
-run first and one test at a time on one worker while the other workers take the other files, so
+run first and one test at a time on one worker while the other worker takes the other files, so
 two swarms never share the machine (as in a one-process run). Collection fails when a file whose
 every test is marked ``network`` and ``slow`` is missing from the list.
 """

@@ -9,9 +9,8 @@ for a round) the round's coroutine (``FragmentEndpoint.group_for`` then ``run_ro
 for it, never past the handle's deadline.
 
 A round may have its group formed ahead (``prematch``, a few inner steps before its sync): the
-lane starts forming it at once, even while the fragment's previous round still exchanges (the
-worker forms it while it waits for that round, ``_wait``), and the round itself then goes
-straight to the exchange, so matchmaking (a DHT announcement and lookups, a join request:
+lane starts forming it as soon as the fragment's previous round is over, and the round itself then
+goes straight to the exchange, so matchmaking (a DHT announcement and lookups, a join request:
 tens of ms on loopback, several round trips over a WAN) leaves the round's critical path. The
 group's metadata then holds the weight predicted at that time.
 """
@@ -19,7 +18,6 @@ group's metadata then holds the weight predicted at that time.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import queue
@@ -97,9 +95,6 @@ class HivemindSyncHandle(SyncHandle):
 NEWCOMER_LEAD_S = 3.0
 
 
-_WAKE = object()  # on a lane's queue: the running round ended (``_Lane._wait``)
-
-
 class _Early:
     """A group being formed ahead of its round (``_Lane.prematch``)."""
 
@@ -147,10 +142,7 @@ class _Lane:
         self._lock = threading.Lock()  # abandon() against the worker starting a round
         self._current: Optional[_Current] = None
         self._previous: Optional[concurrent.futures.Future] = None  # the last round's coroutine
-        # groups formed ahead of their rounds, by round key (worker thread only): the next round's
-        # may form while the current one runs (``_finish``), and a later one's behind it
-        self._early: dict[tuple, _Early] = {}
-        self._held: "collections.deque" = collections.deque()  # rounds taken off the queue while one ran
+        self._early: Optional[_Early] = None  # a group formed ahead of its round (worker thread only)
         self._thread = threading.Thread(target=self._loop, name=f"hv-fragment-{fragment}", daemon=True)
         self._thread.start()
 
@@ -160,13 +152,12 @@ class _Lane:
         self._queue.put((handle, tensor, weight, digest))
 
     def prematch(self, key: tuple, weight: float, lead_s: float = 0.0, digest: Optional[OuterDigest] = None) -> None:
-        """Form round ``key``'s group before the round is submitted (at once: while the fragment's
-        previous round runs too), expected in ``lead_s`` seconds: the group waits for its
+        """Form round ``key``'s group before the round is submitted (in order with the rounds:
+        after the previous one is over), expected in ``lead_s`` seconds: the group waits for its
         members as long after that moment as a round's matchmaking does. ``weight`` goes into the
-        group's metadata now. If no group forms in time, or the next round submitted is a later
-        one, the early group is dropped and the round matches as usual (a later round's early
-        group stays). ``digest`` (theta_bar's fingerprint, if known this early) goes into the
-        metadata too."""
+        group's metadata now. If no group forms in time, or the next round submitted is another
+        one, the early group is dropped and the round matches as usual. ``digest`` (theta_bar's
+        fingerprint, if known this early) goes into the metadata too."""
         self._queue.put(_Prematch(tuple(key), float(weight), float(lead_s), digest))
 
     def takes_newcomers(self, handle: HivemindSyncHandle) -> bool:
@@ -193,8 +184,8 @@ class _Lane:
             return True
 
     def early_state(self) -> Optional[str]:
-        """The latest group formed ahead, if any: "MATCHING", "FORMED" (waiting for its round) or "FAILED"."""
-        early = max(list(self._early.values()), key=lambda e: e.key, default=None)
+        """The group formed ahead, if any: "MATCHING", "FORMED" (waiting for its round) or "FAILED"."""
+        early = self._early
         if early is None:
             return None
         if not early.future.done():
@@ -204,18 +195,20 @@ class _Lane:
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
         while True:
-            item = self._held.popleft() if self._held else self._queue.get()
+            item = self._queue.get()
             if item is None:
                 self._drop_early()
                 return
-            if item is _WAKE:  # a round ended after its wait gave up (``_finish``)
-                continue
             if isinstance(item, _Prematch):
-                self._prematch_item(item)
+                try:
+                    self._prematch(item.key, item.weight, item.lead_s, item.digest)
+                except BaseException:  # the round itself still runs (and matches as usual)
+                    logger.exception("forming the group of round %s ahead failed", item.key)
                 continue
             handle = item[0]
             if handle.done():
-                self._drop_early(tuple(handle.key))  # abandoned: its group must not wait for us longer than needed
+                if self._early is not None and self._early.key == tuple(handle.key):
+                    self._drop_early()  # abandoned: its group must not wait for us longer than needed
                 continue
             try:
                 self._run(*item)
@@ -226,20 +219,11 @@ class _Lane:
                 self._current = None
                 self.timeouts = self.endpoint.refresh_timeouts()  # the next rounds' bounds, from this round's links
 
-    def _prematch_item(self, item: _Prematch) -> None:
-        try:
-            self._prematch(item.key, item.weight, item.lead_s, item.digest)
-        except BaseException:  # the round itself still runs (and matches as usual)
-            logger.exception("forming the group of round %s ahead failed", item.key)
-
-    def _drop_early(self, key: Optional[tuple] = None, before: bool = False) -> None:
-        """Stop forming groups ahead (a group that formed loses this peer): all of them, or round
-        ``key``'s, or (``before``) those of the rounds before ``key``."""
-        for k in list(self._early):
-            if key is None or (k < key if before else k == key):
-                early = self._early.pop(k)
-                if early.future.cancel():
-                    logger.info("fragment %d: dropping the group being formed ahead for round %s", self.fragment, k)
+    def _drop_early(self) -> None:
+        """Stop forming the group ahead, if any (a group that formed loses this peer)."""
+        early, self._early = self._early, None
+        if early is not None and early.future.cancel():
+            logger.info("fragment %d: dropping the group being formed ahead for round %s", self.fragment, early.key)
 
     def _previous_over(self, timeout: float) -> bool:
         """Wait (at most ``timeout``) until the fragment's last round's coroutine has ended."""
@@ -262,33 +246,33 @@ class _Lane:
         return self.presence.before_round(self.fragment, round_index, plan=plan and self.live_target)
 
     def _prematch(self, key: tuple, weight: float, lead_s: float, digest: Optional[OuterDigest] = None) -> None:
-        self._drop_early(key)
-        # The fragment's previous round may still be exchanging (eager, overlap: it runs behind the
-        # steps). The group forms meanwhile: matchmaking (DHT announcements and reads, the join)
-        # shares nothing with a running round but the link, and waiting for the previous round put
-        # its remaining exchange in front of the group's formation (what an eager round then waited
-        # for at its launch). The rounds themselves still run in order (``_run``).
-        if self.endpoint.closed:
+        self._drop_early()
+        # the fragment's previous round may still be exchanging (eager, overlap: it runs behind the
+        # steps); wait for it until the round is due at most, then form the group with what is left
+        t0 = time.monotonic()
+        if not self._previous_over(lead_s) or self.endpoint.closed:
             return  # the round matches when it is submitted
+        lead_s = max(0.0, lead_s - (time.monotonic() - t0))
         plan = self.presence.plan_round(self.fragment, int(key[1])) if self.live_target else None
         if plan is not None and plan.skip:
             return  # the round is skipped (``_run`` says why)
         target = self.target if plan is None else plan.target
         future = self.endpoint.submit(self.endpoint.form_group(key, weight, target, lead_s + self.timeouts.matchmaking,
                                                                digest=digest))
-        self._early[key] = _Early(key, future, weight)
+        self._early = _Early(key, future, weight)
 
     def _take_early(self, key: tuple) -> Optional[_Early]:
-        """The group formed ahead for round ``key`` if it is still good; those of earlier rounds are
-        dropped (a later round's stays: it may form while this one runs)."""
-        key = tuple(key)
-        self._drop_early(key, before=True)
-        early = self._early.pop(key, None)
+        """The group formed ahead for round ``key`` if it is still good; any other is dropped."""
+        early = self._early
         if early is None:
             return None
-        if early.future.done() and (early.future.cancelled() or early.future.exception() is not None):
-            logger.info("fragment %d: no group formed ahead for round %s: matching now", self.fragment, key)
+        if early.key != tuple(key) or (early.future.done() and (early.future.cancelled()
+                                                                or early.future.exception() is not None)):
+            if early.key == tuple(key):
+                logger.info("fragment %d: no group formed ahead for round %s: matching now", self.fragment, key)
+            self._drop_early()
             return None
+        self._early = None
         return early
 
     def _run(self, handle: HivemindSyncHandle, tensor: torch.Tensor, weight: float,
@@ -300,7 +284,7 @@ class _Lane:
         t_start = time.time()
         flat = self._stage(handle, tensor)
         if flat is None:
-            self._drop_early(tuple(handle.key))
+            self._drop_early()
             return
         early = self._take_early(handle.key)
         # A fragment's later rounds are never skipped: their plan (a DHT lookup, one or two round
@@ -377,45 +361,20 @@ class _Lane:
             return None
         return flat
 
-    def _wait(self, future: concurrent.futures.Future, timeout: float) -> None:
-        """Wait for the running round's ``future`` (at most ``timeout``) and meanwhile form the groups
-        of the next rounds announced ahead (``prematch``): a group then forms while the fragment's
-        previous round still exchanges (eager, overlap) instead of after it. Rounds submitted
-        meanwhile wait their turn (``_held``)."""
-        future.add_done_callback(lambda _: self._queue.put(_WAKE))
-        deadline = time.monotonic() + timeout
-        while not future.done():
-            try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return
-            if item is _WAKE:
-                continue
-            if isinstance(item, _Prematch):
-                self._prematch_item(item)
-            else:
-                self._held.append(item)  # a round (or None: closing) after this one
-
     def _finish(self, handle: HivemindSyncHandle, current: _Current, t_start: float, t_step: float) -> None:
-        """Settle ``handle`` with the round's outcome the moment it ends (on the service's loop: the
-        worker may be forming the next round's group then, ``_wait``), or fail it at its deadline."""
-        future = current.future
-        future.add_done_callback(lambda f: self._settle(handle, current, f, t_start, t_step))
-        self._wait(future, handle.remaining())
-        if not future.done():
+        try:
+            summary = current.future.result(timeout=handle.remaining())
+        except concurrent.futures.TimeoutError:
+            current.future.cancel()
             handle.fail(FailureReason.TIMEOUT, f"round not finished within {self.timeouts.round_bound:.1f}s")
-            future.cancel()
-
-    def _settle(self, handle: HivemindSyncHandle, current: _Current, future: concurrent.futures.Future,
-                t_start: float, t_step: float) -> None:
-        if future.cancelled():
+            return
+        except concurrent.futures.CancelledError:
             handle.fail(FailureReason.MATCHMAKING, f"round {handle.key} was cancelled before its group formed")
             return
-        error = future.exception()
-        if error is not None:
-            handle.fail(*self.endpoint.failure(error, current.formed.is_set()))
+        except BaseException as e:
+            handle.fail(*self.endpoint.failure(e, current.formed.is_set()))
             return
-        handle.succeed(future.result().sync_result(t_start, t_step, time.time(), current.expected))
+        handle.succeed(summary.sync_result(t_start, t_step, time.time(), current.expected))
 
     def close(self) -> None:
         """Fail what is queued and the running round ("closed"), stop the worker."""
@@ -424,10 +383,7 @@ class _Lane:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not None and item is not _WAKE and not isinstance(item, _Prematch):
-                item[0].fail(FailureReason.CLOSED, "transport closed")
-        for item in list(self._held):  # rounds the worker took off the queue while one ran
-            if item is not None:
+            if item is not None and not isinstance(item, _Prematch):
                 item[0].fail(FailureReason.CLOSED, "transport closed")
         current = self._current
         if current is not None:
