@@ -124,6 +124,15 @@ def winning_digest(digests: dict[str, OuterDigest]) -> Optional[str]:
     return digests[member].digest
 
 
+def _served(fetch: "_Fetch") -> tuple[Optional[Any], int]:
+    """(The round of the state a finished download brought, its bytes); (None, 0) for none or an error."""
+    try:
+        fetched, received = fetch.future.result()
+    except Exception:
+        return None, 0
+    return (None if fetched is None else fetched.state.get("round")), received
+
+
 def _after(s: "Repairable") -> int:
     """The round ``s``'s theta_bar is after (-1: none consumed yet)."""
     return -1 if s.consumed is None else int(s.consumed)
@@ -330,10 +339,18 @@ class Repairs:
     def poll(self, syncs: Sequence[Repairable]) -> None:
         """Adopt the repairs that arrived (call between steps, with the state's lock held)."""
         for p, fetch in list(self._fetches.items()):
-            if not fetch.future.done() or self._ahead(syncs[p], fetch) or self._ask_again(syncs[p], fetch):
-                continue
-            del self._fetches[p]
-            self._finish(syncs[p], fetch)
+            if fetch.future.done():
+                self._settle_fetch(syncs[p], fetch)
+
+    def _settle_fetch(self, s: Repairable, fetch: _Fetch) -> bool:
+        """A download of ``s``'s repair ended: keep it (of a round still to come), ask again (of a
+        round this peer consumed past), or adopt it (or record its failure). Whether it ended the
+        repair."""
+        if self._ahead(s, fetch) or self._ask_again(s, fetch):
+            return False
+        del self._fetches[s.f.index]
+        self._finish(s, fetch)
+        return True
 
     def before_landing(self, s: Repairable) -> None:
         """(Training thread, state lock held.) A round of ``s`` is about to be consumed while a
@@ -347,30 +364,22 @@ class Repairs:
         fetch = self._fetches.get(s.f.index)
         if fetch is None:
             return
-        t0 = time.monotonic()
+        t0, before = time.monotonic(), fetch.waited
         deadline = t0 + min(LANDING_WAIT_S, max(0.0, self.timeout - (t0 - fetch.started)))
-        while True:
+        while time.monotonic() < deadline and s.f.index in self._fetches:
             concurrent.futures.wait([fetch.future], timeout=max(0.0, deadline - time.monotonic()))
             if not fetch.future.done() or self._ahead(s, fetch):
                 break  # not in time (it goes on; ``poll`` takes it), or of a round still to come
-            if time.monotonic() < deadline and self._ask_again(s, fetch):
-                continue  # the groupmate had not consumed the round yet: asked again
-            fetch.waited += time.monotonic() - t0
-            del self._fetches[s.f.index]
-            self._finish(s, fetch)
-            return
-        fetch.waited += time.monotonic() - t0
+            fetch.waited = before + time.monotonic() - t0  # (told by the record ``_finish`` writes)
+            self._settle_fetch(s, fetch)  # adopted, or asked again (the groupmate had not consumed it)
+        fetch.waited = before + time.monotonic() - t0
 
     def _ask_again(self, s: Repairable, fetch: _Fetch) -> bool:
         """Whether the state that came is of a round this peer consumed past while it came (eager
         waits for its round in flight at the sync, and a download that lands meanwhile is one round
         old at the next step): then it is asked again for the round consumed now, within the
         repair's bound and at most ``RETRIES`` times."""
-        try:
-            fetched, received = fetch.future.result()
-        except Exception:
-            return False
-        served = None if fetched is None else fetched.state.get("round")
+        served, received = _served(fetch)
         left = self.timeout - (time.monotonic() - fetch.started)
         if not isinstance(served, int) or served >= _after(s) or fetch.asked > RETRIES or left <= 0 \
                 or self._closing.is_set() or self._pool is None:
@@ -386,11 +395,7 @@ class Repairs:
         """Whether the state that came is of a round this peer has not consumed yet (the groupmate
         moved on while it was asked: rounds shorter than the download, eager at a distance): it is
         kept until this peer consumed that round too, and adopted then (``_finish``)."""
-        try:
-            fetched, _ = fetch.future.result()
-        except Exception:
-            return False
-        served = None if fetched is None else fetched.state.get("round")
+        served, _ = _served(fetch)
         return isinstance(served, int) and served > _after(s)
 
     def _finish(self, s: Repairable, fetch: _Fetch) -> None:
