@@ -2,9 +2,10 @@
 their rounds (``transport/hivemind/punch.py``), in the NAT topology of ``tests/support/nat.py``.
 
 Behind home-router NATs every exchange after the relays are up goes over a punched connection:
-the relays' machine carries under 5% of the payload from the first averaged round on (fp32 outer
-gradients: under the default 4-bit codec the payload is 1/8 as large, and the DHT and matchmaking
-traffic that still crosses the relays reached 20% of it in one run), and every
+the relays' machine carries under 20% of the payload from the first averaged round on (3-6% seen:
+the DHT, matchmaking and punch set-up traffic that still crosses the relays; fp32 outer gradients,
+because under the default 4-bit codec the payload is 1/8 as large and that traffic reached 20% of
+it in one run), and every
 round both peers averaged has one digest. Behind symmetric NATs no punch is tried (the echoes
 show a new port per destination): every exchange is relayed, and the rounds still average with
 one digest. Needs root, ``ip netns`` and ``nft``; each test removes its namespaces and processes.
@@ -96,7 +97,13 @@ def test_a_home_router_pair_punches_its_rounds_past_the_relay(tmp_path):
         summary = records[n][-1]
         assert summary["event"] == "summary" and summary["punched_exchanges"] >= len(recs), summary
         assert summary["relayed_exchanges"] <= 2, summary  # a first round, before a punch, may go relayed
-    assert relay_rx < 0.05 * payload, (relay_rx, payload)
+    # relayed exchanges would put all of ``payload`` through the relays' machine (the symmetric
+    # test below: over 90%); what crosses it with every exchange punched is the two peers' libp2p
+    # traffic (DHT, matchmaking, punch set-up: they reach each other only through a relay circuit),
+    # which grows with the run's wall time more than with its rounds (docs/networking.md: 3.7-5.9%
+    # of the payload in the punch benchmarks): 4.3 MB of 136 MB (3.1%) on
+    # an idle machine, 8.0 MB (5.9%) on a loaded one, where a 5% bound failed twice
+    assert relay_rx < 0.2 * payload, (relay_rx, payload)
     assert _same_digests(records) >= 8
 
 
