@@ -14,7 +14,8 @@ and batches, so their states are bit-identical, as theta_bar and the momentum ar
 run. Peer 2 joins:
 
 - ``whole``: one download from a donor.
-- ``resumed``: the first donor asked dies (``os._exit``) when about to send tensor ``n / 2``; the
+- ``resumed``: the first donor asked dies (``os._exit``, 2 s after its first lane reached tensor
+  ``n / 2``: ``testing/faults.py``) when about to send tensor ``n / 2``; the
   joiner keeps the tensors it has and gets the rest from the other donor (``state.py``, resuming).
 
 Per download: seconds, MiB/s of state, bytes over the wire and reused, and the joiner's resident

@@ -10,12 +10,12 @@ two swarms never share the machine (as in a one-process run). Collection fails w
 every test is marked ``network`` and ``slow`` is missing from the list.
 """
 
-import socket
 from pathlib import Path
 
 import pytest
 from xdist.scheduler import LoadFileScheduling
 
+from tests.support import ports
 from tests.support import peers as _peers  # noqa: F401  (registers the peer launchers)
 from tests.support.hivemind_locks import unstick_hivemind_locks
 from tests.support.markers import unmarked_peer_tests
@@ -60,28 +60,10 @@ def pytest_xdist_make_scheduler(config, log):
     return None  # another --dist: xdist's own
 
 
-def _free_port_range(count: int, host: str = "0.0.0.0") -> int:
-    """A base port with ``count`` consecutive TCP ports free on ``host`` (checked by binding each)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports found")
-
-
 @pytest.fixture
 def free_port_range():
-    """``free_port_range(count)``: the first of ``count`` consecutive free TCP ports."""
-    return _free_port_range
+    """``free_port_range(count)``: the first of ``count`` consecutive free TCP ports (tests/support/ports.py)."""
+    return ports.free_port_range
 
 
 @pytest.fixture(autouse=True)

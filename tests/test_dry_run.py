@@ -19,6 +19,7 @@ from typing import Callable
 import pytest
 
 from opendiloco_stream.cli import main
+from tests.support.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parent.parent
 REGIONS = ["us-east", "eu-west", "ap-southeast"]
@@ -134,11 +135,11 @@ def test_a_taken_port_fails_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_taken_data_port_fails_and_free_data_ports_are_listed(tmp_path, cli):
+    base = free_port_range(4)  # below the ephemeral range: the other three stay free (tests/support/ports.py)
     with socket.socket() as s:  # us-east has 4 fragments: data ports base..base+3; take base+2
-        s.bind(("0.0.0.0", 0))
+        taken = base + 2
+        s.bind(("0.0.0.0", taken))
         s.listen()
-        taken = s.getsockname()[1]
-        base = taken - 2
         proc = cli("peer", "--config", str(ROOT / "peers" / "us-east.toml"), "--data-port", str(base), "--dry-run",
                     cwd=tmp_path)
         line = _one_line_error(proc)

@@ -569,9 +569,10 @@ def test_stalled_or_killed_peer_costs_one_bounded_round_then_the_others_go_on():
 
 @pytest.mark.network
 def test_a_download_cut_mid_way_resumes_from_another_donor_with_what_it_has(tmp_path):
-    """12 tensors of 1 MB; the first donor asked dies before sending tensor 8: the joiner keeps the
-    whole tensors that reached it (up to 8: the last parts written before the exit may be lost with
-    the stream), asks the other donor with their digests, gets a marker for each of those and the
+    """12 tensors of 1 MB; the first donor asked dies before sending tensor 8 (each of its lanes
+    stops there and the process exits 2 s after the first did: ``faults.stop_lane``): the joiner
+    keeps the whole tensors that reached it (up to 8: parts still in flight at the exit may be
+    lost with the stream), asks the other donor with their digests, gets a marker for each of those and the
     rest as bytes, and ends with exactly the state (the second donor's), progress reported."""
     swarm = LoopbackSwarm(3, run_id="hvresume", transport_kwargs=dict(codec="fp32", state_timeout=10.0, **TIMEOUTS))
     n_tensors, numel = 12, 250_000

@@ -26,6 +26,7 @@ from opendiloco_stream.net.dht import (PRIVATE_STATIC_RELAYS, NetError, ensure_i
                                        relayed_peer_kwargs, start_dht, stop_dht, visible_maddrs)
 from opendiloco_stream.net.keys import run_key
 from opendiloco_stream.net.lifecycle import descendants, is_running, kill_process_tree, process_name
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_ID = "QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv9iBR5Yqgh"  # well-formed peer id nobody uses
@@ -34,12 +35,6 @@ FAKE_ID = "QmXcY4ZNkgxUS8Ca41UAYUdtqNjvHj6Lk2SHv9iBR5Yqgh"  # well-formed peer i
 # command registered, so it works while other command modules are still being written.
 RUNNER = ("import sys, opendiloco_stream.cli as cli; cli.COMMANDS = (sys.argv[1],); "
           "sys.exit(cli.main(sys.argv[1:]))")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _p2pd_under(pid: int) -> list[int]:
@@ -162,7 +157,7 @@ def test_run_keys_are_namespaced_per_run_and_usable_as_averager_prefixes():
 @pytest.mark.timeout(120)
 def test_unreachable_bootstrap_is_a_one_line_error_and_leaves_no_process():
     before = set(_p2pd_under(os.getpid()))
-    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{FAKE_ID}"
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{FAKE_ID}"
     with pytest.raises(NetError) as e:
         start_dht(NetConfig(initial_peers=[dead]), start_timeout=60)
     assert "could not reach any initial peer" in str(e.value) and dead in str(e.value)
@@ -489,7 +484,7 @@ def publishing_peer(bootstrap):
 @pytest.mark.timeout(180)
 def test_doctor_passes_against_a_live_bootstrap(bootstrap, publishing_peer):
     address, _ = bootstrap
-    data_port = _free_port()
+    data_port = free_port()
     result = _run("doctor", "--initial-peers", address, "--run-id", "net-test", "--data-port", str(data_port))
     lines = [l for l in result.stdout.splitlines() if l.startswith("[")]
     # the punch check needs the run's echo servers, which a bootstrap starts only with --relay (this
@@ -547,7 +542,7 @@ def test_the_bootstrap_dials_data_ports_only_at_the_callers_own_addresses(bootst
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             s.listen()
-            open_port, closed_port = s.getsockname()[1], _free_port()
+            open_port, closed_port = s.getsockname()[1], free_port()
             answer = dht.run_coroutine(functools.partial(
                 _tcp_dialback, helper=helper, targets=[("127.0.0.1", open_port), ("127.0.0.1", closed_port)]))
         assert answer[f"127.0.0.1:{open_port}"] is None, answer
@@ -563,13 +558,13 @@ def test_the_bootstrap_dials_data_ports_only_at_the_callers_own_addresses(bootst
 @pytest.mark.timeout(180)
 def test_doctor_fails_with_the_fix_for_a_dead_bootstrap_and_an_unreachable_announce(bootstrap):
     address, _ = bootstrap
-    dead_port = _free_port()
+    dead_port = free_port()
     result = _run("doctor", "--initial-peers", f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/{FAKE_ID}")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "[FAIL] bootstrap" in result.stdout and f"nc -vz 127.0.0.1 {dead_port}" in result.stdout
 
     # listening on one port but announcing another: what a peer behind NAT without forwarding looks like
-    listen, announced = _free_port(), _free_port()
+    listen, announced = free_port(), free_port()
     result = _run("doctor", "--initial-peers", address, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{listen}",
                   "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{announced}")
     assert result.returncode == 1, result.stdout + result.stderr

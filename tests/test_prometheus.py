@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,8 @@ import pytest
 import yaml
 
 from opendiloco_stream.net.prometheus import PeerMetrics, PrometheusExporter, samples
+from tests.support.ports import free_port
 from tests.support.tools import require_tool
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -100,7 +94,7 @@ def test_scrape_the_endpoint_of_running_peers(tmp_path):
     from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
 
     boot, addrs = start_bootstrap(tmp_path, "promtest")
-    procs, ports = [boot], [_free_port(), _free_port()]
+    procs, ports = [boot], [free_port(), free_port()]
     try:
         for r, port in enumerate(ports):
             cmd = [sys.executable, "-m", "opendiloco_stream", "peer", "--initial-peers", *addrs, "--run-id", "promtest",
@@ -217,7 +211,7 @@ def test_prometheus_scrapes_a_live_peer_with_the_shipped_config(tmp_path):
 
     prometheus = require_tool("prometheus")
     config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
-    metrics_port, web_port = _free_port(), _free_port()
+    metrics_port, web_port = free_port(), free_port()
     config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
     config["global"]["scrape_interval"] = "1s"
     config["rule_files"] = [str(DOCKER / "alerts.yml")]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 
 import pytest
@@ -22,6 +21,7 @@ from opendiloco_stream.algorithm.diloco import wrap
 from opendiloco_stream.config import DiLoCoConfig
 from opendiloco_stream.train.models import build_model, transformer_blocks
 from opendiloco_stream.transport.local import LocalSwarm
+from tests.support.ports import free_port
 
 WORLD = 2
 MODES = [dict(mode="blocking"), dict(mode="overlap", overlap_steps=1),
@@ -130,17 +130,11 @@ def _ranks_main(rank: int, port: int, tmp: str, errors) -> None:
         os._exit(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sharded_peer_matches_the_unsharded_algorithm_bit_for_bit(tmp_path):
     ctx = mp.get_context("fork")
     errors = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_ranks_main, args=(r, port, str(tmp_path), errors)) for r in range(WORLD)]
     for p in procs:
         p.start()

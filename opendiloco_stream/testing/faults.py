@@ -9,17 +9,26 @@ a module-level value where the fault happens; with nothing injected it does noth
 - ``start_delay_s``: a ``peer`` sleeps this long once its model is built, before it says it is
   ready and joins (a peer that comes later, without its start-up's own time varying with load).
 - ``die_after_tensors``: a donor serving its state exits (``os._exit``, no cleanup) when it is
-  about to send tensor number N (a donor dying mid-download, at a known point).
+  about to send tensor number N (a donor dying mid-download, at a known point). Serving on several
+  lanes, each lane stops at tensor N or later and the process exits ``DIE_GRACE_S`` after the
+  first one got there (:func:`stop_lane`): the lanes behind send their parts of the tensors before
+  N meanwhile, so the joiner holds tensors 0 to N-1 whole. Without the grace, a loaded machine's
+  lanes behind had sent none of their parts when the first exited, and the joiner kept no whole
+  tensor (a fresh-clone suite, test_hivemind_transport's resume test).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from typing import Optional
 
 ENV = "ODS_TEST_FAULTS"
 _KINDS = {"step_delay_s": float, "start_delay_s": float, "die_after_tensors": int}
+DIE_GRACE_S = 2.0  # from the first lane stopped at tensor N to the exit
+_exit_timer: Optional[threading.Timer] = None
 
 
 def _from_env() -> dict[str, float]:
@@ -69,3 +78,14 @@ def die_after_tensors() -> Optional[int]:
     """The tensor index at which a serving donor exits, if injected."""
     value = _injected.get("die_after_tensors")
     return None if value is None else int(value)
+
+
+async def stop_lane() -> None:
+    """Inside a donor's lane that reached tensor ``die_after_tensors``: never returns; the first
+    call schedules the process's exit (``os._exit(1)``) ``DIE_GRACE_S`` later."""
+    global _exit_timer
+    if _exit_timer is None:
+        _exit_timer = threading.Timer(DIE_GRACE_S, os._exit, args=(1,))
+        _exit_timer.daemon = True
+        _exit_timer.start()
+    await asyncio.Event().wait()

@@ -202,8 +202,9 @@ class _StateServicer:
         for k, (i, j) in enumerate(lane_items(manifest, have)):
             if k % lanes != lane:
                 continue
-            if j == 0 and i == faults.die_after_tensors():  # tests only (opendiloco_stream/testing/faults.py)
-                os._exit(1)
+            die = faults.die_after_tensors()  # tests only (opendiloco_stream/testing/faults.py)
+            if die is not None and i >= die:
+                await faults.stop_lane()
             raw = tensor_bytes(tensors[i])
             yield averaging_pb2.DownloadData(metadata=_dumps({"t": i, "p": j}), tensor_part=runtime_pb2.Tensor(
                 buffer=bytes(raw[j * PART_BYTES:(j + 1) * PART_BYTES])))
