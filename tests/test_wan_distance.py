@@ -92,8 +92,8 @@ def test_three_regions_average_every_round_after_the_first(tmp_path, mode):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode, late_s", [("eager", 1.0), ("blocking", 10.0)])
-def test_a_late_joiner_at_300_ms_with_loss_takes_part_in_the_swarms_rounds(tmp_path, mode, late_s):
+@pytest.mark.parametrize("mode, late_from", [("eager", "first-step"), ("blocking", "first-sync")])
+def test_a_late_joiner_at_300_ms_with_loss_takes_part_in_the_swarms_rounds(tmp_path, mode, late_from):
     """Two peers 300 ms apart with 1% loss each way (``benchmarks/harness/wan_pair.py``), the
     second started later (counted from the first peer's first training step, so that the swarm
     is running whatever the first peer's start-up took on a loaded machine): it downloads the running swarm's state (7-14 MB, 4-6 s across that
@@ -102,17 +102,18 @@ def test_a_late_joiner_at_300_ms_with_loss_takes_part_in_the_swarms_rounds(tmp_p
     peer from then on, and its theta_bar is the first peer's bit for bit after every round both
     consumed (``outer_digest`` records).
 
-    Eager starts it 1 s after the first peer's first step, blocking 10 s after (before CI stop 49
-    they counted 5 s and 15 s from the first peer's start, about the same on an idle machine; a
-    loaded one's longer start-up left the 150 ms joiner of tests/test_wan_join.py no running
-    swarm). The first peer's 60 steps end a fixed time after its first step, so a later start
-    leaves the two fewer rounds together (eager 5 s after the first step: 1 averaged round, seen
-    once). Blocking starts later: a blocking donor alone waits out a window in each round, and a
-    joiner arriving in its first one gets the initial-model marker instead of a state, which this
-    test is not about (that round now waits for it past its window: tests/test_live_group.py;
+    Eager starts it 1 s after the first peer's first training step, blocking 1 s after the first
+    peer's first round landed (a ``sync`` record). Before CI stop 49 they counted 5 s and 15 s
+    from the first peer's start, about the same on an idle machine; a loaded one's longer
+    start-up left the 150 ms joiner of tests/test_wan_join.py no running swarm. The first peer's
+    60 steps end a fixed time after its first step, so a later start leaves the two fewer rounds
+    together (eager 5 s after the first step: 1 averaged round, seen once). Blocking waits for the
+    first round: a blocking donor alone waits out a window in each round, and a joiner arriving
+    in its first one gets the initial-model marker instead of a state, which this test is not
+    about (that round now waits for it past its window: tests/test_live_group.py;
     docs/benchmarks-wan.md, "The join at distance")."""
-    res = run_once(tmp_path, rtt_ms=300.0, loss=0.01, mode=mode, late_s=late_s, code=None, timeout=240.0,
-                   late_from="first-step")
+    res = run_once(tmp_path, rtt_ms=300.0, loss=0.01, mode=mode, late_s=1.0, code=None, timeout=240.0,
+                   late_from=late_from)
     assert res["error"] is None, res["error"]
     first, joiner = res["peers"]
     assert any(d["bytes"] for d in joiner["downloads"]), joiner  # it downloaded a state: the swarm was running

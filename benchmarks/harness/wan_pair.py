@@ -66,14 +66,17 @@ def digest_check(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> d
             "equal": bool(after) and all(a[k] == b[k] for k in after)}
 
 
-def _wait_for_first_step(run: PeerProcesses, name: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Until ``name``'s metrics show a training step; fails if it exits first or ``timeout`` passes."""
+LATE_FROM = {"start": None, "first-step": "step", "first-sync": "sync"}  # what the late start counts from
+
+
+def _wait_for_record(run: PeerProcesses, name: str, proc: subprocess.Popen, event: str, timeout: float) -> None:
+    """Until ``name``'s metrics hold an ``event`` record; fails if it exits first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
-    while not any(r.get("event") == "step" for r in run.records(name)):
+    while not any(r.get("event") == event for r in run.records(name)):
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before its first step")
+            raise RuntimeError(f"{name} exited with {proc.returncode} before its first {event} record")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} took no training step in {timeout:g} s")
+            raise RuntimeError(f"{name} wrote no {event} record in {timeout:g} s")
         time.sleep(0.2)
 
 
@@ -81,10 +84,11 @@ def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float
              timeout: float, steps: int = 60, keep_window: bool = False, extra: tuple = (),
              late_from: str = "start") -> dict[str, Any]:
     """Peer 1 starts ``late_s`` after peer 0's process (``late_from="start"``, what the figures in
-    docs/benchmarks-wan.md used) or after peer 0's first training step (``"first-step"``: a
-    swarm that is already training whatever peer 0's start-up took on a loaded machine)."""
-    if late_from not in ("start", "first-step"):
-        raise ValueError(f"late_from is 'start' or 'first-step', not {late_from!r}")
+    docs/benchmarks-wan.md used), after peer 0's first training step (``"first-step"``: a swarm
+    that is already training whatever peer 0's start-up took on a loaded machine) or after its
+    first round landed (``"first-sync"``: a state past the initial model to download)."""
+    if late_from not in LATE_FROM:
+        raise ValueError(f"late_from is one of {', '.join(LATE_FROM)}, not {late_from!r}")
     regions = Regions.pair(rtt_ms, loss=loss)
     # PYTHONSAFEPATH: ``python -m`` would put the working directory (this checkout) ahead of
     # PYTHONPATH, and the peers would run this checkout's code instead of ``code``'s
@@ -100,8 +104,8 @@ def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float
             flags = ["--run-id", run_id, "--mode", mode, "--steps", str(steps), *COMMON, *extra]
             ip = lambda n: ["--host-maddrs", f"/ip4/{topo.ip(n)}/tcp/0"]  # noqa: E731
             p0 = run.peer("peer-0", *flags, *ip("p0"), node="p0", env=env)
-            if late_from == "first-step":
-                _wait_for_first_step(run, "peer-0", p0, timeout=120.0)
+            if late_from != "start":
+                _wait_for_record(run, "peer-0", p0, LATE_FROM[late_from], timeout=120.0)
             if late_s:
                 time.sleep(late_s)
             p1 = run.peer("peer-1", *flags, *ip("p1"), node="p1", env=env)
