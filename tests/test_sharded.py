@@ -132,7 +132,11 @@ def _ranks_main(rank: int, port: int, tmp: str, errors) -> None:
 
 @pytest.mark.slow
 def test_sharded_peer_matches_the_unsharded_algorithm_bit_for_bit(tmp_path):
-    ctx = mp.get_context("fork")
+    # spawned, not forked: a fork of a test worker whose torch already ran parallel regions in
+    # other tests (OpenMP's pool does not survive a fork) hung both ranks in a futex wait for 240 s
+    # in one fresh-clone suite, while the test alone passed (a 2000 x 2000 matmul in the same
+    # process just before reproduces it); spawned ranks start clean
+    ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_ranks_main, args=(r, port, str(tmp_path), errors)) for r in range(WORLD)]
