@@ -101,8 +101,8 @@ def test_a_home_router_pair_punches_its_rounds_past_the_relay(tmp_path):
     # test below: over 90%); what crosses it with every exchange punched is the two peers' libp2p
     # traffic (DHT, matchmaking, punch set-up: they reach each other only through a relay circuit),
     # which grows with the run's wall time more than with its rounds (docs/networking.md: 3.7-5.9%
-    # of the payload in the punch benchmarks): 4.3 MB of 136 MB (3.1%) on
-    # an idle machine, 8.0 MB (5.9%) on a loaded one, where a 5% bound failed twice
+    # of the payload in the punch benchmarks): 4.3 MB of 136 MB (3.1%) beside one CPU burner,
+    # 8.0 MB (5.9%) with three test workers on a loaded machine, where a 5% bound failed twice
     assert relay_rx < 0.2 * payload, (relay_rx, payload)
     assert _same_digests(records) >= 8
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any, Callable, Iterable, Optional, Sequence
 
 from benchmarks.harness import netns
 from opendiloco_stream.commands.local_hivemind import start_bootstrap, stop_processes
@@ -148,3 +148,16 @@ def train_peers(workdir: Path, run_id: str, per_peer: Sequence[Sequence[str]], *
                           env=(envs or {}).get(i)) for i, flags in enumerate(per_peer)]
         run.wait(peers, timeout)
         return [run.records(f"peer-{i}") for i in range(len(peers))]
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str, procs: Iterable[subprocess.Popen] = ()) -> None:
+    """Poll ``pred`` until true; fail when ``timeout`` passes or one of ``procs`` exits non-zero."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"{what}: a process exited with {p.returncode}")
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")

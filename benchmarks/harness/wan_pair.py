@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.harness import netns
-from benchmarks.harness.peers import PeerProcesses
+from benchmarks.harness.peers import PeerProcesses, wait_for
 from benchmarks.harness.wan_emulator import Regions
 
 DIGESTS = {"ODS_DILOCO__RECORD_DIGESTS": "true"}  # sync records carry the average's digest, outer_digest theta_bar's
@@ -69,17 +69,6 @@ def digest_check(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> d
 LATE_FROM = {"start": None, "first-step": "step", "first-sync": "sync"}  # what the late start counts from
 
 
-def _wait_for_record(run: PeerProcesses, name: str, proc: subprocess.Popen, event: str, timeout: float) -> None:
-    """Until ``name``'s metrics hold an ``event`` record; fails if it exits first or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while not any(r.get("event") == event for r in run.records(name)):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before its first {event} record")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} wrote no {event} record in {timeout:g} s")
-        time.sleep(0.2)
-
-
 def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float, code: Optional[str],
              timeout: float, steps: int = 60, keep_window: bool = False, extra: tuple = (),
              late_from: str = "start") -> dict[str, Any]:
@@ -105,7 +94,9 @@ def run_once(workdir: Path, rtt_ms: float, loss: float, mode: str, late_s: float
             ip = lambda n: ["--host-maddrs", f"/ip4/{topo.ip(n)}/tcp/0"]  # noqa: E731
             p0 = run.peer("peer-0", *flags, *ip("p0"), node="p0", env=env)
             if late_from != "start":
-                _wait_for_record(run, "peer-0", p0, LATE_FROM[late_from], timeout=120.0)
+                event = LATE_FROM[late_from]
+                wait_for(lambda: any(r.get("event") == event for r in run.records("peer-0")), 120.0,
+                         f"peer-0's first {event} record", [p0])
             if late_s:
                 time.sleep(late_s)
             p1 = run.peer("peer-1", *flags, *ip("p1"), node="p1", env=env)

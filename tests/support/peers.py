@@ -11,9 +11,7 @@ import functools
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Iterable
 
 import hivemind
 
@@ -21,7 +19,7 @@ from benchmarks.harness.gloo import GlooRanks
 from benchmarks.harness.loopback import LoopbackSwarm
 from benchmarks.harness.nat import NatTopology
 from benchmarks.harness.netns import Topology
-from benchmarks.harness.peers import PeerProcesses, train_peers
+from benchmarks.harness.peers import PeerProcesses, train_peers, wait_for  # noqa: F401  (wait_for: for the tests)
 from opendiloco_stream.commands.local_hivemind import start_bootstrap
 from opendiloco_stream.net.dht import start_dht
 from tests.support.markers import launches_peers
@@ -55,16 +53,3 @@ def run_benchmark(name: str, *args: str, timeout: float = 300, **kwargs) -> subp
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env={**env, **kwargs.pop("env", {})}, **kwargs)
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str, procs: Iterable[subprocess.Popen] = ()) -> None:
-    """Poll ``pred`` until true; fail when ``timeout`` passes or one of ``procs`` exits non-zero."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"{what}: a process exited with {p.returncode}")
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
