@@ -384,6 +384,17 @@ def serve_big_state(peer, index: int, n_tensors: int, numel: int, claim_dir: str
     peer.transport.set_state_provider(provider)
 
 
+def serve_after_one_failure(peer, numel: int, claim_dir: str) -> None:
+    """Inside a donor: a state provider that fails on the first request (the donor then ends that
+    stream empty) and serves ``expected_state`` afterwards."""
+    def provider():
+        if claim_download(claim_dir):
+            raise RuntimeError("the first request fails (test)")
+        return dict(expected_state(numel), donor=0)
+
+    peer.transport.set_state_provider(provider)
+
+
 def load_state_reporting(peer, load_timeout: float) -> dict:
     """Inside the joiner: load the state; what the download reported (progress, reuse)."""
     records = []
@@ -637,6 +648,27 @@ def test_late_joiner_downloads_state_and_survives_a_donor_dying(tmp_path):
         swarm.close()
 
 
+@pytest.mark.network
+def test_a_joiner_whose_only_donor_failed_asks_it_again(tmp_path):
+    """Every donor failed (here the only one, once): the joiner asks again a few seconds later
+    (``state.LOAD_PASSES``) instead of starting from its own initial model. A fresh-clone run at
+    150 ms saw the only donor's address barred by libp2p's dial backoff for a moment, and the
+    joiner trained alone while the donor had reserved its next rounds for it."""
+    swarm = LoopbackSwarm(2, run_id="hvretry", transport_kwargs=dict(codec="fp32", state_timeout=10.0, **TIMEOUTS))
+    try:
+        swarm.start()
+        swarm.peers[0].call("call", f"{MODULE}:serve_after_one_failure", numel=1000, claim_dir=str(tmp_path),
+                            timeout=30)
+        out = swarm.peers[1].call("call", f"{MODULE}:load_state_reporting", load_timeout=60.0, timeout=90)
+        state, last = out["state"], out["last_load"]
+        assert state is not None and state["step"] == 42 and state["donor"] == 0, last
+        assert torch.equal(state["outer"][0], expected_state(1000)["outer"][0])
+        assert len(last["donors"]) == 2 and len(set(last["donors"])) == 1, last  # the same donor, twice
+        assert len(last["failures"]) == 1 and "manifest" in last["failures"][0], last
+    finally:
+        swarm.close()
+
+
 def test_round_phases_split_a_round_between_the_host_and_the_runner_marks():
     from opendiloco_stream.transport.hivemind.round_report import round_phases
 
@@ -673,6 +705,16 @@ def test_an_abandoned_round_fails_at_once_and_the_next_round_averages_correctly(
         for r in both:
             assert torch.allclose(r["average"], expected, rtol=1e-6, atol=1e-7)
         assert torch.equal(both[0]["average"], both[1]["average"])
+        # the same round with its group being formed ahead (peer 0 alone): abandoning it ends that
+        # matchmaking too. It once went on "matching now" for a whole window (5 s here): a phantom
+        # member of a round this peer had given up (fresh-clone run, a joiner's first rounds)
+        assert swarm.peers[0].call("prematch", (0, 2), timeout=60) is None
+        alone = swarm.peers[0].call("all_reduce", key=(0, 2), seed=2, numel=N, abandon_after_s=0.5, timeout=60)
+        assert alone["abandoned"] is True and alone["reason"] == "matchmaking", alone
+        deadline = time.monotonic() + 2.5  # well inside the 5 s window a phantom would match for
+        while (left := swarm.peers[0].call("call", "benchmarks.harness.loopback:matching_rounds", fragment=0, timeout=30)):
+            assert time.monotonic() < deadline, f"round {left} still matching after it was abandoned"
+            time.sleep(0.1)
     finally:
         swarm.close()
 

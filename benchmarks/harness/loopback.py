@@ -67,6 +67,11 @@ def expect(peer, fragment: int, round_index: int) -> None:
     peer.transport.expect_rounds([(fragment, round_index)])
 
 
+def matching_rounds(peer, fragment: int) -> list[int]:
+    """Inside a peer: the rounds of ``fragment`` whose group its matchmaking is forming now."""
+    return sorted(peer.transport._lanes[fragment].endpoint.matchmaker.rounds)
+
+
 def peer_id(peer) -> str:
     """Inside a peer: its peer id (the subkey of its presence announcements)."""
     return peer.transport.peer_id

@@ -199,6 +199,8 @@ class FragmentEndpoint:
             try:
                 return await asyncio.wrap_future(early)
             except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
+                if asyncio.current_task().cancelling():  # this round was cancelled (abandoned), not the early group
+                    raise
                 logger.info("%s: no group formed ahead for round %s: matching now", self.prefix, key)
         return await self.form_group(key, weight, target, window_s, awaited, open_s, hold_s, digest)
 

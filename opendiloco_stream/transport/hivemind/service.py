@@ -102,7 +102,7 @@ class AveragingService:
     # ------------------------------------------------------------------ from other threads
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         """Run ``coro`` on the loop; cancelling the returned future cancels it there."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return asyncio.run_coroutine_threadsafe(_observed(coro), self.loop)
 
     def call(self, coro: Coroutine, timeout: float) -> Any:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds)."""
@@ -153,6 +153,19 @@ class AveragingService:
 async def daemon_listen_maddr(_dht: Any, node: Any) -> Any:
     """In the DHT process (``DHT.run_coroutine``): where its p2p daemon listens for clients."""
     return node.p2p.daemon_listen_maddr
+
+
+async def _observed(coro: Coroutine) -> Any:
+    """``coro``, in a task whose outcome is always read: a caller that cancelled its future (an
+    abandoned round) no longer reads it, and an error the coroutine still ends with would be
+    reported by asyncio as "never retrieved" (the caller's side already failed the round)."""
+    asyncio.current_task().add_done_callback(_read_outcome)
+    return await coro
+
+
+def _read_outcome(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a call whose caller stopped waiting ended with %r", task.exception())
 
 
 async def _cancel_tasks() -> None:

@@ -11,7 +11,10 @@ references, and every tensor's dtype and shape), then each tensor serialized and
 The joiner tries the donors in random order (joiners spread over donors) and gives each at most
 its share of the remaining time. It checks every download against the manifest, because a donor
 that dies mid-stream just ends the stream early (hivemind's own ``load_state_from_peers`` returns
-such a truncated state as a success), and on any failure moves on to the next donor.
+such a truncated state as a success), and on any failure moves on to the next donor. When every
+donor failed, it reads the donors again and asks again, up to ``LOAD_PASSES`` times, 3, 6 and 12 s
+apart (a dial that failed once bars the address for about 5 s in libp2p, "dial backoff"); the
+failures are logged as warnings and listed in ``last_load["failures"]``.
 
 *Resuming.* The manifest lists a digest (BLAKE2b-128) of every tensor. The joiner keeps the whole
 tensors it received from a donor that failed, and asks the next donor with their digests
@@ -76,6 +79,8 @@ PROGRESS_EVERY_S = 5.0
 LANES = 8  # streams a joiner asks a donor for (see "Lanes")
 SNAPSHOT_S = 120.0  # how long a donor keeps a snapshot for the lanes after the first asked for it
 SNAPSHOTS_KEPT = 2
+LOAD_PASSES = 4  # a joiner whose every donor failed asks again, after LOAD_RETRY_S, then twice and four times that
+LOAD_RETRY_S = 3.0  # past libp2p's dial backoff (5 s after a failed dial) by the second retry
 
 
 def lane_items(manifest: dict, have: set) -> list[tuple[int, int]]:
@@ -375,8 +380,8 @@ class StateSharing:
         donor, bytes received and reused, the state's bytes and the rate, every few seconds and at the end.
         ``since``: a state loaded before (stale now): its tensors are reused where unchanged ("Refreshing")."""
         deadline = time.monotonic() + timeout
-        self.last_load = {"donors": [], "reused_tensors": 0, "reused_bytes": 0, "received_bytes": 0,
-                          "lanes": 1}
+        self.last_load = {"donors": [], "failures": [], "reused_tensors": 0, "reused_bytes": 0,
+                          "received_bytes": 0, "lanes": 1}
         held = {}
         if since is not None:
             _manifest, tensors = flatten_state(since)
@@ -426,9 +431,34 @@ class StateSharing:
                     held: dict[str, torch.Tensor]) -> Optional[dict]:
         """``held``: digest -> whole tensor this peer has (a stale state's; then every whole tensor
         received from a donor that failed)."""
-        donors = await self._donors()
-        if not donors:
-            logger.info("no state donor of the run is announced: this peer starts from its own initial model")
+        for attempt in range(LOAD_PASSES):
+            donors = await self._donors()
+            if not donors:
+                if attempt == 0:
+                    logger.info("no state donor of the run is announced: this peer starts from its own initial model")
+                else:
+                    logger.warning("no state donor of the run is announced any more: this peer starts from its own "
+                                   "initial model")
+                return None
+            state = await self._load_pass(donors, deadline, progress, held)
+            if state is not None:
+                return state
+            wait = min(LOAD_RETRY_S * 2 ** attempt, deadline - time.monotonic())
+            if attempt == LOAD_PASSES - 1 or wait <= 0:
+                break
+            # one dial that failed (a link or a daemon slow for a moment) bars that address for
+            # a few seconds in libp2p ("dial backoff"): ask again after it, not never
+            logger.warning("no donor of %d delivered the run's state (%s): asking again in %.0fs (%d whole "
+                           "tensors kept)", len(donors), self.last_load["failures"][-1], wait, len(held))
+            await asyncio.sleep(wait)
+        logger.warning("no donor delivered the run's state after %d tries (%s): this peer starts from its own "
+                       "initial model", len(self.last_load["failures"]), self.last_load["failures"][-1]
+                       if self.last_load["failures"] else "no time left")
+        return None
+
+    async def _load_pass(self, donors: list[PeerID], deadline: float, progress: Optional[Callable[[dict], None]],
+                         held: dict[str, torch.Tensor]) -> Optional[dict]:
+        """Each donor in random order, with its share of the time left, until one delivers."""
         random.shuffle(donors)
         for i, donor in enumerate(donors):
             budget = (deadline - time.monotonic()) / (len(donors) - i)
@@ -439,6 +469,7 @@ class StateSharing:
             try:
                 state = await asyncio.wait_for(self._download(donor, held, progress), budget)
             except Exception as e:  # dead, stalled, empty or truncated: try the next donor
+                self.last_load["failures"].append(f"{str(donor)[-8:]}: {e!r}"[:300])
                 logger.info("state download from %s failed after %.1fs (%d whole tensors kept for the next "
                             "donor): %r", donor, time.monotonic() - t0, len(held), e)
                 continue
