@@ -55,6 +55,24 @@ def test_a_probe_that_fails_or_finds_nobody_leaves_the_rtt_unknown():
         empty.close()
 
 
+def test_a_probe_at_prepare_counts_a_peer_met_since_the_last_probe():
+    """The schedule's next probe may be seconds away when the first rounds are sized; ``probe_now``
+    (what ``HivemindTransport.prepare`` calls) probes at once: a far peer that joined the routing
+    table after the first probe counts (a fresh-clone run: a peer beside the bootstrap probed only
+    the bootstrap at ~0 ms, and its first round at 100 ms formed no group ahead)."""
+    table = {"bootstrap": 0.001}
+    rtt = StartRtt(lambda: dict(table), measured=lambda: False, refresh_s=(600.0,))
+    try:
+        assert rtt.wait_first(10.0) == 0.001
+        table["far"] = 0.1  # met now; the schedule would probe again in 600 s
+        assert rtt.probe_now(10.0) == 0.1
+        assert rtt.peers() == {"bootstrap": 0.001, "far": 0.1}
+    finally:
+        rtt.close()
+    assert rtt.wait_stopped(10.0)
+    assert rtt.probe_now(10.0) == 0.1  # ended: what it measured, at once
+
+
 class _Far(LocalTransport):
     """A LocalSwarm worker whose swarm is ``rtt_s`` away as a start probe measures it (the injected
     RTT source: LocalSwarm measures none), recording when each group is formed ahead."""

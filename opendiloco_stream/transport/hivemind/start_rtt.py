@@ -6,8 +6,9 @@ a peer's first round of each fragment at a distance would form its group at the 
 about four round trips of matchmaking. :class:`StartRtt` fills that gap: from the transport's
 start it DHT-pings the peers in the DHT's routing table (``net/ping.py``: the initial peers and
 the run's DHT servers met so far), again after 1, 2, 4 ... 30 s (so a peer that comes later is
-measured before the rounds with it), until the rounds measure groupmates (``measured()``); the
-transport answers with that figure until then. Its worst peer (the bootstrap counts too: each
+measured before the rounds with it), and once more when the transport is prepared for its first
+rounds (:meth:`probe_now`: a peer met since the last probe counts for them), until the rounds
+measure groupmates (``measured()``); the transport answers with that figure until then. Its worst peer (the bootstrap counts too: each
 round's matchmaking reads and writes the DHT) is what it reports.
 """
 
@@ -33,6 +34,9 @@ class StartRtt:
         self._rtts: dict[str, float] = {}
         self._first = threading.Event()  # the first probe finished (answered or not)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # probe now (probe_now), not at the next time of the schedule
+        self._counts = threading.Condition()
+        self._started = self._done = 0  # probes started, probes finished
         self._thread = threading.Thread(target=self._run, name="ods-start-rtt", daemon=True)
         self._thread.start()
 
@@ -49,6 +53,18 @@ class StartRtt:
         self._first.wait(timeout)
         return self.rtt_s()
 
+    def probe_now(self, timeout: float) -> Optional[float]:
+        """Probe again at once (every peer of the routing table now, met since the last probe or
+        not) and wait up to ``timeout`` s for that probe; :meth:`rtt_s` then (at once when the
+        probing has ended: the rounds measure)."""
+        if not self._thread.is_alive():
+            return self.rtt_s()
+        with self._counts:
+            wanted = self._started + 1
+            self._wake.set()
+            self._counts.wait_for(lambda: self._done >= wanted or self._stop.is_set(), timeout)
+        return self.rtt_s()
+
     def wait_stopped(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the probing to end (the rounds measured, or closed); whether it did."""
         self._thread.join(timeout)
@@ -57,15 +73,25 @@ class StartRtt:
     def _run(self) -> None:
         i = 0
         while not self._stop.is_set():
+            with self._counts:
+                self._started += 1
+                self._wake.clear()
             try:
                 self._rtts.update(self.probe())
             except Exception as e:  # a probe is a hint: the rounds measure anyway
                 logger.debug("start RTT probe failed: %r", e)
+            with self._counts:
+                self._done += 1
+                self._counts.notify_all()
             self._first.set()
-            if self._stop.wait(self.refresh_s[min(i, len(self.refresh_s) - 1)]) or self.measured():
+            self._wake.wait(self.refresh_s[min(i, len(self.refresh_s) - 1)])
+            if self._stop.is_set() or self.measured():
                 return
             i += 1
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._first.set()
+        with self._counts:
+            self._counts.notify_all()

@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
 START_PING_TIMEOUT_S = 3.0  # one probe of the swarm's RTTs (start_rtt.py): 3 pings each at up to ~1 s RTT
-START_WAIT_S = 3.0  # prepare() waits this long at most for the first probe (the first rounds are sized from it)
+START_WAIT_S = 3.0  # prepare() waits this long at most for a fresh probe (the first rounds are sized from it)
 
 
 def _check_weight(weight: float) -> None:
@@ -180,7 +180,8 @@ class HivemindTransport(Transport):
         self._lanes = {p: _Lane(p, endpoint, endpoint.timeouts, self._presence, self.target_group_size)
                        for p, endpoint in endpoints.items()}
         self._numels = numels
-        self._start_rtt.wait_first(START_WAIT_S)  # the first rounds' lead ("auto") is sized from it
+        # the first rounds' lead ("auto") is sized from it: a probe now counts the peers met since the last
+        self._start_rtt.probe_now(START_WAIT_S)
 
     def service(self) -> AveragingService:
         """This peer's averaging service (started on first use)."""
