@@ -37,7 +37,10 @@ def peer_row(recs: list[dict[str, Any]]) -> dict[str, Any]:
     joins = [r for r in recs if r.get("event") in ("joined", "join_stale")]
     downloads = [r for r in recs if r.get("event") == "state_download" and r.get("done")]
     return {"rounds": len(syncs), "averaged": sum(1 for r in syncs if r.get("ok") and r.get("group_size", 0) >= 2),
-            "failed": reasons, "wait_s_median": statistics.median(waits) if waits else None,
+            "failed": reasons,
+            "failures_at": [f"{r.get('fragment')}/{r.get('round')} at step {r.get('step')}: {r.get('reason')}: "
+                              f"{str(r.get('message', ''))[:160]}" for r in syncs if not r.get("ok")],
+            "wait_s_median": statistics.median(waits) if waits else None,
             "rtt_ms_median": statistics.median(rtts) if rtts else None,
             "phases_s_median": {k: round(statistics.median(v), 3) for k, v in phases.items()},
             "steps_trained": len(steps), "compute_utilization": summary.get("compute_utilization"),
