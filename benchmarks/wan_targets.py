@@ -4,6 +4,7 @@ and the user-space WAN emulator of ``benchmarks/harness/netns.py``).
 
     python -m benchmarks.wan_targets --rtt-ms 300 --loss 0.01 --modes blocking eager --out runs/wan-300.json
     python -m benchmarks.wan_targets --rtt-ms 150 --late-s 5 --modes eager      # the second peer 5 s late
+    python -m benchmarks.wan_targets --rtt-ms 300 --loss 0.01 --late-s 1 --late-from first-step --modes eager
 
 The bootstrap and peer 0 sit in region ``a``, peer 1 in region ``b`` (``--rtt-ms`` apart, ``--loss``
 on that link each way); both run ``peer --codec fp4-e3m0 --fragments 2 --inner-steps 10 --steps 60
@@ -23,7 +24,7 @@ from typing import Optional
 
 from benchmarks.harness import netns
 from benchmarks.harness.results import write_result
-from benchmarks.harness.wan_pair import run_once
+from benchmarks.harness.wan_pair import LATE_FROM, run_once
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -31,6 +32,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--loss", type=float, default=0.0)
     ap.add_argument("--modes", nargs="+", default=["blocking", "eager"])
     ap.add_argument("--late-s", type=float, default=0.0)
+    ap.add_argument("--late-from", choices=sorted(LATE_FROM), default="start",
+                    help="what --late-s counts from: peer 0's start, its first training step or its first landed round")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--keep-window", action="store_true",
@@ -53,14 +56,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                 res = run_once(Path(args.workdir) / f"{rtt:g}-{mode}-{i}", rtt, args.loss, mode, args.late_s,
                                args.code, args.timeout, args.steps, args.keep_window,
                                (("--prematch-steps", str(args.prematch_steps)) if args.prematch_steps else ())
-                               + (("--wait-for-peers", "2") if args.wait_for_peers else ()))
+                               + (("--wait-for-peers", "2") if args.wait_for_peers else ()), args.late_from)
                 results.append(res)
                 line = "; ".join(f"peer {j}: {p['averaged']}/{p['rounds']} averaged, failed {p['failed']}, "
                                  f"wait {p['wait_s_median']}, steps {p['steps_trained']}, join {p['join']}"
                                  for j, p in enumerate(res["peers"]))
                 d = res["outer_digests"]
                 line += f"; theta_bar equal from the first averaged round: {d['equal']} ({d['compared']} compared)"
-                print(f"RTT {rtt:g} ms loss {args.loss:g} {mode} late {args.late_s:g}s: {line}"
+                print(f"RTT {rtt:g} ms loss {args.loss:g} {mode} late {args.late_s:g}s from {args.late_from}: {line}"
                       + (f" ERROR {res['error'][-200:]}" if res["error"] else ""), flush=True)
     if args.out:
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "workdir")}
