@@ -194,22 +194,18 @@ class FragmentEndpoint:
                         open_s: Optional[float] = None, hold_s: Optional[float] = None,
                         digest: Optional[OuterDigest] = None) -> Group:
         """Round ``key``'s group: the one ``early`` formed ahead (a :meth:`form_group` submitted
-        before the round) if it did, else one formed now (:meth:`form_group`) within what is left
-        of ``window_s`` since the round began: the time it waited for the group formed ahead
-        counts (a lone peer at 300 ms once matched 11 s ahead, then a whole window again)."""
-        t0 = asyncio.get_event_loop().time()
+        before the round) if it did, else one formed now (:meth:`form_group`) within a whole window:
+        the others' groups formed ahead may have matched at other times than ours (a donor's
+        before its joiner existed), and they reach this round at its launch as we do. (Matching
+        only for what was left of the window since the launch failed a joiner's two last rounds
+        at 300 ms, both peers "found none", 2026-11-29.)"""
         if early is not None:
             try:
                 return await asyncio.wrap_future(early)
             except (MatchmakingFailed, asyncio.CancelledError, concurrent.futures.CancelledError):
                 if asyncio.current_task().cancelling():  # this round was cancelled (abandoned), not the early group
                     raise
-                window_s -= asyncio.get_event_loop().time() - t0
-                if window_s <= 0:
-                    raise MatchmakingFailed(f"{self.prefix}: round {key[1]}: no group formed (the group formed "
-                                            f"ahead found none within the round's window)") from None
-                logger.info("%s: no group formed ahead for round %s: matching now (%.1fs left)", self.prefix, key,
-                            window_s)
+                logger.info("%s: no group formed ahead for round %s: matching now", self.prefix, key)
         return await self.form_group(key, weight, target, window_s, awaited, open_s, hold_s, digest)
 
     def refresh_timeouts(self) -> RoundTimeouts:
