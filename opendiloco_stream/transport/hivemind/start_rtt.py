@@ -32,11 +32,10 @@ class StartRtt:
                  refresh_s: tuple[float, ...] = REFRESH_S):
         self.probe, self.measured, self.refresh_s = probe, measured, refresh_s
         self._rtts: dict[str, float] = {}
-        self._first = threading.Event()  # the first probe finished (answered or not)
         self._stop = threading.Event()
         self._wake = threading.Event()  # probe now (probe_now), not at the next time of the schedule
         self._counts = threading.Condition()
-        self._started = self._done = 0  # probes started, probes finished
+        self._started = self._done = 0  # probes started, probes finished (answered or not)
         self._thread = threading.Thread(target=self._run, name="ods-start-rtt", daemon=True)
         self._thread.start()
 
@@ -50,7 +49,7 @@ class StartRtt:
 
     def wait_first(self, timeout: float) -> Optional[float]:
         """Wait up to ``timeout`` s for the first probe; :meth:`rtt_s` then."""
-        self._first.wait(timeout)
+        self._wait_done(1, timeout)
         return self.rtt_s()
 
     def probe_now(self, timeout: float) -> Optional[float]:
@@ -62,8 +61,13 @@ class StartRtt:
         with self._counts:
             wanted = self._started + 1
             self._wake.set()
-            self._counts.wait_for(lambda: self._done >= wanted or self._stop.is_set(), timeout)
+        self._wait_done(wanted, timeout)
         return self.rtt_s()
+
+    def _wait_done(self, probes: int, timeout: float) -> None:
+        """Wait up to ``timeout`` s until ``probes`` probes finished (or the probing stopped)."""
+        with self._counts:
+            self._counts.wait_for(lambda: self._done >= probes or self._stop.is_set(), timeout)
 
     def wait_stopped(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the probing to end (the rounds measured, or closed); whether it did."""
@@ -83,7 +87,6 @@ class StartRtt:
             with self._counts:
                 self._done += 1
                 self._counts.notify_all()
-            self._first.set()
             self._wake.wait(self.refresh_s[min(i, len(self.refresh_s) - 1)])
             if self._stop.is_set() or self.measured():
                 return
@@ -92,6 +95,5 @@ class StartRtt:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._first.set()
         with self._counts:
             self._counts.notify_all()
